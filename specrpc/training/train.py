@@ -1,0 +1,314 @@
+"""Train the default target and draft from scratch: `python -m specrpc.training.train` (what `make models` runs).
+
+Phases, each resumable: tokenizer → encoded corpus → joint training (target on next-token loss, draft distilled
+from the target's current distributions) → draft-only distillation from the final target → export as Hugging Face
+directories in bfloat16, sharded at 16 MiB. Work files live in `--work-dir` (git-ignored); a checkpoint is written
+every `--checkpoint-every` steps and the run resumes from it when restarted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from tqdm import tqdm
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specrpc.training.corpus import SourceFile, iter_sources, split_sources
+from specrpc.training.tokenizer import (
+    EOT,
+    FILE_SEP,
+    FIM_MIDDLE,
+    FIM_PREFIX,
+    FIM_SUFFIX,
+    train_tokenizer,
+)
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Llama dimensions."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """Everything that decides the result of a training run."""
+
+    target: ModelShape
+    draft: ModelShape
+    vocab_size: int = 8192
+    seq_len: int = 256
+    batch: int = 16
+    joint_steps: int = 1500
+    draft_steps: int = 300
+    lr_target: float = 1.5e-3
+    lr_draft: float = 2e-3
+    warmup: int = 100
+    fim_rate: float = 0.5
+    seed: int = 1234
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+
+
+PLANS: dict[str, TrainPlan] = {
+    "cpu": TrainPlan(
+        target=ModelShape(hidden=384, layers=8, heads=6, kv_heads=2, ffn=1152),
+        draft=ModelShape(hidden=192, layers=2, heads=3, kv_heads=1, ffn=512),
+    ),
+    "gpu": TrainPlan(
+        target=ModelShape(hidden=640, layers=10, heads=10, kv_heads=2, ffn=1792),
+        draft=ModelShape(hidden=256, layers=2, heads=4, kv_heads=1, ffn=704),
+        batch=64,
+        seq_len=512,
+        joint_steps=6000,
+        draft_steps=1500,
+        lr_target=1e-3,
+    ),
+    "smoke": TrainPlan(
+        target=ModelShape(hidden=64, layers=2, heads=2, kv_heads=1, ffn=128),
+        draft=ModelShape(hidden=32, layers=1, heads=1, kv_heads=1, ffn=64),
+        batch=2, seq_len=64, joint_steps=4, draft_steps=2, warmup=1,
+    ),
+}
+
+
+def llama_config(shape: ModelShape, plan: TrainPlan, special: dict[str, int]) -> LlamaConfig:
+    """A LlamaConfig for one of the pair."""
+    return LlamaConfig(
+        vocab_size=plan.vocab_size,
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.ffn,
+        max_position_embeddings=plan.max_position_embeddings,
+        rope_theta=plan.rope_theta,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=special[EOT],
+        eos_token_id=special[EOT],
+        pad_token_id=special[EOT],
+        attn_implementation="sdpa",
+    )
+
+
+def encode_sources(tok: Tokenizer, files: list[SourceFile], special: dict[str, int]) -> np.ndarray:
+    """Concatenate `<|file_sep|>path\\n text <|endoftext|>` for every file into one uint16 token stream."""
+    texts = [f"{f.relpath}\n{f.text}" for f in files]
+    out: list[int] = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        out.append(special[FILE_SEP])
+        out.extend(enc.ids)
+        out.append(special[EOT])
+    return np.asarray(out, dtype=np.uint16)
+
+
+def fim_permute(window: np.ndarray, rng: np.random.Generator, special: dict[str, int]) -> np.ndarray:
+    """Prefix-suffix-middle: [PRE] a [SUF] c [MID] b [EOT] for window a+b+c, same total length as the input."""
+    body = window[: len(window) - 4]  # [L-4]
+    i, j = sorted(rng.integers(0, len(body) + 1, size=2))
+    return np.concatenate(
+        [
+            [special[FIM_PREFIX]], body[:i],
+            [special[FIM_SUFFIX]], body[j:],
+            [special[FIM_MIDDLE]], body[i:j],
+            [special[EOT]],
+        ]
+    ).astype(np.int64)
+
+
+def sample_batch(
+    data: np.ndarray, plan: TrainPlan, step: int, special: dict[str, int], fim: bool = True
+) -> torch.Tensor:
+    """A deterministic batch for `step` (resume-safe: no RNG state to save). Returns [B, L+1] int64."""
+    rng = np.random.default_rng([plan.seed, step])
+    starts = rng.integers(0, len(data) - plan.seq_len - 2, size=plan.batch)
+    rows = []
+    for s in starts:
+        w = data[s : s + plan.seq_len + 1].astype(np.int64)  # [L+1]
+        if fim and rng.random() < plan.fim_rate:
+            w = fim_permute(w, rng, special)
+        rows.append(w)
+    return torch.from_numpy(np.stack(rows))
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up then cosine decay to 10 % of peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the draft against the target's distribution (= KL up to a constant)."""
+    t = F.softmax(target_logits.float(), dim=-1)  # [B, L, V]
+    return -(t * F.log_softmax(draft_logits.float(), dim=-1)).sum(-1).mean()
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def save_checkpoint(path: Path, state: dict[str, object]) -> None:
+    """Atomic write: a crash mid-save never leaves a broken checkpoint."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def export(model: LlamaForCausalLM, tokenizer_dir: Path, out_dir: Path, special: dict[str, int]) -> None:
+    """Save as a Hugging Face directory: bf16 safetensors in 16 MiB shards, tokenizer, generation config."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        bos_token_id=special[EOT], eos_token_id=special[EOT], pad_token_id=special[EOT]
+    )
+    model.save_pretrained(str(out_dir), max_shard_size=16 * 1024 * 1024)
+    PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out_dir))
+    model.to(torch.float32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", type=Path, default=Path(".cache/models"), help="checkpoints and data")
+    parser.add_argument("--out-dir", type=Path, default=ASSETS, help="where the target/ and draft/ folders go")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    parser.add_argument("--plan", default="auto", choices=["auto", *PLANS], help="model sizes and step counts")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    parser.add_argument("--joint-steps", type=int, default=0, help="override the plan's joint steps (0: keep)")
+    parser.add_argument("--draft-steps", type=int, default=0, help="override the plan's draft-only steps (0: keep)")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    plan = PLANS[args.plan if args.plan != "auto" else ("gpu" if device.type == "cuda" else "cpu")]
+    plan = replace(plan, joint_steps=args.joint_steps or plan.joint_steps, draft_steps=args.draft_steps or plan.draft_steps)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work: Path = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "plan.json").write_text(json.dumps(asdict(plan), indent=2))
+
+    tok_dir = work / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        train_files, _ = split_sources(iter_sources())
+        print(f"training tokenizer on {len(train_files)} files", flush=True)
+        train_tokenizer((f.text for f in train_files), plan.vocab_size, tok_dir)
+    raw_tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    special = {t: raw_tok.token_to_id(t) for t in (EOT, FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, FILE_SEP)}
+
+    train_path, heldout_path = work / "train.npy", work / "heldout.npy"
+    if not train_path.exists():
+        train_files, heldout_files = split_sources(iter_sources())
+        np.save(heldout_path, encode_sources(raw_tok, heldout_files, special))
+        np.save(train_path, encode_sources(raw_tok, train_files, special))
+    data = np.load(train_path)
+    print(f"corpus: {len(data):,} training tokens", flush=True)
+
+    torch.manual_seed(plan.seed)
+    target = LlamaForCausalLM(llama_config(plan.target, plan, special)).to(device)
+    draft = LlamaForCausalLM(llama_config(plan.draft, plan, special)).to(device)
+    opt_t, opt_d = make_optimizer(target, plan.lr_target), make_optimizer(draft, plan.lr_draft)
+    step, elapsed, tokens_seen = 0, 0.0, 0
+    ckpt_path = work / "checkpoint.pt"
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=device, weights_only=False)
+        target.load_state_dict(state["target"])
+        draft.load_state_dict(state["draft"])
+        opt_t.load_state_dict(state["opt_target"])
+        opt_d.load_state_dict(state["opt_draft"])
+        step, elapsed, tokens_seen = state["step"], state["elapsed_s"], state["tokens_seen"]
+        print(f"resumed at step {step}", flush=True)
+
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    total = plan.joint_steps + plan.draft_steps
+    log = (work / "train_log.jsonl").open("a")
+    bar = tqdm(total=total, initial=step, desc="train", dynamic_ncols=True)
+    while step < total:
+        t0 = time.time()
+        batch = sample_batch(data, plan, step, special).to(device)  # [B, L+1]
+        x, y = batch[:, :-1], batch[:, 1:]
+        joint = step < plan.joint_steps
+        record: dict[str, float] = {"step": step}
+        if joint:
+            target.train()
+            for g in opt_t.param_groups:
+                g["lr"] = lr_at(step, plan.joint_steps, plan.lr_target, plan.warmup)
+            with amp:
+                t_logits = target(input_ids=x).logits  # [B, L, V]
+            loss_t = F.cross_entropy(t_logits.float().flatten(0, 1), y.flatten())
+            loss_t.backward()
+            torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
+            opt_t.step()
+            opt_t.zero_grad(set_to_none=True)
+            teacher = t_logits.detach()
+            record["target_loss"] = loss_t.item()
+            d_lr = lr_at(step, plan.joint_steps, plan.lr_draft, plan.warmup)
+        else:
+            target.eval()
+            with torch.no_grad(), amp:
+                teacher = target(input_ids=x).logits  # [B, L, V]
+            d_lr = lr_at(step - plan.joint_steps, plan.draft_steps, plan.lr_draft * 0.3, 10)
+        for g in opt_d.param_groups:
+            g["lr"] = d_lr
+        with amp:
+            d_logits = draft(input_ids=x).logits  # [B, L, V]
+        loss_d = distill_loss(d_logits, teacher)
+        loss_d.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt_d.step()
+        opt_d.zero_grad(set_to_none=True)
+        record["draft_loss"] = loss_d.item()
+        step += 1
+        tokens_seen += x.numel()
+        elapsed += time.time() - t0
+        bar.update(1)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in record.items() if k != "step"})
+        log.write(json.dumps(record) + "\n")
+        if step % args.checkpoint_every == 0 or step == total:
+            log.flush()
+            save_checkpoint(ckpt_path, {
+                "step": step, "elapsed_s": elapsed, "tokens_seen": tokens_seen,
+                "target": target.state_dict(), "draft": draft.state_dict(),
+                "opt_target": opt_t.state_dict(), "opt_draft": opt_d.state_dict(),
+            })
+    bar.close()
+
+    export(target.cpu(), tok_dir, args.out_dir / "target", special)
+    export(draft.cpu(), tok_dir, args.out_dir / "draft", special)
+    (args.out_dir / "training.json").write_text(json.dumps({
+        "plan": asdict(plan), "device": str(device), "threads": torch.get_num_threads(),
+        "training_seconds": round(elapsed), "tokens_seen_target": plan.joint_steps * plan.batch * plan.seq_len,
+        "tokens_seen_draft": tokens_seen, "corpus_train_tokens": int(len(data)),
+    }, indent=2))
+    print(f"exported to {args.out_dir} after {elapsed / 60:.1f} min of training", flush=True)
+
+
+if __name__ == "__main__":
+    main()
