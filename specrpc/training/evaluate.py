@@ -1,0 +1,183 @@
+"""Measure the shipped pair and write its model card: `python -m specrpc.training.evaluate` (run by `make models`).
+
+Figures (teacher-forced over held-out text, windows of `--window` tokens):
+- bits per byte = total negative log-likelihood in bits ÷ UTF-8 bytes of the predicted tokens (tokenizer-independent);
+- greedy agreement = fraction of positions where the draft's argmax equals the target's;
+- acceptance at temperature 1 = mean over positions of Σ_x min(p(x), q(x)), the exact probability that speculative
+  sampling accepts a draft token there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from specrpc.training.corpus import SourceFile, is_heldout, iter_sources, stdlib_root
+from specrpc.training.train import ASSETS
+
+THIRD_PARTY_PACKAGE = "pip"
+
+
+def third_party_sources(limit_files: int = 60) -> list[SourceFile]:
+    """Held-out code that is not the standard library: the `pip` package's own sources."""
+    import pip
+
+    root = Path(pip.__file__).parent
+    files = iter_sources(root)
+    return files[:: max(1, len(files) // limit_files)][:limit_files]
+
+
+def token_stream(tok: PreTrainedTokenizerBase, files: list[SourceFile], max_tokens: int) -> list[int]:
+    """Files joined as in training (`<|file_sep|>path\\n text <|endoftext|>`), cut at max_tokens."""
+    sep = tok.convert_tokens_to_ids("<|file_sep|>")
+    ids: list[int] = []
+    for f in files:
+        ids += [sep, *tok(f"{f.relpath}\n{f.text}", add_special_tokens=False).input_ids, tok.eos_token_id]
+        if len(ids) >= max_tokens:
+            break
+    return ids[:max_tokens]
+
+
+@torch.inference_mode()
+def measure(target: torch.nn.Module, draft: torch.nn.Module, tok: PreTrainedTokenizerBase, ids: list[int],
+            window: int) -> dict[str, float]:
+    """bpb of both models, greedy agreement and T=1 acceptance over non-overlapping windows."""
+    byte_len = np.array([len(tok.convert_tokens_to_string([t]).encode("utf-8")) if t not in tok.all_special_tokens
+                         else 0 for t in tok.convert_ids_to_tokens(list(range(len(tok))))])
+    nll_t = nll_d = 0.0
+    nbytes = 0
+    agree = accept = 0.0
+    count = 0
+    for lo in range(0, len(ids) - 1, window):
+        chunk = torch.tensor(ids[lo : lo + window + 1]).unsqueeze(0)  # [1, W+1]
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        lt = target(input_ids=x).logits.float()[0]  # [W, V]
+        ld = draft(input_ids=x).logits.float()[0]  # [W, V]
+        nll_t += F.cross_entropy(lt, y[0], reduction="sum").item()
+        nll_d += F.cross_entropy(ld, y[0], reduction="sum").item()
+        nbytes += int(byte_len[y[0].numpy()].sum())
+        agree += (lt.argmax(-1) == ld.argmax(-1)).sum().item()
+        accept += torch.minimum(lt.softmax(-1), ld.softmax(-1)).sum(-1).sum().item()
+        count += y.shape[1]
+    ln2 = float(np.log(2))
+    return {
+        "tokens": count,
+        "bytes": nbytes,
+        "target_bits_per_byte": nll_t / ln2 / nbytes,
+        "draft_bits_per_byte": nll_d / ln2 / nbytes,
+        "target_loss_nats_per_token": nll_t / count,
+        "greedy_agreement": agree / count,
+        "acceptance_t1": accept / count,
+    }
+
+
+def sample_completion(model: torch.nn.Module, tok: PreTrainedTokenizerBase, prompt: str, n: int = 48) -> str:
+    """Greedy continuation, for the card."""
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    return str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+
+def params(model: torch.nn.Module) -> int:
+    """Parameter count (tied embeddings counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--assets", type=Path, default=ASSETS)
+    parser.add_argument("--max-tokens", type=int, default=120_000, help="held-out tokens per evaluation set")
+    parser.add_argument("--window", type=int, default=512)
+    args = parser.parse_args()
+    tdir, ddir = args.assets / "target", args.assets / "draft"
+    tok = AutoTokenizer.from_pretrained(tdir, local_files_only=True)
+    target = AutoModelForCausalLM.from_pretrained(tdir, local_files_only=True, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(ddir, local_files_only=True, dtype=torch.float32).eval()
+    heldout = [f for f in iter_sources() if is_heldout(f.relpath)]
+    results = {
+        "stdlib_heldout": measure(target, draft, tok, token_stream(tok, heldout, args.max_tokens), args.window),
+        "third_party_pip": measure(target, draft, tok, token_stream(tok, third_party_sources(), args.max_tokens),
+                                   args.window),
+    }
+    training = json.loads((args.assets / "training.json").read_text())
+    sample = sample_completion(target, tok, "def fibonacci(n):")
+    weight_bytes = sum(p.stat().st_size for d in (tdir, ddir) for p in d.glob("*.safetensors"))
+    card = {
+        "results": results, "training": training, "target_parameters": params(target),
+        "draft_parameters": params(draft), "weight_bytes_on_disk": weight_bytes, "sample": sample,
+        "python": platform.python_version(), "stdlib_root": str(stdlib_root()), "heldout_files": len(heldout),
+    }
+    (args.assets / "model_card.json").write_text(json.dumps(card, indent=2))
+    (args.assets / "MODEL_CARD.md").write_text(render(card))
+    print(json.dumps(results, indent=2))
+
+
+def render(card: dict[str, object]) -> str:
+    """The Markdown model card."""
+    r = card["results"]
+    t = card["training"]
+    assert isinstance(r, dict) and isinstance(t, dict)
+    plan = t["plan"]
+    rows = "\n".join(
+        f"| {name} | {v['tokens']:,} | {v['target_bits_per_byte']:.3f} | {v['draft_bits_per_byte']:.3f} | "
+        f"{v['greedy_agreement']:.3f} | {v['acceptance_t1']:.3f} |"
+        for name, v in r.items()
+    )
+    return f"""# specrpc default models: model card
+
+A byte-level BPE tokenizer ({plan['vocab_size']} tokens, with `<|endoftext|>`, `<|fim_prefix|>`, `<|fim_suffix|>`,
+`<|fim_middle|>` and `<|file_sep|>`), a Llama-architecture **target** and a Llama-architecture **draft** sharing it.
+The embedded default of `specrpc serve` and the fixture of its tests; not a general-purpose model.
+
+## Corpus
+Only the Python standard library sources of the interpreter that ran the training (Python {card['python']},
+`{card['stdlib_root']}`): every `*.py` file outside `site-packages`/`dist-packages`, at most 400 kB, valid UTF-8.
+Held out: files whose SHA-1 of the relative path is divisible by 40 ({card['heldout_files']} files); see
+`specrpc/training/corpus.py`. Third-party code (the `pip` package) is evaluated too and was never trained on.
+Each file is one document: `<|file_sep|>path\\n` + text + `<|endoftext|>`; training windows of {plan['seq_len']}
+tokens are drawn at random, and {plan['fim_rate']:.0%} of them are rearranged prefix-suffix-middle for infilling.
+
+## Models
+| | layers | hidden | heads (kv) | ffn | parameters |
+| --- | --- | --- | --- | --- | --- |
+| target | {plan['target']['layers']} | {plan['target']['hidden']} | {plan['target']['heads']} ({plan['target']['kv_heads']}) | {plan['target']['ffn']} | {card['target_parameters']:,} |
+| draft | {plan['draft']['layers']} | {plan['draft']['hidden']} | {plan['draft']['heads']} ({plan['draft']['kv_heads']}) | {plan['draft']['ffn']} | {card['draft_parameters']:,} |
+
+Weights are bfloat16 safetensors ({card['weight_bytes_on_disk'] / 2**20:.1f} MiB for both), tied embeddings.
+
+## Training
+Target: next-token cross-entropy, AdamW, cosine schedule, {t['tokens_seen_target']:,} tokens
+({plan['joint_steps']} steps × {plan['batch']} × {plan['seq_len']}). Draft: distilled from the target (cross-entropy
+against the target's full distribution), jointly during the target's training and then for {plan['draft_steps']}
+steps against the final target; {t['tokens_seen_draft']:,} tokens. Wall time {t['training_seconds'] / 60:.0f} min on
+{t['device']} with {t['threads']} threads (the machine was shared with other work while this run trained).
+
+## Results
+Held-out, teacher-forced, windows of 512 tokens (`python -m specrpc.training.evaluate`):
+
+| set | tokens | target bits/byte | draft bits/byte | greedy agreement | acceptance at T=1 |
+| --- | --- | --- | --- | --- | --- |
+{rows}
+
+Greedy completion of `def fibonacci(n):` by the target:
+```python
+def fibonacci(n):{card['sample']}
+```
+
+## Reproduce
+`make models` (= `python -m specrpc.training.train` then `python -m specrpc.training.evaluate`): trains from
+scratch with progress bars, checkpoints every 50 steps to `.cache/models/` and resumes from there when restarted.
+On a CUDA machine the same command trains the larger `gpu` plan.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
