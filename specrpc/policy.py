@@ -1,0 +1,132 @@
+"""How many tokens to draft: maximise the expected speed-up S(k) = E(α, k) / (k·c + V(k)), switch off at S ≤ 1.
+
+α (acceptance per draft token) is estimated per session from decayed counts; c (one draft step ÷ one target step)
+and V(k) (verifying k+1 tokens ÷ one target step) start from the device calibration and are refined online from
+measured step times. While speculation is off, a probe every `probe_every` steps re-measures α so that a session
+whose text became predictable comes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E = (1 − α^(k+1)) / (1 − α): tokens committed per verify step with k drafts (k + 1 at α = 1)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class CostModel:
+    """Step costs relative to one single-token target forward, as EMAs of measured times (seconds)."""
+
+    target_step_s: float = 1e-3
+    draft_step_s: float = 1e-4
+    verify_s: dict[int, float] = field(default_factory=dict)
+    decay: float = 0.9
+
+    def _ema(self, old: float, new: float) -> float:
+        return self.decay * old + (1.0 - self.decay) * new
+
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        """A target forward over `tokens` positions (1 = plain decode, k+1 = verify) took `seconds`."""
+        if tokens == 1:
+            self.target_step_s = self._ema(self.target_step_s, seconds)
+        old = self.verify_s.get(tokens)
+        self.verify_s[tokens] = seconds if old is None else self._ema(old, seconds)
+
+    def observe_draft(self, seconds_per_token: float) -> None:
+        """One draft decode step took `seconds_per_token`."""
+        self.draft_step_s = self._ema(self.draft_step_s, seconds_per_token)
+
+    @property
+    def c(self) -> float:
+        """Draft step cost ÷ target step cost."""
+        return self.draft_step_s / self.target_step_s
+
+    def v(self, k: int) -> float:
+        """Verify cost of k+1 positions ÷ target step cost (interpolated when not yet measured)."""
+        if k + 1 in self.verify_s:
+            return self.verify_s[k + 1] / self.target_step_s
+        known = sorted(self.verify_s)
+        if not known:
+            return 1.0
+        below = max((n for n in known if n <= k + 1), default=known[0])
+        above = min((n for n in known if n >= k + 1), default=known[-1])
+        if below == above:
+            per_extra = (self.verify_s[below] / self.target_step_s - 1.0) / max(1, below - 1)
+            return 1.0 + per_extra * k
+        w = (k + 1 - below) / (above - below)
+        return ((1 - w) * self.verify_s[below] + w * self.verify_s[above]) / self.target_step_s
+
+    def copy(self) -> CostModel:
+        """An independent copy (per-session refinement of the shared calibration)."""
+        return CostModel(self.target_step_s, self.draft_step_s, dict(self.verify_s), self.decay)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Decayed counts of accepted and rejected draft tokens: α = accepted / trials."""
+
+    accepted: float = 3.0
+    trials: float = 4.0
+    decay: float = 0.95
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Drafts are tested in order until the first rejection: `accepted` successes, one failure if any left."""
+        if proposed == 0:
+            return
+        trials = accepted + (1 if accepted < proposed else 0)
+        self.accepted = self.decay * self.accepted + accepted
+        self.trials = self.decay * self.trials + trials
+
+    @property
+    def alpha(self) -> float:
+        """Current estimate, clamped below 1 so E stays finite-looking."""
+        return min(0.999, self.accepted / max(self.trials, 1e-9))
+
+
+@dataclass
+class AdaptivePolicy:
+    """Per-session choice of k: argmax over k of S(k); 0 while S ≤ `min_speedup`; periodic probes when off."""
+
+    max_k: int
+    costs: CostModel
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    min_speedup: float = 1.05
+    probe_every: int = 16
+    probe_k: int = 2
+    _steps_off: int = 0
+    last_k: int = 0
+
+    def speedup(self, k: int, alpha: float | None = None) -> float:
+        """Expected speed-up over target-only decoding with k drafts."""
+        a = self.acceptance.alpha if alpha is None else alpha
+        if k == 0:
+            return 1.0
+        return expected_tokens(a, k) / (k * self.costs.c + self.costs.v(k))
+
+    def choose(self, load: int = 1) -> int:
+        """k for the next step. `load` = streams sharing the device: steps are interleaved, not batched, so each
+        stream's S is unchanged by load; only the probe rate drops (probes cost every stream)."""
+        if self.max_k == 0:
+            self.last_k = 0
+            return 0
+        best_k = max(range(self.max_k + 1), key=self.speedup)
+        if self.speedup(best_k) <= self.min_speedup:
+            self._steps_off += 1
+            if self._steps_off >= self.probe_every * max(1, load):
+                self._steps_off = 0
+                self.last_k = min(self.probe_k, self.max_k)
+                return self.last_k
+            self.last_k = 0
+            return 0
+        self._steps_off = 0
+        self.last_k = best_k
+        return best_k
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Record a verify step's outcome."""
+        self.acceptance.observe(proposed, accepted)

@@ -1,0 +1,60 @@
+"""The adaptive k policy: expected tokens, speed-up, switch-off at break-even, probing back."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrpc.policy import AcceptanceEstimate, AdaptivePolicy, CostModel, expected_tokens
+
+
+def costs(c: float, v_per_token: float, max_k: int = 8) -> CostModel:
+    model = CostModel(target_step_s=1.0, draft_step_s=c)
+    for width in range(1, max_k + 2):
+        model.verify_s[width] = 1.0 + v_per_token * (width - 1)
+    return model
+
+
+def test_expected_tokens_matches_closed_form() -> None:
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0)
+    assert expected_tokens(0.8, 4) == pytest.approx(sum(0.8**i for i in range(5)))
+
+
+def test_high_acceptance_cheap_draft_speculates_deeply() -> None:
+    policy = AdaptivePolicy(max_k=8, costs=costs(c=0.05, v_per_token=0.02),
+                            acceptance=AcceptanceEstimate(accepted=95, trials=100))
+    k = policy.choose()
+    assert k >= 5
+    assert policy.speedup(k) > 2.5
+
+
+def test_low_acceptance_switches_off_and_probes_back() -> None:
+    policy = AdaptivePolicy(max_k=8, costs=costs(c=0.3, v_per_token=0.1), probe_every=4,
+                            acceptance=AcceptanceEstimate(accepted=2, trials=10))
+    choices = [policy.choose() for _ in range(8)]
+    assert choices.count(0) == 6
+    assert [k for k in choices if k] == [policy.probe_k, policy.probe_k]
+
+
+def test_break_even_is_exact() -> None:
+    """k = 1 with c = 0.5, V = 1: S = (1 + α) / 1.5 > 1 iff α > 0.5."""
+    model = costs(c=0.5, v_per_token=0.0, max_k=1)
+    below = AdaptivePolicy(max_k=1, costs=model, min_speedup=1.0, acceptance=AcceptanceEstimate(49, 100))
+    above = AdaptivePolicy(max_k=1, costs=model, min_speedup=1.0, acceptance=AcceptanceEstimate(60, 100))
+    assert below.choose() == 0
+    assert above.choose() == 1
+
+
+def test_acceptance_counts_first_rejection_only() -> None:
+    est = AcceptanceEstimate(accepted=0.0, trials=0.0, decay=1.0)
+    est.observe(proposed=4, accepted=2)  # 2 successes, 1 failure; the 4th draft was never tested
+    est.observe(proposed=3, accepted=3)  # 3 successes
+    assert est.alpha == pytest.approx(5 / 6)
+
+
+def test_cost_model_interpolates_unmeasured_widths() -> None:
+    model = CostModel(target_step_s=1.0)
+    model.observe_target(1, 1.0)
+    model.observe_target(5, 2.0)
+    assert model.v(2) == pytest.approx(1.5)
+    assert model.v(4) == pytest.approx(2.0)
