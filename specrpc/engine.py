@@ -1,0 +1,327 @@
+"""The speculative decoding loop: prefill → propose → score k+1 positions in one target forward → verify → commit.
+
+The engine knows nothing of gRPC or asyncio. A `Generation` is a step-wise generator: the scheduler calls `step()`
+until `finished`, and may simply stop calling it (cancellation between steps). KV invariant per slot: each model's
+cache holds a prefix of `Slot.tokens`; the target holds all committed tokens but the last (whose logits the next step
+needs), the draft at most as many. Rollback after a rejection is truncating the cache lengths.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specrpc.config import EngineConfig
+from specrpc.models import CausalLM
+from specrpc.policy import AdaptivePolicy, CostModel
+from specrpc.proposers import (
+    EMPTY,
+    CombinedProposer,
+    DraftModelProposer,
+    PromptLookupProposer,
+    Proposal,
+    Proposer,
+    feed,
+)
+from specrpc.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specrpc.verify import verify
+
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate, in tokens."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    num_draft_tokens: int | None = None
+    proposer: str | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class GenerationStats:
+    """Per-request figures."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    last_k: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verify step (accepted + recovered/bonus)."""
+        return statistics.fmean(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted ÷ proposed."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Tokens committed by one step (prefill's first token, or one verify step's burst)."""
+
+    token_ids: list[int]
+    accepted: int
+    proposed: int
+    finish: str | None
+
+
+@dataclass
+class Slot:
+    """One KV slot's state: the token context whose prefix both caches hold, and its session's policy."""
+
+    index: int
+    tokens: list[int]
+    policy: AdaptivePolicy
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Engine:
+    """Target + optional draft resident on one device, with preallocated KV slots."""
+
+    def __init__(self, target: CausalLM, draft: CausalLM | None, config: EngineConfig) -> None:
+        self.target = target
+        self.draft = draft
+        self.config = config
+        self.max_k = 0 if config.speculation == "off" else config.max_draft_tokens
+        self.costs = CostModel()
+        self.lookup = PromptLookupProposer()
+        self.proposers: dict[str, Proposer] = {"lookup": self.lookup}
+        if draft is not None:
+            draft_proposer = DraftModelProposer(draft, config.prefill_chunk)
+            self.proposers["draft"] = draft_proposer
+            self.proposers["combined"] = CombinedProposer(draft_proposer, self.lookup)
+        self.default_proposer = config.proposer if config.proposer in self.proposers else "lookup"
+        self.vocab = max(target.vocab_size, draft.vocab_size if draft else 0)
+
+    @property
+    def capacity(self) -> int:
+        """Context positions available to committed tokens per slot."""
+        return self.config.max_context
+
+    def new_slot(self, index: int) -> Slot:
+        """Fresh slot state with a per-session policy seeded from the device calibration."""
+        self.target.truncate(index, 0)
+        if self.draft is not None:
+            self.draft.truncate(index, 0)
+        return Slot(index, [], self.new_policy())
+
+    def reset_slot(self, slot: Slot) -> None:
+        """Forget a slot's cached context (after a failure mid-step its caches may be inconsistent)."""
+        slot.tokens.clear()
+        self.target.truncate(slot.index, 0)
+        if self.draft is not None:
+            self.draft.truncate(slot.index, 0)
+
+    def new_policy(self) -> AdaptivePolicy:
+        """Adaptive policy refined online from the shared calibration."""
+        return AdaptivePolicy(max_k=self.max_k, costs=self.costs.copy())
+
+    def calibrate(self, slot: int = 0, context: int = 64, repeats: int = 5) -> CostModel:
+        """Measure target decode, verify (k+1 = 2..max_k+1) and draft decode times; this is also the warm-up."""
+        ids = [(i * 7919) % min(self.target.vocab_size, 256) for i in range(context + self.max_k + 2)]
+        timings: dict[int, list[float]] = {}
+        draft_times: list[float] = []
+        for _ in range(repeats):
+            self.target.truncate(slot, 0)
+            feed(self.target, slot, ids[:context], 0, self.config.prefill_chunk)
+            for width in range(1, self.max_k + 2):
+                self.target.truncate(slot, context)
+                batch = torch.tensor(ids[context : context + width], dtype=torch.long, device=self.target.device)
+                t0 = time.perf_counter()
+                self.target.forward(batch, context, slot, num_logits=width).float().sum().item()
+                timings.setdefault(width, []).append(time.perf_counter() - t0)
+            if self.draft is not None:
+                self.draft.truncate(slot, 0)
+                feed(self.draft, slot, ids[:context], 0, self.config.prefill_chunk)
+                one = torch.tensor(ids[context : context + 1], dtype=torch.long, device=self.draft.device)
+                t0 = time.perf_counter()
+                self.draft.forward(one, context, slot, num_logits=1).float().sum().item()
+                draft_times.append(time.perf_counter() - t0)
+        self.target.truncate(slot, 0)
+        if self.draft is not None:
+            self.draft.truncate(slot, 0)
+        costs = CostModel(target_step_s=statistics.median(timings[1]))
+        for width, values in timings.items():
+            costs.verify_s[width] = statistics.median(values)
+        costs.draft_step_s = statistics.median(draft_times) if draft_times else costs.target_step_s
+        self.costs = costs
+        return costs
+
+    def start(self, slot: Slot, request: GenerationRequest) -> Generation:
+        """A generation on `slot`, reusing the cached prefix shared with the prompt."""
+        return Generation(self, slot, request)
+
+
+class Generation:
+    """One request's decoding, advanced one step per `step()` call."""
+
+    def __init__(self, engine: Engine, slot: Slot, request: GenerationRequest) -> None:
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(request.prompt_ids) >= engine.capacity:
+            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens leaves no room in a context of "
+                             f"{engine.capacity}")
+        self.engine = engine
+        self.slot = slot
+        self.request = request
+        self.params = request.sampling
+        self.generator = make_generator(request.sampling, engine.target.device)
+        self.stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+        self.finish: str | None = None
+        self.started = False
+        self.prefill_pos = 0
+        name = request.proposer or engine.default_proposer
+        if name not in engine.proposers:
+            raise ValueError(f"proposer {name!r} is not available; loaded: {sorted(engine.proposers)}")
+        self.proposer = engine.proposers[name]
+        self.fixed_k = request.num_draft_tokens
+        if engine.config.speculation == "fixed" and self.fixed_k is None:
+            self.fixed_k = engine.max_k
+
+    @property
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish is not None
+
+    @property
+    def generated(self) -> int:
+        """Tokens committed so far by this generation."""
+        return self.stats.completion_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        """True until the prompt is fully in the target's cache and the first token is out."""
+        return not self.started or self.prefill_pos < len(self.request.prompt_ids)
+
+    def step(self) -> StepResult:
+        """One prefill chunk (the last one emits the first token), or one speculative step.
+
+        Long prompts take several steps so that other streams sharing the device keep their turn.
+        """
+        if self.finished:
+            raise RuntimeError("generation already finished")
+        if not self.started:
+            self._reuse_prefix()
+        if self.prefill_pos < len(self.request.prompt_ids):
+            return self._prefill_chunk()
+        return self._speculate()
+
+    def _reuse_prefix(self) -> None:
+        """Keep the cached prefix shared with the prompt (at least the last prompt token is recomputed)."""
+        engine, slot, prompt = self.engine, self.slot, self.request.prompt_ids
+        shared = common_prefix(slot.tokens, prompt)
+        keep = min(engine.target.length(slot.index), shared, len(prompt) - 1)
+        engine.target.truncate(slot.index, keep)
+        if engine.draft is not None:
+            engine.draft.truncate(slot.index, min(engine.draft.length(slot.index), shared))
+        slot.tokens = list(prompt)
+        self.stats.cached_prompt_tokens = keep
+        self.prefill_pos = keep
+        self.started = True
+
+    def _prefill_chunk(self) -> StepResult:
+        engine, prompt = self.engine, self.request.prompt_ids
+        end = min(len(prompt), self.prefill_pos + engine.config.prefill_chunk)
+        chunk = torch.tensor(prompt[self.prefill_pos : end], dtype=torch.long, device=engine.target.device)  # [T]
+        logits = engine.target.forward(chunk, self.prefill_pos, self.slot.index, num_logits=1)  # [1, V]
+        self.prefill_pos = end
+        if end < len(prompt):
+            return StepResult([], 0, 0, None)
+        token = int(sample(logits_to_probs(logits, self.params), self.generator)[0])
+        return self._commit([token], accepted=0, proposed=0)
+
+    def _choose_k(self) -> int:
+        policy = self.slot.policy
+        room = min(self.request.max_new_tokens - self.generated - 1, self.engine.capacity - len(self.slot.tokens))
+        k = self.fixed_k if self.fixed_k is not None else policy.choose()
+        return max(0, min(k, room, self.engine.config.max_draft_tokens))
+
+    def _speculate(self) -> StepResult:
+        engine, slot = self.engine, self.slot
+        target = engine.target
+        k = self._choose_k()
+        proposal: Proposal = EMPTY
+        if k > 0:
+            if isinstance(self.proposer, CombinedProposer):
+                self.proposer.draft_cost = slot.policy.costs.c
+            t0 = time.perf_counter()
+            proposal = self.proposer.propose(slot.tokens, slot.index, k, self.params, self.generator)
+            if proposal.source == "draft" and len(proposal):
+                slot.policy.costs.observe_draft((time.perf_counter() - t0) / len(proposal))
+        n = len(slot.tokens)
+        ids = torch.tensor([slot.tokens[-1], *proposal.token_ids], dtype=torch.long, device=target.device)  # [k+1]
+        t0 = time.perf_counter()
+        logits = target.forward(ids, n - 1, slot.index, num_logits=len(ids))  # [k+1, V]
+        result = verify(
+            torch.tensor(proposal.token_ids, dtype=torch.long, device=target.device),  # [k]
+            self._pad_probs(proposal.probs),
+            self._pad_logits(logits),
+            self.params,
+            self.generator,
+        )
+        slot.policy.costs.observe_target(len(ids), time.perf_counter() - t0)
+        if len(proposal):
+            slot.policy.observe(len(proposal), result.accepted)
+            self.proposer.observe(proposal, result.accepted)
+        self.stats.verify_steps += 1
+        self.stats.last_k = len(proposal)
+        self.stats.accepted_lengths.append(result.accepted + 1)
+        return self._commit(result.tokens, accepted=result.accepted, proposed=len(proposal))
+
+    def _pad_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Target logits [k+1, V_t] → [k+1, V] with -inf on rows the target does not have."""
+        missing = self.engine.vocab - logits.shape[-1]
+        if missing <= 0:
+            return logits
+        return torch.nn.functional.pad(logits, (0, missing), value=float("-inf"))
+
+    def _pad_probs(self, probs: torch.Tensor | None) -> torch.Tensor | None:
+        """Draft probabilities [k, V_d] → [k, V] with zeros on rows the draft does not have."""
+        if probs is None or probs.shape[-1] == self.engine.vocab:
+            return probs
+        return torch.nn.functional.pad(probs, (0, self.engine.vocab - probs.shape[-1]), value=0.0)
+
+    def _commit(self, tokens: list[int], accepted: int, proposed: int) -> StepResult:
+        """Append tokens (cut at a stop token or the length limit) and roll the caches back to the new context."""
+        slot, engine = self.slot, self.engine
+        n_before = len(slot.tokens)
+        limit = min(self.request.max_new_tokens - self.generated, engine.capacity - n_before)
+        kept: list[int] = []
+        for token in tokens[: max(0, limit)]:
+            kept.append(token)
+            if token in self.request.stop_token_ids:
+                self.finish = FINISH_STOP
+                break
+        slot.tokens.extend(kept)
+        n = len(slot.tokens)
+        engine.target.truncate(slot.index, min(engine.target.length(slot.index), n - 1))
+        if engine.draft is not None:
+            engine.draft.truncate(slot.index, min(engine.draft.length(slot.index), n - 1))
+        self.stats.completion_tokens += len(kept)
+        self.stats.proposed += proposed
+        self.stats.accepted += min(accepted, len(kept))
+        if self.finish is None and (self.generated >= self.request.max_new_tokens or n >= engine.capacity):
+            self.finish = FINISH_LENGTH
+        return StepResult(kept, min(accepted, len(kept)), proposed, self.finish)

@@ -1,0 +1,201 @@
+"""End-to-end exactness of the engine on small random Llama models (CPU): greedy equality, the sampled sequence
+distribution equal to the target's, rollback, prefix reuse, and no KV reallocation."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from scipy import stats
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specrpc.config import EngineConfig
+from specrpc.engine import Engine, GenerationRequest, Slot
+from specrpc.models import load_model
+from specrpc.sampling import SamplingParams, logits_to_probs
+
+VOCAB = 6
+CAPACITY = 64
+
+
+def tiny_llama(path: Path, seed: int, hidden: int = 32, layers: int = 2, vocab: int = VOCAB) -> Path:
+    """A random Llama with well-separated logits (large init) saved as a Hugging Face directory."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.4, tie_word_embeddings=False, bos_token_id=0, eos_token_id=None,
+                         pad_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pair")
+    return tiny_llama(root / "target", seed=1), tiny_llama(root / "draft", seed=2, hidden=16, layers=1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> object:
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def make_engine(pair: tuple[Path, Path], **overrides: object) -> Engine:
+    config = replace(EngineConfig(max_sessions=2, max_context=CAPACITY - 9, max_draft_tokens=8, prefill_chunk=16),
+                     **overrides)  # type: ignore[arg-type]
+    cpu, f32 = torch.device("cpu"), torch.float32
+    target = load_model(pair[0], device=cpu, dtype=f32, num_slots=2, max_context=CAPACITY)
+    draft = load_model(pair[1], device=cpu, dtype=f32, num_slots=2, max_context=CAPACITY)
+    return Engine(target, draft, config)
+
+
+def run(engine: Engine, prompt: list[int], n: int, params: SamplingParams, k: int | None,
+        proposer: str = "draft", slot: Slot | None = None) -> list[int]:
+    """Generate n tokens on `slot` (a fresh slot 0 by default)."""
+    slot = slot or engine.new_slot(0)
+    gen = engine.start(slot, GenerationRequest(prompt, n, params, num_draft_tokens=k, proposer=proposer))
+    out: list[int] = []
+    while not gen.finished:
+        out += gen.step().token_ids
+    return out
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_speculation_equals_target_only_and_transformers(pair: tuple[Path, Path], k: int) -> None:
+    engine = make_engine(pair)
+    hf = LlamaForCausalLM.from_pretrained(str(pair[0])).eval()
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        spec = run(engine, prompt, 24, GREEDY, k)
+        plain = run(engine, prompt, 24, GREEDY, 0)
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+        assert spec == plain == ref[0, len(prompt):].tolist()
+
+
+def test_prompt_lookup_and_combined_are_exact_greedy(pair: tuple[Path, Path]) -> None:
+    engine = make_engine(pair)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    plain = run(engine, prompt, 20, GREEDY, 0)
+    assert run(engine, prompt, 20, GREEDY, 4, proposer="lookup") == plain
+    assert run(engine, prompt, 20, GREEDY, 4, proposer="combined") == plain
+
+
+def sequence_probs(path: Path, prompt: list[int], length: int, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """Exact probability of every continuation of `length` tokens under the target with `params`."""
+    hf = LlamaForCausalLM.from_pretrained(str(path)).eval()
+    probs: dict[tuple[int, ...], float] = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(VOCAB), repeat=length):
+            ids = torch.tensor([prompt + list(seq)])
+            logits = hf(ids).logits[0, len(prompt) - 1 : -1]  # [length, V]
+            p = logits_to_probs(logits, params)  # [length, V]
+            probs[seq] = float(torch.prod(p[torch.arange(length), torch.tensor(seq)]))
+    return probs
+
+
+def chi_square_pvalue(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], float], n: int) -> float:
+    """Pearson chi-square p-value, cells of expected count < 10 pooled; 0 if a sample has zero probability."""
+    if any(probs[s] == 0 for s in counts):
+        return 0.0  # sampled a sequence the reference cannot produce
+    cells = sorted(probs, key=lambda s: probs[s])
+    observed, expected = [], []
+    pool_o, pool_e = 0.0, 0.0
+    for s in cells:
+        if probs[s] == 0:
+            continue
+        e = probs[s] * n
+        if e < 10:
+            pool_o += counts.get(s, 0)
+            pool_e += e
+            if pool_e >= 10:
+                observed.append(pool_o)
+                expected.append(pool_e)
+                pool_o = pool_e = 0.0
+        else:
+            observed.append(counts.get(s, 0))
+            expected.append(e)
+    if pool_e > 0:
+        observed[-1] += pool_o
+        expected[-1] += pool_e
+    scale = sum(observed) / sum(expected)  # the float32 probabilities sum to 1 only within rounding
+    return float(stats.chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=5),
+    ],
+    ids=["t1", "t0.7-p0.9", "k5"],
+)
+def test_sampled_sequences_follow_the_target_distribution(pair: tuple[Path, Path], params: SamplingParams) -> None:
+    """3-token continuations (216 cells) sampled with k = 2 speculation vs exact target probabilities.
+
+    False-alarm rate: 1e-4 per test (seeds are fixed, so the outcome is deterministic). The same samples must be
+    rejected against the draft's own distribution, so the test can fail."""
+    engine = make_engine(pair)
+    prompt = [3, 1, 4]
+    n = 5000
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(n):
+        seq = tuple(run(engine, prompt, 3, replace(params, seed=i), 2))
+        counts[seq] = counts.get(seq, 0) + 1
+    assert chi_square_pvalue(counts, sequence_probs(pair[0], prompt, 3, params), n) > 1e-4
+    assert chi_square_pvalue(counts, sequence_probs(pair[1], prompt, 3, params), n) < 1e-4
+
+
+def test_rollback_leaves_target_logits_as_without_speculation(pair: tuple[Path, Path]) -> None:
+    """After many rejections, the cached slot's next-position logits equal those of a fresh full prefill."""
+    engine = make_engine(pair)
+    slot = engine.new_slot(0)
+    gen = engine.start(slot, GenerationRequest([0, 5, 2], 30, SamplingParams(temperature=1.0, seed=7), 4, "draft"))
+    rejected = 0
+    while not gen.finished:
+        result = gen.step()
+        rejected += result.proposed - result.accepted
+    assert rejected > 0
+    tokens = slot.tokens
+    assert engine.target.length(0) == len(tokens) - 1
+    cached = engine.target.forward(torch.tensor(tokens[-1:]), len(tokens) - 1, 0, num_logits=1)  # [1, V]
+    fresh = engine.target.forward(torch.tensor(tokens), 0, 1, num_logits=1)  # [1, V]
+    torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_prefix_reuse_counts_cached_tokens_and_keeps_output(pair: tuple[Path, Path]) -> None:
+    engine = make_engine(pair)
+    slot = engine.new_slot(0)
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2]
+    first = run(engine, prompt, 10, GREEDY, 3, slot=slot)
+    gen = engine.start(slot, GenerationRequest(prompt + first[:4], 10, GREEDY, 3, "draft"))
+    out: list[int] = []
+    while not gen.finished:
+        out += gen.step().token_ids
+    assert gen.stats.cached_prompt_tokens == len(prompt) + 3
+    assert out == run(engine, prompt + first[:4], 10, GREEDY, 0, slot=engine.new_slot(1))
+
+
+def test_kv_caches_are_never_reallocated(pair: tuple[Path, Path]) -> None:
+    engine = make_engine(pair)
+    before = cache_pointers(engine)
+    for seed in range(5):
+        run(engine, [seed, 1, 2], 40, SamplingParams(temperature=1.0, seed=seed), 6)
+    assert cache_pointers(engine) == before
+
+
+def cache_pointers(engine: Engine) -> list[int]:
+    """data_ptr of every preallocated K/V tensor of both models."""
+    models = [engine.target, engine.draft]
+    return [t.data_ptr() for m in models if m is not None for t in m.cache.tensors()]
