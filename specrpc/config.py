@@ -1,0 +1,203 @@
+"""Configuration: frozen dataclasses built once from defaults < config file (TOML) < environment < CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+ENV_PREFIX = "SPECRPC_"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What is loaded where, and how speculation is run."""
+
+    target: str = str(ASSETS / "target")
+    draft: str = str(ASSETS / "draft")
+    device: str = "auto"
+    dtype: str = "auto"
+    max_sessions: int = 8
+    max_context: int = 2048
+    max_draft_tokens: int = 8
+    speculation: str = "adaptive"
+    proposer: str = "draft"
+    prefill_chunk: int = 512
+    lean: bool = True
+    threads: int = 0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits; over one, the request fails with a message naming the limit and its value."""
+
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: int = 0
+    max_new_tokens: int = 1024
+    default_max_new_tokens: int = 128
+    max_stop_strings: int = 16
+    max_stop_chars: int = 128
+    max_extra_files: int = 32
+    max_streams_per_client: int = 16
+    max_temperature: float = 100.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Network, operations and sessions."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 0
+    log_format: str = "json"
+    log_level: str = "info"
+    log_prompts: bool = False
+    session_ttl_s: float = 600.0
+    grace_s: float = 10.0
+    reflection: bool = True
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    auth_tokens_file: str = ""
+    auth_exempt_health: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    limits: Limits = field(default_factory=Limits)
+
+
+HELP: dict[str, str] = {
+    "target": "target model: a Hugging Face model directory (default: the shipped pair's target)",
+    "draft": "draft model directory sharing the target's tokenizer; 'none' runs without a draft",
+    "device": "auto (cuda when available), cpu, cuda or cuda:N",
+    "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
+    "max_sessions": "KV-cache slots preallocated per model: the most sessions/streams resident at once",
+    "max_context": "positions per slot (prompt + generated tokens)",
+    "max_draft_tokens": "largest k, draft tokens per verify step",
+    "speculation": "adaptive (choose k from measured acceptance and costs), fixed (always max_draft_tokens), off",
+    "proposer": "default proposer: draft, lookup (prompt n-grams) or combined",
+    "prefill_chunk": "prompt tokens per prefill forward (long prompts are prefilled in chunks)",
+    "lean": "use specrpc's lean Llama-family forward when the architecture allows (else transformers)",
+    "threads": "CPU threads for torch (0: torch's default)",
+    "max_message_bytes": "largest gRPC message accepted",
+    "max_prompt_tokens": "largest prompt in tokens (0: the context length)",
+    "max_new_tokens": "largest max_new_tokens a request may ask for",
+    "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
+    "max_stop_strings": "most stop strings per request",
+    "max_stop_chars": "longest stop string in characters",
+    "max_extra_files": "most extra files per Infill request",
+    "max_streams_per_client": "most concurrent streams per client (peer address or token)",
+    "max_temperature": "largest temperature accepted",
+    "host": "address to listen on",
+    "port": "gRPC port (0 picks a free one)",
+    "metrics_port": "Prometheus metrics HTTP port (0: off)",
+    "log_format": "json or console",
+    "log_level": "debug, info, warning or error",
+    "log_prompts": "include prompt and output text in logs (debug only; off by default)",
+    "session_ttl_s": "seconds an idle session keeps its KV slot",
+    "grace_s": "seconds in-flight streams get to finish after SIGTERM",
+    "reflection": "serve gRPC server reflection (for grpcurl / buf curl)",
+    "tls_cert": "server certificate (PEM) to enable TLS",
+    "tls_key": "server private key (PEM)",
+    "tls_client_ca": "CA bundle (PEM) to require client certificates (mutual TLS)",
+    "auth_tokens_file": "file of accepted bearer tokens, one per line (reloaded on SIGHUP); empty: no auth",
+    "auth_exempt_health": "let health checks and reflection through without a token",
+}
+
+SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "limits": Limits}
+
+
+def _coerce(value: Any, kind: type) -> Any:
+    """Convert a string (env/CLI) or TOML value to the field's type."""
+    if kind is bool and isinstance(value, str):
+        if value.lower() in {"1", "true", "yes", "on"}:
+            return True
+        if value.lower() in {"0", "false", "no", "off"}:
+            return False
+        raise ValueError(f"expected a boolean, got {value!r}")
+    return kind(value)
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    defaults = cls()
+    return {f.name: type(getattr(defaults, f.name)) for f in fields(cls)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field (--max-context ...), plus --config FILE."""
+    parser.add_argument("--config", type=Path, help="TOML file with [engine], [server] and [limits] tables")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for name, kind in _field_types(cls).items():
+            flag = "--" + name.replace("_", "-")
+            env = ENV_PREFIX + name.upper()
+            default = getattr(cls(), name)
+            extra = f" [env {env}; default {default!r}]"
+            if kind is bool:
+                group.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction,
+                                   help=HELP[name] + extra)
+            else:
+                group.add_argument(flag, dest=name, default=None, type=str, help=HELP[name] + extra)
+
+
+def build_config(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """defaults < --config file < SPECRPC_* environment < flags."""
+    environ = os.environ if env is None else env
+    file_values: dict[str, dict[str, Any]] = {}
+    path = getattr(args, "config", None) if args else None
+    if path:
+        with open(path, "rb") as fh:
+            file_values = tomllib.load(fh)
+        unknown = set(file_values) - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"config file {path}: unknown table(s) {sorted(unknown)}; use {sorted(SECTIONS)}")
+    parts: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        types = _field_types(cls)
+        values: dict[str, Any] = {}
+        for key, value in file_values.get(section, {}).items():
+            if key not in types:
+                raise ValueError(f"config file {path}: unknown key {section}.{key}")
+            values[key] = _coerce(value, types[key])
+        for name, kind in types.items():
+            if ENV_PREFIX + name.upper() in environ:
+                values[name] = _coerce(environ[ENV_PREFIX + name.upper()], kind)
+            flag_value = getattr(args, name, None) if args else None
+            if flag_value is not None:
+                values[name] = _coerce(flag_value, kind)
+        parts[section] = replace(cls(), **values)
+    config = Config(**parts)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Reject impossible settings at start-up with a message that says what to change."""
+    e, s = config.engine, config.server
+    checks: Sequence[tuple[bool, str]] = [
+        (e.max_sessions >= 1, "--max-sessions must be >= 1"),
+        (e.max_context >= 16, "--max-context must be >= 16"),
+        (0 <= e.max_draft_tokens <= 32, "--max-draft-tokens must be in 0..32"),
+        (e.speculation in {"adaptive", "fixed", "off"}, "--speculation must be adaptive, fixed or off"),
+        (e.proposer in {"draft", "lookup", "combined"}, "--proposer must be draft, lookup or combined"),
+        (e.prefill_chunk >= 16, "--prefill-chunk must be >= 16"),
+        (s.log_format in {"json", "console"}, "--log-format must be json or console"),
+        (0 <= s.port <= 65535, "--port must be in 0..65535"),
+        (bool(s.tls_cert) == bool(s.tls_key), "--tls-cert and --tls-key go together"),
+        (not s.tls_client_ca or bool(s.tls_cert), "--tls-client-ca needs --tls-cert and --tls-key"),
+        (config.limits.default_max_new_tokens <= config.limits.max_new_tokens,
+         "--default-max-new-tokens must be <= --max-new-tokens"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)

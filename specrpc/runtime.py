@@ -1,0 +1,256 @@
+"""The service's engine room, without gRPC: loads the pair, owns the scheduler and sessions, formats prompts
+(plain, fill-in-the-middle, conversation) and turns requests into event streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specrpc.config import Config
+from specrpc.engine import Engine, GenerationRequest
+from specrpc.models import CausalLM, load_model, load_tokenizer
+from specrpc.models.tokenizer_check import check_tokenizers_match
+from specrpc.sampling import SamplingParams
+from specrpc.scheduler import Done, Event, Failed, Job, Scheduler
+from specrpc.sessions import Session, SessionRegistry
+from specrpc.text import IncrementalDetokenizer, StopMatcher
+
+log = structlog.get_logger(__name__)
+
+FIM_NAMES = [
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim▁begin|>", "<|fim▁hole|>", "<|fim▁end|>"),
+]
+FILE_SEP_NAMES = ["<|file_sep|>", "<file_sep>", "<|file_separator|>"]
+
+
+class NoInfillSupport(Exception):
+    """The loaded tokenizer has no fill-in-the-middle tokens."""
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """How one reply is generated (domain form of the request's parameters)."""
+
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    stop: tuple[str, ...] = ()
+    num_draft_tokens: int | None = None
+    proposer: str | None = None
+
+
+@dataclass(frozen=True)
+class ExtraFile:
+    """A file given as context to Infill."""
+
+    path: str
+    text: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What GetModelInfo reports about a loaded model."""
+
+    name: str
+    architecture: str
+    parameters: int
+    vocab_size: int
+    weight_bytes: int
+    context_length: int
+    lean: bool
+
+
+def checkpoint_info(path: str, model: CausalLM, dtype: torch.dtype) -> CheckpointInfo:
+    """Parameter count from the safetensors headers (no tensor is read), resident bytes at `dtype`."""
+    from safetensors import safe_open
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    count = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                count += math.prod(handle.get_slice(key).get_shape())
+    return CheckpointInfo(
+        name=model.name,
+        architecture=str(config.get("model_type", "")),
+        parameters=count,
+        vocab_size=model.vocab_size,
+        weight_bytes=count * torch.tensor([], dtype=dtype).element_size(),
+        context_length=int(config.get("max_position_embeddings", 0)),
+        lean=type(model).__name__ == "LlamaLM",
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' → cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' → bfloat16 on CUDA, float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class Runtime:
+    """Models, tokenizer, engine, device thread and sessions for one server."""
+
+    def __init__(self, config: Config) -> None:
+        ec = config.engine
+        self.config = config
+        if ec.threads:
+            torch.set_num_threads(ec.threads)
+        self.device = resolve_device(ec.device)
+        self.dtype = resolve_dtype(ec.dtype, self.device)
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(ec.target)
+        capacity = ec.max_context + ec.max_draft_tokens + 1
+        self.target: CausalLM = load_model(ec.target, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
+                                           max_context=capacity, lean=ec.lean)
+        self.draft: CausalLM | None = None
+        if ec.draft and ec.draft.lower() != "none":
+            check_tokenizers_match(self.tokenizer, load_tokenizer(ec.draft), self.target.vocab_size,
+                                   self._vocab_rows(ec.draft))
+            self.draft = load_model(ec.draft, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
+                                    max_context=capacity, lean=ec.lean)
+        self.target_info = checkpoint_info(ec.target, self.target, self.dtype)
+        self.draft_info = checkpoint_info(ec.draft, self.draft, self.dtype) if self.draft is not None else None
+        self.engine = Engine(self.target, self.draft, ec)
+        self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
+        self.scheduler = Scheduler(self.engine)
+        self.stop_token_ids = self._stop_token_ids()
+        self.fim_ids = self._special_ids_any(FIM_NAMES)
+        file_sep = [self._special_id(n) for n in FILE_SEP_NAMES]
+        self.file_sep_id = next((i for i in file_sep if i is not None), None)
+        self.warm = False
+
+    def _vocab_rows(self, path: str) -> int:
+        return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+
+    def _special_id(self, token: str) -> int | None:
+        vocab = self.tokenizer.get_vocab()
+        return vocab.get(token)
+
+    def _special_ids_any(self, names: Sequence[tuple[str, str, str]]) -> tuple[int, int, int] | None:
+        for triple in names:
+            ids = [self._special_id(t) for t in triple]
+            if all(i is not None for i in ids):
+                return (ids[0], ids[1], ids[2])  # type: ignore[return-value]
+        return None
+
+    def _stop_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen_config = Path(self.config.engine.target) / "generation_config.json"
+        if gen_config.exists():
+            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return frozenset(ids)
+
+    def start(self) -> None:
+        """Warm up (also measures the step costs the policy starts from) and start the device thread."""
+        t0 = time.perf_counter()
+        costs = self.engine.calibrate()
+        self.scheduler.start()
+        self.warm = True
+        log.info("warm", seconds=round(time.perf_counter() - t0, 2), target_step_ms=round(costs.target_step_s * 1e3, 3),
+                 c=round(costs.c, 3), v={k - 1: round(costs.v(k - 1), 3) for k in sorted(costs.verify_s)})
+
+    def stop(self) -> None:
+        """Stop the device thread (cancels what is in flight)."""
+        self.scheduler.stop()
+
+    @property
+    def context_limit(self) -> int:
+        """Most committed tokens per slot."""
+        return self.config.engine.max_context
+
+    # ---- prompt formatting -------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Exactly `tokenizer(text).input_ids`."""
+        return list(self.tokenizer(text).input_ids)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Tokens of a piece of text inside a larger prompt (no special tokens added)."""
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def infill_prompt(self, prefix: str, suffix: str, extra: Sequence[ExtraFile], path: str) -> list[int]:
+        """Prefix-suffix-middle with extra files first: [SEP path\\n text EOT]* PRE [SEP path\\n] prefix SUF suffix MID."""
+        if self.fim_ids is None:
+            raise NoInfillSupport("the loaded tokenizer has no fill-in-the-middle tokens "
+                                  "(<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>); load a FIM-trained model")
+        pre, suf, mid = self.fim_ids
+        ids: list[int] = []
+        eos = self.tokenizer.eos_token_id
+        for f in extra:
+            if self.file_sep_id is not None:
+                ids.append(self.file_sep_id)
+            ids += self.encode_plain(f"{f.path}\n{f.text}")
+            if eos is not None:
+                ids.append(int(eos))
+        ids.append(pre)
+        if path and self.file_sep_id is not None:
+            ids.append(self.file_sep_id)
+            ids += self.encode_plain(f"{path}\n")
+        ids += self.encode_plain(prefix)
+        ids.append(suf)
+        ids += self.encode_plain(suffix)
+        ids.append(mid)
+        return ids
+
+    # ---- generation --------------------------------------------------------------------------------------------
+
+    async def generate(self, prompt: list[int], params: DecodeParams, session_id: str = "",
+                       session: Session | None = None) -> AsyncIterator[Event]:
+        """Stream events for one request; the slot is released when the device thread has let go of it."""
+        lease = await self.registry.acquire(session.id if session else session_id, prompt)
+        loop = asyncio.get_running_loop()
+        request = GenerationRequest(
+            prompt_ids=prompt,
+            max_new_tokens=params.max_new_tokens,
+            sampling=params.sampling,
+            num_draft_tokens=params.num_draft_tokens,
+            proposer=params.proposer,
+            stop_token_ids=self.stop_token_ids,
+        )
+        job = Job(lease.slot, request, IncrementalDetokenizer(self.tokenizer, prompt), StopMatcher(params.stop), loop)
+        job.on_done = lambda: self.registry.release(lease)
+        if lease.session is not None:
+            lease.session.job = job
+        try:
+            self.scheduler.submit(job)
+        except BaseException:
+            self.registry.release(lease)
+            raise
+        try:
+            while True:
+                event = await job.queue.get()
+                yield event
+                if isinstance(event, Done | Failed):
+                    return
+        finally:
+            job.cancel()
+
+
+def summary_fields(done: Done) -> dict[str, object]:
+    """Log-friendly figures of a finished job."""
+    s = done.stats
+    return {
+        "finish": done.finish, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_prompt_tokens,
+        "completion_tokens": s.completion_tokens, "proposed": s.proposed, "accepted": s.accepted,
+        "verify_steps": s.verify_steps, "mean_accepted_length": round(s.mean_accepted_length, 3),
+    }

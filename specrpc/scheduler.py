@@ -1,0 +1,188 @@
+"""One thread owns the device: it advances every active generation one step per turn (fair interleaving) and hands
+events back to the asyncio loop with `call_soon_threadsafe`. Cancellation is checked between steps."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from specrpc.engine import Engine, Generation, GenerationRequest, GenerationStats, Slot, StepResult
+from specrpc.text import IncrementalDetokenizer, StopMatcher
+
+log = structlog.get_logger(__name__)
+
+FINISH_CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Text and tokens committed by one step."""
+
+    text: str
+    token_ids: list[int]
+    accepted: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of a job: why, its figures, and the stop string that ended it (if any)."""
+
+    finish: str
+    stats: GenerationStats
+    stop_sequence: str
+    text: str
+    at: float
+    arrival: float
+    first_token_at: float | None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The engine raised for this job only."""
+
+    error: BaseException
+
+
+Event = Chunk | Done | Failed
+
+
+@dataclass
+class Job:
+    """One generation in flight, from the event loop's side: an event queue and a cancel flag."""
+
+    slot: Slot
+    request: GenerationRequest
+    detokenizer: IncrementalDetokenizer
+    stops: StopMatcher
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    text: list[str] = field(default_factory=list)
+    generation: Generation | None = None
+    on_done: Callable[[], None] | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    def cancel(self) -> None:
+        """Ask the device thread to stop this job before its next step."""
+        self.cancelled.set()
+
+    def post(self, event: Event) -> None:
+        """From the device thread: deliver an event to the loop."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def finished(self) -> None:
+        """From the device thread: the slot is no longer touched by the engine."""
+        self.loop.call_soon_threadsafe(self._set_done)
+
+    def _set_done(self) -> None:
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done()
+
+
+class Scheduler:
+    """Round-robin over active jobs on a dedicated thread."""
+
+    def __init__(self, engine: Engine, on_step: Callable[[Job, StepResult, float], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self._jobs: list[Job] = []
+        self._incoming: list[Job] = []
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="specrpc-device", daemon=True)
+
+    def start(self) -> None:
+        """Start the device thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Cancel everything and join the device thread."""
+        with self._wake:
+            self._stop = True
+            for job in self._jobs + self._incoming:
+                job.cancel()
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    @property
+    def active(self) -> int:
+        """Jobs in flight (including those not started yet)."""
+        return len(self._jobs) + len(self._incoming)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; the device thread starts it at its next turn."""
+        with self._wake:
+            if self._stop:
+                raise RuntimeError("the scheduler is stopped")
+            self._incoming.append(job)
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self._jobs and not self._incoming:
+                    self._wake.wait()
+                if self._stop and not self._jobs and not self._incoming:
+                    return
+                self._jobs.extend(self._incoming)
+                self._incoming.clear()
+                jobs = list(self._jobs)
+            for job in jobs:
+                if not self._advance(job):
+                    with self._wake:
+                        self._jobs.remove(job)
+                    job.finished()
+
+    def _advance(self, job: Job) -> bool:
+        """One step of `job`; False once it has ended (its final event posted)."""
+        try:
+            if job.generation is None:
+                job.generation = self.engine.start(job.slot, job.request)
+            generation = job.generation
+            if job.cancelled.is_set():
+                self._finish(job, FINISH_CANCELLED, "")
+                return False
+            t0 = time.perf_counter()
+            result = generation.step()
+            if self.on_step is not None:
+                self.on_step(job, result, time.perf_counter() - t0)
+            if not result.token_ids and result.finish is None:
+                return True
+            delta = job.detokenizer.push(result.token_ids)
+            finish = result.finish
+            if finish is not None:
+                delta += job.detokenizer.flush()
+            safe, stopped = job.stops.feed(delta)
+            if finish is not None and not stopped:
+                safe += job.stops.flush()
+            job.text.append(safe)
+            now = time.perf_counter()
+            if job.first_token_at is None:
+                job.first_token_at = now
+            job.post(Chunk(safe, result.token_ids, result.accepted, now))
+            if stopped:
+                self._finish(job, "stop", job.stops.matched or "")
+                return False
+            if finish is not None:
+                self._finish(job, finish, "")
+                return False
+            return True
+        except Exception as exc:  # the failure belongs to this stream only
+            log.exception("engine step failed", slot=job.slot.index)
+            self.engine.reset_slot(job.slot)
+            job.post(Failed(exc))
+            return False
+
+    def _finish(self, job: Job, finish: str, stop_sequence: str) -> None:
+        stats = job.generation.stats if job.generation is not None else GenerationStats()
+        job.post(Done(finish, stats, stop_sequence, "".join(job.text), time.perf_counter(), job.arrival,
+                      job.first_token_at))

@@ -1,0 +1,147 @@
+"""Sessions and KV-slot admission: which slot a request runs in, prefix reuse, cancel-previous, idle eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from specrpc.engine import Engine, Slot, common_prefix
+from specrpc.scheduler import Job
+
+
+class SlotsExhausted(Exception):
+    """Every KV slot has a stream in flight."""
+
+
+class UnknownSession(Exception):
+    """A request named a session that does not exist (or was evicted)."""
+
+
+@dataclass
+class Session:
+    """A named conversation/editor buffer that keeps its KV slot between requests until idle for the TTL."""
+
+    id: str
+    slot: Slot
+    last_used: float = field(default_factory=time.monotonic)
+    job: Job | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    conversation: tuple[list[tuple[str, str]], int, str] | None = None
+
+
+@dataclass
+class Lease:
+    """A slot held for one request; `session` is None for anonymous requests."""
+
+    slot: Slot
+    session: Session | None
+
+
+class SessionRegistry:
+    """Owns the slot pool. Anonymous requests borrow a free slot (the one sharing the longest prefix with their
+    prompt, so repeated prompts still hit the cache); named sessions keep theirs until idle past the TTL, and idle
+    sessions are evicted least-recently-used first when a new request needs a slot."""
+
+    def __init__(self, engine: Engine, num_slots: int, ttl_s: float) -> None:
+        self.engine = engine
+        self.ttl_s = ttl_s
+        self.slots = [engine.new_slot(i) for i in range(num_slots)]
+        self.free: set[int] = set(range(num_slots))
+        self.sessions: dict[str, Session] = {}
+        self.busy: set[int] = set()
+
+    @property
+    def in_use(self) -> int:
+        """Slots with a stream in flight."""
+        return len(self.busy)
+
+    @property
+    def total(self) -> int:
+        """Slots preallocated."""
+        return len(self.slots)
+
+    def get(self, session_id: str) -> Session:
+        """An existing session, or UnknownSession."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise UnknownSession(f"session {session_id!r} does not exist (never opened, or evicted after "
+                                 f"{self.ttl_s:.0f}s idle); open it again")
+        return session
+
+    def _take_slot(self, prompt: list[int]) -> Slot:
+        if not self.free:
+            self._evict_lru_idle()
+        if not self.free:
+            raise SlotsExhausted(
+                f"all {self.total} KV slots have a stream in flight; retry later, or start the server with a "
+                f"larger --max-sessions"
+            )
+        best = max(self.free, key=lambda i: (common_prefix(self.slots[i].tokens, prompt), -i))
+        self.free.discard(best)
+        return self.slots[best]
+
+    def _evict_lru_idle(self) -> None:
+        idle = [s for s in self.sessions.values() if s.slot.index not in self.busy]
+        if idle:
+            self._drop(min(idle, key=lambda s: s.last_used))
+
+    def _drop(self, session: Session) -> None:
+        del self.sessions[session.id]
+        if session.slot.index not in self.busy:
+            self.free.add(session.slot.index)
+
+    def evict_expired(self, now: float | None = None) -> int:
+        """Drop sessions idle for longer than the TTL; returns how many."""
+        now = time.monotonic() if now is None else now
+        expired = [s for s in self.sessions.values()
+                   if s.slot.index not in self.busy and now - s.last_used > self.ttl_s]
+        for session in expired:
+            self._drop(session)
+        return len(expired)
+
+    def open(self, session_id: str = "", prompt: list[int] | None = None) -> Session:
+        """The named session, created with a slot if new ('' assigns an id)."""
+        if session_id and session_id in self.sessions:
+            return self.sessions[session_id]
+        slot = self._take_slot(prompt or [])
+        session = Session(session_id or uuid.uuid4().hex, slot)
+        self.sessions[session.id] = session
+        return session
+
+    def close(self, session_id: str) -> None:
+        """Forget a session now (its slot becomes free once idle)."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            self._drop(session)
+
+    async def acquire(self, session_id: str, prompt: list[int]) -> Lease:
+        """Hold a slot for one request. On a named session, first cancel the request still in flight there
+        (cancel-previous) and wait until the device thread has let go of the slot. Pair with `release`."""
+        if not session_id:
+            slot = self._take_slot(prompt)
+            self.busy.add(slot.index)
+            return Lease(slot, None)
+        session = self.open(session_id, prompt)
+        if session.job is not None:
+            session.job.cancel()
+        await session.lock.acquire()
+        if self.sessions.get(session.id) is not session:  # evicted while waiting: start it again, cold
+            session.lock.release()
+            return await self.acquire(session_id, prompt)
+        self.busy.add(session.slot.index)
+        return Lease(session.slot, session)
+
+    def release(self, lease: Lease) -> None:
+        """Give the slot back (called once the device thread is done with it)."""
+        self.busy.discard(lease.slot.index)
+        session = lease.session
+        if session is None:
+            self.free.add(lease.slot.index)
+            return
+        session.last_used = time.monotonic()
+        session.job = None
+        if self.sessions.get(session.id) is not session:
+            self.free.add(session.slot.index)
+        session.lock.release()

@@ -1,0 +1,86 @@
+"""The shipped default pair: loads offline, tokenizers match, and speculative greedy decoding is token-for-token the
+target's own greedy output (engine without speculation, and transformers `generate`) over 20+ code prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specrpc.config import ASSETS, EngineConfig
+from specrpc.engine import Engine, GenerationRequest
+from specrpc.models import load_model, load_tokenizer
+from specrpc.models.tokenizer_check import check_tokenizers_match
+from specrpc.sampling import SamplingParams
+
+TARGET, DRAFT = ASSETS / "target", ASSETS / "draft"
+pytestmark = pytest.mark.skipif(not (TARGET / "config.json").exists(), reason="default models not trained yet")
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "    for i in range(len(items)):\n",
+    "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"\n",
+    "try:\n    import json\nexcept ImportError:\n",
+    "    if not isinstance(value, str):\n        raise TypeError(",
+    "def __repr__(self):\n        return",
+    "# Copyright (c) Python Software Foundation.\n",
+    "with open(filename, 'rb') as f:\n",
+    "def is_prime(n):\n    if n < 2:\n        return False\n",
+    "    @property\n    def name(self):\n",
+    "class HTTPError(Exception):\n",
+    "def _quote(s):\n    return s.replace(",
+    "    def __eq__(self, other):\n        if not isinstance(other, ",
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+    "\"\"\"Utilities for working with paths.\"\"\"\n\n",
+    "    result = []\n    for key, value in sorted(mapping.items()):\n",
+    "def merge_sort(items):\n",
+    "if __name__ == '__main__':\n",
+    "    def close(self):\n        if self._file is not None:\n",
+    "lines = text.splitlines()\n",
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    cpu, f32 = torch.device("cpu"), torch.float32
+    config = EngineConfig(max_sessions=1, max_context=512)
+    target = load_model(TARGET, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9)
+    draft = load_model(DRAFT, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9)
+    return Engine(target, draft, config)
+
+
+def test_pair_shares_one_tokenizer() -> None:
+    target_rows = AutoModelForCausalLM.from_pretrained(TARGET).config.vocab_size
+    draft_rows = AutoModelForCausalLM.from_pretrained(DRAFT).config.vocab_size
+    check_tokenizers_match(load_tokenizer(TARGET), load_tokenizer(DRAFT), target_rows, draft_rows)
+
+
+def generate(engine: Engine, prompt: list[int], n: int, k: int | None) -> list[int]:
+    gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, n, SamplingParams(temperature=0.0), k, "draft"))
+    out: list[int] = []
+    while not gen.finished:
+        out += gen.step().token_ids
+    return out
+
+
+def test_greedy_speculation_is_the_targets_greedy_output(engine: Engine) -> None:
+    tok = load_tokenizer(TARGET)
+    hf = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    accepted = proposed = 0
+    for text in PROMPTS:
+        prompt = tok(text).input_ids
+        n = 32
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=tok.eos_token_id)[0, len(prompt):].tolist()
+        assert generate(engine, prompt, n, 0) == ref, text
+        gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, n, SamplingParams(temperature=0.0), 4,
+                                                                 "draft"))
+        out: list[int] = []
+        while not gen.finished:
+            out += gen.step().token_ids
+        assert out == ref, text
+        accepted += gen.stats.accepted
+        proposed += gen.stats.proposed
+    assert accepted / proposed > 0.5
