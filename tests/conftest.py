@@ -10,7 +10,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from specrpc.config import Config, EngineConfig, Limits, ServerConfig
+from specrpc.config import Config, Limits, ServerConfig, build_config
 from specrpc.server import Running, start_server
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -23,9 +23,11 @@ def free_port() -> int:
 
 
 def test_config(**engine: object) -> Config:
-    """Small slots and context so the suite stays fast on a 2-core CPU."""
+    """Small slots and context so the suite stays fast on a 2-core CPU (SPECRPC_TARGET/SPECRPC_DRAFT override the
+    shipped models, as for `specrpc serve`)."""
+    base = build_config(None).engine
     return Config(
-        engine=replace(EngineConfig(max_sessions=4, max_context=512, threads=1), **engine),  # type: ignore[arg-type]
+        engine=replace(base, max_sessions=4, max_context=512, threads=1, **engine),  # type: ignore[arg-type]
         server=ServerConfig(host="127.0.0.1", port=0, metrics_port=free_port(), log_format="console",
                             session_ttl_s=60.0, grace_s=2.0),
         limits=Limits(max_new_tokens=256),
