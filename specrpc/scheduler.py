@@ -111,7 +111,8 @@ class Scheduler:
             for job in self._jobs + self._incoming:
                 job.cancel()
             self._wake.notify()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     @property
     def active(self) -> int:

@@ -1,0 +1,105 @@
+"""In-process contenders on the same pair and prompts: this engine (adaptive, fixed k, prompt lookup, target-only),
+transformers `generate` with the target alone, and transformers assisted generation with the draft."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from specrpc.engine import Engine, GenerationRequest
+from specrpc.sampling import SamplingParams
+
+
+@dataclass
+class Run:
+    """One request's measurements."""
+
+    tokens: list[int]
+    ttft_s: float
+    total_s: float
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_sizes: list[int] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+    ks: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+
+
+Runner = Callable[[list[int], int, SamplingParams], Run]
+
+
+def engine_runner(engine: Engine, k: int | None, proposer: str) -> Runner:
+    """This engine with a fixed k (None: adaptive policy) and proposer, on slot 0 reset per request."""
+
+    def run(prompt: list[int], n: int, params: SamplingParams) -> Run:
+        slot = engine.new_slot(0)
+        t0 = time.perf_counter()
+        gen = engine.start(slot, GenerationRequest(prompt, n, params, num_draft_tokens=k, proposer=proposer))
+        out: list[int] = []
+        times: list[float] = []
+        sizes: list[int] = []
+        ks: list[int] = []
+        while not gen.finished:
+            result = gen.step()
+            if result.token_ids:
+                out += result.token_ids
+                times.append(time.perf_counter() - t0)
+                sizes.append(len(result.token_ids))
+                ks.append(result.proposed)
+        s = gen.stats
+        return Run(out, times[0], times[-1], times, sizes, s.proposed, s.accepted, s.verify_steps, ks[1:],
+                   s.accepted_lengths)
+
+    return run
+
+
+class _Clock(BaseStreamer):
+    """Records when transformers emits each new token (the first `put` is the prompt)."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.times: list[float] = []
+        self.seen_prompt = False
+
+    def put(self, value: Any) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        self.times.append(time.perf_counter() - self.t0)
+
+    def end(self) -> None:
+        pass
+
+
+def hf_runner(target: torch.nn.Module, assistant: torch.nn.Module | None, eos: int | None) -> Runner:
+    """transformers `generate` on the target alone, or with `assistant_model=` the draft."""
+
+    def run(prompt: list[int], n: int, params: SamplingParams) -> Run:
+        ids = torch.tensor([prompt])
+        kwargs: dict[str, Any] = {"max_new_tokens": n, "min_new_tokens": n, "pad_token_id": eos,
+                                  "eos_token_id": None}
+        if params.greedy:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k or None)
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+        if assistant is not None:
+            kwargs["assistant_model"] = assistant
+        t0 = time.perf_counter()
+        clock = _Clock(t0)
+        with torch.inference_mode():
+            out = target.generate(ids, streamer=clock, **kwargs)  # type: ignore[operator]
+        total = time.perf_counter() - t0
+        tokens = out[0, len(prompt) :].tolist()
+        times = clock.times or [total]
+        return Run(tokens, times[0], total, times, [1] * len(times))
+
+    return run

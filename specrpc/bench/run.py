@@ -1,0 +1,346 @@
+"""`specrpc bench`: every contender side by side in one process on the same pair and prompts, then end to end
+through gRPC on loopback, then a concurrency sweep. Prints a Markdown table; writes JSON and PNG charts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
+from specrpc.bench.workloads import Case, build_cases
+from specrpc.config import Config, EngineConfig, Limits, ServerConfig
+from specrpc.policy import expected_tokens
+from specrpc.runtime import Runtime
+from specrpc.sampling import SamplingParams
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarize(runs: list[Run]) -> dict[str, float]:
+    """Latency and throughput figures over a contender's runs."""
+    itl: list[float] = []
+    for r in runs:
+        for i in range(1, len(r.chunk_times)):
+            per_token = (r.chunk_times[i] - r.chunk_times[i - 1]) / r.chunk_sizes[i]
+            itl += [per_token] * r.chunk_sizes[i]
+    decode_tokens = sum(len(r.tokens) - 1 for r in runs)
+    decode_time = sum(r.total_s - r.ttft_s for r in runs)
+    proposed, accepted = sum(r.proposed for r in runs), sum(r.accepted for r in runs)
+    steps = sum(r.steps for r in runs)
+    return {
+        "ttft_p50_ms": percentile([r.ttft_s for r in runs], 50) * 1e3,
+        "ttft_p95_ms": percentile([r.ttft_s for r in runs], 95) * 1e3,
+        "itl_p50_ms": percentile(itl, 50) * 1e3,
+        "itl_p99_ms": percentile(itl, 99) * 1e3,
+        "tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
+        "e2e_tokens_per_s": sum(len(r.tokens) for r in runs) / sum(r.total_s for r in runs),
+        "acceptance": accepted / proposed if proposed else 0.0,
+        "mean_accepted_length": decode_tokens / steps if steps else 0.0,
+        "mean_k": statistics.fmean([k for r in runs for k in r.ks]) if any(r.ks for r in runs) else 0.0,
+    }
+
+
+def prompt_ids(runtime: Runtime, case: Case) -> list[int]:
+    """Token ids of a case as the service would build them."""
+    if case.suffix is None:
+        return runtime.encode(case.prompt)
+    return runtime.infill_prompt(case.prompt, case.suffix, [], "")
+
+
+def run_contenders(runtime: Runtime, contenders: dict[str, Runner], cases: list[Case], params: SamplingParams,
+                   rounds: int) -> dict[str, list[Run]]:
+    """Each case through every contender in turn (interleaved, so machine noise hits all alike)."""
+    results: dict[str, list[Run]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for i, case in enumerate(cases):
+            ids = prompt_ids(runtime, case)
+            for name, runner in contenders.items():
+                p = params if params.greedy else replace(params, seed=i)
+                results[name].append(runner(ids, case.max_new_tokens, p))
+    return results
+
+
+def predicted_speedup(alpha: float, k: int, runtime: Runtime) -> float:
+    """S = E(α, k) / (k·c + V(k)) from the calibrated costs."""
+    costs = runtime.engine.costs
+    return expected_tokens(alpha, k) / (k * costs.c + costs.v(k))
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params: SamplingParams,
+                     concurrency: list[int]) -> dict[str, Any]:
+    """End to end through a real server on loopback: per-request figures and the concurrency sweep."""
+    import grpc
+
+    from specrpc.server import start_server
+    from specrpc.v1 import generator_pb2 as pb
+    from specrpc.v1 import generator_pb2_grpc as pb_grpc
+
+    running = await start_server(config, runtime=runtime)
+    out: dict[str, Any] = {}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.GeneratorStub(channel)
+
+            async def one(case: Case, k: int | None, seed: int) -> tuple[Run, int]:
+                spec = pb.SpeculationParams() if k is None else pb.SpeculationParams(num_draft_tokens=k)
+                sampling = pb.SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                             top_k=params.top_k, seed=seed)
+                common: dict[str, Any] = {"max_new_tokens": case.max_new_tokens, "sampling": sampling,
+                                          "speculation": spec}
+                if case.suffix is None:
+                    call = stub.Generate(pb.GenerateRequest(prompt=case.prompt, **common))
+                else:
+                    call = stub.Infill(pb.InfillRequest(prefix=case.prompt, suffix=case.suffix, **common))
+                t0 = time.perf_counter()
+                tokens: list[int] = []
+                times: list[float] = []
+                sizes: list[int] = []
+                messages = 0
+                proposed = accepted = steps = 0
+                async for response in call:
+                    messages += 1
+                    if response.HasField("chunk") and response.chunk.token_ids:
+                        tokens += list(response.chunk.token_ids)
+                        times.append(time.perf_counter() - t0)
+                        sizes.append(len(response.chunk.token_ids))
+                    elif response.HasField("summary"):
+                        sp = response.summary.speculation
+                        proposed, accepted, steps = sp.draft_tokens_proposed, sp.draft_tokens_accepted, sp.verify_steps
+                return Run(tokens, times[0], times[-1], times, sizes, proposed, accepted, steps), messages
+
+            for name, k in (("grpc adaptive", None), ("grpc target-only", 0)):
+                runs = []
+                messages = 0
+                for i, case in enumerate(cases):
+                    run, m = await one(case, k, i)
+                    runs.append(run)
+                    messages += m
+                out[name] = {"summary": summarize(runs), "messages": messages, "total_s": sum(r.total_s for r in runs)}
+
+            sweep: dict[str, dict[str, float]] = {}
+            for streams in concurrency:
+                for name, k in (("adaptive", None), ("target-only", 0)):
+                    t0 = time.perf_counter()
+                    batches = [cases[i % len(cases) :: streams] or cases[:1] for i in range(streams)]
+
+                    async def worker(batch: list[Case], k: int | None = k) -> list[Run]:
+                        return [(await one(c, k, j))[0] for j, c in enumerate(batch)]
+
+                    results = await asyncio.gather(*(worker(b) for b in batches))
+                    wall = time.perf_counter() - t0
+                    runs = [r for rs in results for r in rs]
+                    s = summarize(runs)
+                    sweep[f"{streams}:{name}"] = {
+                        "streams": streams, "aggregate_tokens_per_s": sum(len(r.tokens) for r in runs) / wall,
+                        "itl_p99_ms": s["itl_p99_ms"], "ttft_p99_ms": percentile([r.ttft_s for r in runs], 99) * 1e3,
+                    }
+            out["concurrency"] = sweep
+    finally:
+        await running.server.stop(0)
+        running.janitor.cancel()
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as Markdown tables."""
+    lines = [f"Machine: {results['machine']}  ", f"Command: `{results['command']}`  ",
+             f"Cases: {results['cases']} (code completion, fill-in-the-middle, text), {results['params']}", ""]
+    lines += ["| contender | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p99 ms | tokens/s | speed-up | "
+              "acceptance | mean accepted len | mean k | efficiency | identical |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in results["contenders"].items():
+        s = r["summary"]
+        eff = f"{r['efficiency']:.2f}" if r.get("efficiency") is not None else ""
+        ident = f"{r['identical']:.2f}" if r.get("identical") is not None else ""
+        lines.append(f"| {name} | {s['ttft_p50_ms']:.1f} | {s['ttft_p95_ms']:.1f} | {s['itl_p50_ms']:.2f} | "
+                     f"{s['itl_p99_ms']:.2f} | {s['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
+                     f"{s['acceptance']:.2f} | {s['mean_accepted_length']:.2f} | {s['mean_k']:.1f} | {eff} | {ident} |")
+    if "grpc" in results:
+        g = results["grpc"]
+        lines += ["", "| through gRPC | TTFT p50 ms | ITL p50 ms | tokens/s | messages |", "| --- | --- | --- | --- | --- |"]
+        for name in ("grpc adaptive", "grpc target-only"):
+            s = g[name]["summary"]
+            lines.append(f"| {name} | {s['ttft_p50_ms']:.2f} | {s['itl_p50_ms']:.2f} | {s['tokens_per_s']:.1f} | "
+                         f"{g[name]['messages']} |")
+        o = results["grpc_overhead"]
+        lines += ["", f"gRPC overhead: median TTFT +{o['ttft_delta_ms']:.2f} ms over in-process; "
+                  f"{o['per_message_us']:.0f} µs per streamed message (total-time difference ÷ messages).", "",
+                  "| streams | adaptive tokens/s | target-only tokens/s | adaptive ITL p99 ms | target-only ITL p99 ms |",
+                  "| --- | --- | --- | --- | --- |"]
+        sweep = g["concurrency"]
+        for streams in sorted({v["streams"] for v in sweep.values()}):
+            a, t = sweep[f"{int(streams)}:adaptive"], sweep[f"{int(streams)}:target-only"]
+            lines.append(f"| {int(streams)} | {a['aggregate_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
+                         f"{a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} |")
+    m = results["memory"]
+    lines += ["", f"Memory: weights {m['weight_bytes'] / 2**20:.1f} MiB (target+draft, computed), KV caches "
+              f"{m['kv_cache_bytes'] / 2**20:.1f} MiB (computed); RSS grew {m['rss_load_delta'] / 2**20:.1f} MiB "
+              "while loading both models and allocating the caches (measured)."]
+    return "\n".join(lines) + "\n"
+
+
+def charts(results: dict[str, Any], accepted_lengths: list[int], out: Path) -> list[Path]:
+    """tokens/s per contender, accepted-length histogram, speed-up vs k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    names = list(results["contenders"])
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh(names, [results["contenders"][n]["summary"]["tokens_per_s"] for n in names])
+    ax.set_xlabel("decode tokens/s")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    paths.append(out / "tokens_per_s.png")
+    fig.savefig(paths[-1], dpi=100)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if accepted_lengths:
+        ax.hist(accepted_lengths, bins=range(1, max(accepted_lengths) + 2), align="left", rwidth=0.8)
+    ax.set_xlabel("tokens committed per verify step (adaptive)")
+    ax.set_ylabel("steps")
+    fig.tight_layout()
+    paths.append(out / "accepted_length.png")
+    fig.savefig(paths[-1], dpi=100)
+    ks = sorted(int(n.split("=")[1]) for n in names if n.startswith("k="))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(ks, [results["contenders"][f"k={k}"]["speedup"] for k in ks], marker="o", label="measured")
+    ax.plot(ks, [results["contenders"][f"k={k}"]["predicted_speedup"] for k in ks], marker="x", label="predicted")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("k (draft tokens per step)")
+    ax.set_ylabel("speed-up over target-only")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "speedup_vs_k.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close("all")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `specrpc bench`."""
+    parser = argparse.ArgumentParser(prog="specrpc bench", description=__doc__)
+    parser.add_argument("--target", default=EngineConfig().target)
+    parser.add_argument("--draft", default=EngineConfig().draft)
+    parser.add_argument("--cases", type=int, default=4, help="prompts per workload (code, infill, text)")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the cases")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--ks", default="1,2,3,4,6,8", help="fixed k contenders")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers contenders")
+    parser.add_argument("--no-grpc", action="store_true", help="skip the gRPC phase and concurrency sweep")
+    parser.add_argument("--concurrency", default="1,2,4,8")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--max-new-tokens", type=int, default=0, help="override every case's length (0: keep)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ks = [int(k) for k in args.ks.split(",") if k]
+    engine_config = EngineConfig(target=args.target, draft=args.draft, max_sessions=8, max_context=1024,
+                                 max_draft_tokens=max(ks + [8]), threads=args.threads)
+    config = Config(engine=engine_config, server=ServerConfig(port=0, log_format="console", log_level="warning"),
+                    limits=Limits())
+    from specrpc.logs import configure
+
+    configure("console", "warning")
+    rss0 = rss_bytes()
+    runtime = Runtime(config)
+    rss_load = rss_bytes() - rss0
+    runtime.engine.calibrate()
+    cases = build_cases(args.cases)
+    if args.max_new_tokens:
+        cases = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases]
+    params = SamplingParams(temperature=args.temperature)
+    engine = runtime.engine
+    contenders: dict[str, Runner] = {"target-only": engine_runner(engine, 0, "draft"),
+                                     "adaptive": engine_runner(engine, None, "draft")}
+    contenders.update({f"k={k}": engine_runner(engine, k, "draft") for k in ks})
+    contenders["prompt lookup"] = engine_runner(engine, None, "lookup")
+    contenders["combined"] = engine_runner(engine, None, "combined")
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+        hf_draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+        eos = runtime.tokenizer.eos_token_id
+        contenders["hf generate"] = hf_runner(hf_target, None, eos)
+        contenders["hf assisted"] = hf_runner(hf_target, hf_draft, eos)
+    for runner in contenders.values():  # warm-up
+        runner(prompt_ids(runtime, cases[0])[:32], 8, params)
+    runs = run_contenders(runtime, contenders, cases, params, args.rounds)
+    base = summarize(runs["target-only"])["tokens_per_s"]
+    reference = [r.tokens for r in runs["target-only"]]
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
+                   f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}",
+        "command": "specrpc bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "cases": len(cases), "params": asdict(params),
+        "costs": {"c": engine.costs.c, "V": {k: engine.costs.v(k) for k in range(max(ks) + 1)}},
+        "contenders": {},
+    }
+    for name, rs in runs.items():
+        s = summarize(rs)
+        entry: dict[str, Any] = {"summary": s, "speedup": s["tokens_per_s"] / base if base else 0.0}
+        if params.greedy:
+            entry["identical"] = sum(r.tokens == ref for r, ref in zip(rs, reference, strict=True)) / len(rs)
+        if name.startswith("k="):
+            k = int(name.split("=")[1])
+            entry["predicted_speedup"] = predicted_speedup(s["acceptance"], k, runtime)
+            entry["efficiency"] = entry["speedup"] / entry["predicted_speedup"]
+        results["contenders"][name] = entry
+    results["memory"] = {
+        "weight_bytes": runtime.target_info.weight_bytes + (runtime.draft_info.weight_bytes if runtime.draft_info
+                                                            else 0),
+        "kv_cache_bytes": runtime.target.cache_bytes() + (runtime.draft.cache_bytes() if runtime.draft else 0),
+        "rss_load_delta": rss_load,
+    }
+    if not args.no_grpc:
+        concurrency = [int(c) for c in args.concurrency.split(",") if c]
+        grpc_results = asyncio.run(grpc_phase(runtime, config, cases, params, concurrency))
+        results["grpc"] = grpc_results
+        inproc, remote = results["contenders"]["adaptive"]["summary"], grpc_results["grpc adaptive"]
+        local_total = sum(r.total_s for r in runs["adaptive"][: len(cases)])
+        results["grpc_overhead"] = {
+            "ttft_delta_ms": remote["summary"]["ttft_p50_ms"] - inproc["ttft_p50_ms"],
+            "per_message_us": (remote["total_s"] - local_total) / remote["messages"] * 1e6,
+        }
+    args.out.mkdir(parents=True, exist_ok=True)
+    adaptive_lengths = [n for r in runs["adaptive"] for n in r.accepted_lengths]
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    table = markdown(results)
+    (args.out / "results.md").write_text(table)
+    charts(results, adaptive_lengths, args.out)
+    print(table)
+    runtime.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
