@@ -255,7 +255,8 @@ class Generation:
     def _choose_k(self) -> int:
         policy = self.slot.policy
         room = min(self.request.max_new_tokens - self.generated - 1, self.engine.capacity - len(self.slot.tokens))
-        k = self.fixed_k if self.fixed_k is not None else policy.choose()
+        free = self.proposer.name == "lookup"
+        k = self.fixed_k if self.fixed_k is not None else policy.choose(draft_cost=0.0 if free else None)
         return max(0, min(k, room, self.engine.config.max_draft_tokens))
 
     def _speculate(self) -> StepResult:

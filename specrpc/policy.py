@@ -101,21 +101,23 @@ class AdaptivePolicy:
     _steps_off: int = 0
     last_k: int = 0
 
-    def speedup(self, k: int, alpha: float | None = None) -> float:
-        """Expected speed-up over target-only decoding with k drafts."""
+    def speedup(self, k: int, alpha: float | None = None, draft_cost: float | None = None) -> float:
+        """Expected speed-up over target-only decoding with k drafts (`draft_cost` overrides c, e.g. 0 for
+        prompt lookup)."""
         a = self.acceptance.alpha if alpha is None else alpha
+        c = self.costs.c if draft_cost is None else draft_cost
         if k == 0:
             return 1.0
-        return expected_tokens(a, k) / (k * self.costs.c + self.costs.v(k))
+        return expected_tokens(a, k) / (k * c + self.costs.v(k))
 
-    def choose(self, load: int = 1) -> int:
+    def choose(self, load: int = 1, draft_cost: float | None = None) -> int:
         """k for the next step. `load` = streams sharing the device: steps are interleaved, not batched, so each
         stream's S is unchanged by load; only the probe rate drops (probes cost every stream)."""
         if self.max_k == 0:
             self.last_k = 0
             return 0
-        best_k = max(range(self.max_k + 1), key=self.speedup)
-        if self.speedup(best_k) <= self.min_speedup:
+        best_k = max(range(self.max_k + 1), key=lambda k: self.speedup(k, draft_cost=draft_cost))
+        if self.speedup(best_k, draft_cost=draft_cost) <= self.min_speedup:
             self._steps_off += 1
             if self._steps_off >= self.probe_every * max(1, load):
                 self._steps_off = 0

@@ -1,0 +1,47 @@
+"""Load a Hugging Face checkpoint directory as a CausalLM (lean Llama-family path or transformers fallback)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from specrpc.models.hf_fallback import HFCausalLM
+from specrpc.models.llama import LEAN_MODEL_TYPES, LlamaLM, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from specrpc.models import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_slots: int,
+    max_context: int,
+    lean: bool = True,
+) -> CausalLM:
+    """Load `path` with `num_slots` KV slots of `max_context` positions each (include the verify reserve:
+    max_context + k_max + 1). Llama / Mistral / Qwen2 take the lean forward unless `lean` is False or the config
+    needs something it lacks; anything else runs through transformers."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    if lean and cfg.get("model_type") in LEAN_MODEL_TYPES:
+        try:
+            return LlamaLM.load(path, cfg, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context)
+        except UnsupportedModelError as e:
+            log.warning("%s: lean forward unavailable (%s); using transformers", path.name, e)
+    return HFCausalLM.load(path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer (local files only)."""
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return tokenizer

@@ -1,0 +1,223 @@
+"""Lean Llama-family forward and transformers fallback against transformers' own full-sequence forward: prefill,
+chunked prefill, token-by-token decode, verify after a prefix, rollback then a different continuation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+import specrpc
+from specrpc.models import CausalLM, load_model
+from specrpc.models.hf_fallback import HFCausalLM
+from specrpc.models.llama import LlamaArgs, LlamaLM, rope_inv_freq
+
+CPU, F32 = torch.device("cpu"), torch.float32
+VOCAB, N, CAPACITY = 96, 40, 48
+ATOL = 1e-4
+TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64,
+)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+CASES: dict[str, tuple[type[PreTrainedModel], PreTrainedConfig]] = {
+    "llama-tied-gqa": (LlamaForCausalLM, LlamaConfig(**TINY, tie_word_embeddings=True)),
+    "llama-untied-mha-bias": (LlamaForCausalLM, LlamaConfig(**{**TINY, "num_key_value_heads": 4},
+                                                            attention_bias=True, mlp_bias=True)),
+    "llama-head-dim": (LlamaForCausalLM, LlamaConfig(**TINY, head_dim=24)),
+    "llama3-rope": (LlamaForCausalLM, LlamaConfig(**TINY, rope_parameters=dict(LLAMA3))),
+    "linear-rope": (LlamaForCausalLM, LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                           "rope_theta": 500.0})),
+    "dynamic-rope": (LlamaForCausalLM, LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                            "rope_theta": 10000.0})),
+    "mistral-window": (MistralForCausalLM, MistralConfig(**TINY, sliding_window=6)),
+    "qwen2-bias": (Qwen2ForCausalLM, Qwen2Config(**{**TINY, "num_key_value_heads": 1})),
+    "qwen2-window": (Qwen2ForCausalLM, Qwen2Config(**TINY, use_sliding_window=True, sliding_window=5,
+                                                   max_window_layers=1)),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny products on a busy 2-core box: a second intra-op thread only adds scheduler stalls."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def save(tmp: Path, cls: type[PreTrainedModel], config: PreTrainedConfig, **kw: Any) -> tuple[Path, PreTrainedModel]:
+    """Random float32 weights (norms and biases perturbed) saved to `tmp`, sharded when max_shard_size is given."""
+    torch.manual_seed(0)
+    model = cls(config)
+    model.train(False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(tmp), **kw)
+    return tmp, model
+
+
+def reference(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits [T, V] for one full sequence, no cache."""
+    with torch.no_grad():
+        logits: torch.Tensor = model(ids[None]).logits[0].float()
+    return logits
+
+
+def close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> None:
+    assert a.dtype == torch.float32 and a.shape == b.shape
+    assert (a - b).abs().max().item() < atol, f"max abs diff {(a - b).abs().max().item():.2e}"
+
+
+def check_against_reference(lm: CausalLM, model: PreTrainedModel, atol: float = ATOL) -> None:
+    """Every engine-style call pattern gives transformers' logits; slot 0 holds unrelated tokens throughout."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (N,), generator=g)
+    other = torch.randint(0, VOCAB, (N,), generator=g)
+    alt = torch.randint(0, VOCAB, (8,), generator=g)
+    ref = reference(model, ids)  # [N, V]
+    lm.forward(other, 0, 0, num_logits=1)
+
+    close(lm.forward(ids, 0, 1, num_logits=N), ref, atol)  # full prefill
+    assert lm.length(1) == N
+
+    lm.truncate(1, 0)  # chunked prefill
+    for lo, hi in [(0, 7), (7, 12), (12, 13), (13, 29), (29, N)]:
+        close(lm.forward(ids[lo:hi], lo, 1, num_logits=hi - lo), ref[lo:hi], atol)
+
+    lm.truncate(1, 0)  # token-by-token decode
+    for t in range(N):
+        close(lm.forward(ids[t : t + 1], t, 1), ref[t : t + 1], atol)
+
+    prefix = 20  # verify: k+1 = 6 tokens after a prefix
+    lm.truncate(1, prefix)
+    close(lm.forward(ids[prefix : prefix + 6], prefix, 1, num_logits=6), ref[prefix : prefix + 6], atol)
+    close(lm.forward(ids[prefix + 6 : prefix + 7], prefix + 6, 1), ref[prefix + 6 : prefix + 7], atol)
+
+    keep = prefix + 2  # rollback: keep 2 accepted, continue differently; stale K/V past the length must not leak
+    lm.truncate(1, keep)
+    fresh_ids = torch.cat([ids[:keep], alt])
+    fresh = reference(model, fresh_ids)
+    close(lm.forward(alt[:5], keep, 1, num_logits=5), fresh[keep : keep + 5], atol)
+    close(lm.forward(alt[5:6], keep + 5, 1), fresh[keep + 5 : keep + 6], atol)
+    assert lm.length(1) == keep + 6
+    close(lm.forward(other[N - 1 :], N - 1, 0), reference(model, other)[N - 1 :], atol)  # slot 0 untouched
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lean_matches_transformers(case: str, tmp_path: Path) -> None:
+    cls, config = CASES[case]
+    path, model = save(tmp_path, cls, config)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY)
+    assert isinstance(lm, LlamaLM) and isinstance(lm, CausalLM)
+    assert lm.vocab_size == VOCAB and lm.max_context == CAPACITY and lm.name == tmp_path.name
+    check_against_reference(lm, model)
+
+
+def test_sharded_checkpoint(tmp_path: Path) -> None:
+    path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY), max_shard_size="40KB")
+    assert (path / "model.safetensors.index.json").exists()
+    check_against_reference(load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY), model)
+
+
+@pytest.mark.parametrize(
+    ("cls", "config"),
+    [
+        (GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
+                                    eos_token_id=0)),
+        (LlamaForCausalLM, LlamaConfig(**TINY)),
+    ],
+    ids=["gpt2", "llama-not-lean"],
+)
+def test_fallback_matches_transformers(cls: type[PreTrainedModel], config: PreTrainedConfig, tmp_path: Path) -> None:
+    path, model = save(tmp_path, cls, config)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY, lean=False)
+    assert isinstance(lm, HFCausalLM) and isinstance(lm, CausalLM)
+    check_against_reference(lm, model)
+
+
+def test_unsupported_rope_falls_back(tmp_path: Path) -> None:
+    yarn = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
+    path, _ = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY, rope_parameters=yarn))
+    assert isinstance(load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY), HFCausalLM)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 500.0},
+        {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        LLAMA3,
+    ],
+    ids=lambda r: r["rope_type"],
+)
+def test_rope_inv_freq_matches_transformers(rope: dict[str, Any]) -> None:
+    config = LlamaConfig(**TINY, rope_parameters=dict(rope))
+    args = LlamaArgs.from_config(config.to_dict())
+    capacity = 200  # past max_position_embeddings: dynamic scales its base for the whole capacity
+    expected: torch.Tensor
+    if rope["rope_type"] == "default":
+        expected = LlamaRotaryEmbedding(config).inv_freq
+    else:
+        expected = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, device=CPU, seq_len=capacity)[0]
+    assert torch.equal(rope_inv_freq(args, capacity), expected)
+
+
+def test_legacy_rope_config_keys() -> None:
+    """rope_theta + rope_scaling {"type": …} (transformers 4 configs) parse like rope_parameters."""
+    new = LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}).to_dict()
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old |= {"rope_theta": 500.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert torch.equal(rope_inv_freq(LlamaArgs.from_config(old), 64), rope_inv_freq(LlamaArgs.from_config(new), 64))
+
+
+def test_bfloat16_forward_close_to_float32(tmp_path: Path) -> None:
+    path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(2))
+    lm = load_model(path, device=CPU, dtype=torch.bfloat16, num_slots=1, max_context=CAPACITY)
+    logits = torch.cat([lm.forward(ids[:7], 0, 0, num_logits=7), lm.forward(ids[7:8], 7, 0),
+                        lm.forward(ids[8:], 8, 0, num_logits=4)])
+    close(logits, reference(model, ids), atol=5e-2)
+
+
+ASSET_TARGET = Path(specrpc.__file__).parent / "assets" / "target"
+
+
+@pytest.mark.skipif(not (ASSET_TARGET / "config.json").exists(), reason="default models not trained yet")
+def test_shipped_target_lean_matches_transformers() -> None:
+    cfg = json.loads((ASSET_TARGET / "config.json").read_text())
+    lm = load_model(ASSET_TARGET, device=CPU, dtype=F32, num_slots=1, max_context=64)
+    assert isinstance(lm, LlamaLM)
+    ids = torch.randint(0, cfg["vocab_size"], (40,), generator=torch.Generator().manual_seed(3))
+    ref = reference(AutoModelForCausalLM.from_pretrained(str(ASSET_TARGET), dtype=F32, local_files_only=True), ids)
+    atol = 1e-3 * max(1.0, ref.abs().max().item())
+    close(lm.forward(ids[:30], 0, 0, num_logits=30), ref[:30], atol)
+    close(lm.forward(ids[30:31], 30, 0), ref[30:31], atol)
+    close(lm.forward(ids[31:37], 31, 0, num_logits=6), ref[31:37], atol)
+    lm.truncate(0, 33)
+    close(lm.forward(ids[33:], 33, 0, num_logits=7), ref[33:], atol)
