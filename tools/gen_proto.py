@@ -24,8 +24,8 @@ def plugin(name: str) -> str:
 
 def generate(root: Path = ROOT, out: Path | None = None) -> list[Path]:
     """Run protoc on every .proto under root/proto; returns the generated files."""
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     proto_dir = root / "proto"
     out_dir = out or root

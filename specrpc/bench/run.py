@@ -113,10 +113,8 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                                              top_k=params.top_k, seed=seed)
                 common: dict[str, Any] = {"max_new_tokens": case.max_new_tokens, "sampling": sampling,
                                           "speculation": spec}
-                if case.suffix is None:
-                    call = stub.Generate(pb.GenerateRequest(prompt=case.prompt, **common))
-                else:
-                    call = stub.Infill(pb.InfillRequest(prefix=case.prompt, suffix=case.suffix, **common))
+                call: Any = (stub.Generate(pb.GenerateRequest(prompt=case.prompt, **common)) if case.suffix is None
+                             else stub.Infill(pb.InfillRequest(prefix=case.prompt, suffix=case.suffix, **common)))
                 t0 = time.perf_counter()
                 tokens: list[int] = []
                 times: list[float] = []
@@ -183,7 +181,8 @@ def markdown(results: dict[str, Any]) -> str:
                      f"{s['acceptance']:.2f} | {s['mean_accepted_length']:.2f} | {s['mean_k']:.1f} | {eff} | {ident} |")
     if "grpc" in results:
         g = results["grpc"]
-        lines += ["", "| through gRPC | TTFT p50 ms | ITL p50 ms | tokens/s | messages |", "| --- | --- | --- | --- | --- |"]
+        lines += ["", "| through gRPC | TTFT p50 ms | ITL p50 ms | tokens/s | messages |",
+                  "| --- | --- | --- | --- | --- |"]
         for name in ("grpc adaptive", "grpc target-only"):
             s = g[name]["summary"]
             lines.append(f"| {name} | {s['ttft_p50_ms']:.2f} | {s['itl_p50_ms']:.2f} | {s['tokens_per_s']:.1f} | "
@@ -191,7 +190,8 @@ def markdown(results: dict[str, Any]) -> str:
         o = results["grpc_overhead"]
         lines += ["", f"gRPC overhead: median TTFT +{o['ttft_delta_ms']:.2f} ms over in-process; "
                   f"{o['per_message_us']:.0f} µs per streamed message (total-time difference ÷ messages).", "",
-                  "| streams | adaptive tokens/s | target-only tokens/s | adaptive ITL p99 ms | target-only ITL p99 ms |",
+                  "| streams | adaptive tokens/s | target-only tokens/s | adaptive ITL p99 ms | "
+                  "target-only ITL p99 ms |",
                   "| --- | --- | --- | --- | --- |"]
         sweep = g["concurrency"]
         for streams in sorted({v["streams"] for v in sweep.values()}):
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",") if k]
     engine_config = EngineConfig(target=args.target, draft=args.draft, max_sessions=8, max_context=1024,
-                                 max_draft_tokens=max(ks + [8]), threads=args.threads)
+                                 max_draft_tokens=max([*ks, 8]), threads=args.threads)
     config = Config(engine=engine_config, server=ServerConfig(port=0, log_format="console", log_level="warning"),
                     limits=Limits())
     from specrpc.logs import configure

@@ -14,6 +14,7 @@ import json
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ def third_party_sources(limit_files: int = 60) -> list[SourceFile]:
 
 def token_stream(tok: PreTrainedTokenizerBase, files: list[SourceFile], max_tokens: int) -> list[int]:
     """Files joined as in training (`<|file_sep|>path\\n text <|endoftext|>`), cut at max_tokens."""
-    sep = tok.convert_tokens_to_ids("<|file_sep|>")
+    sep = int(tok.convert_tokens_to_ids("<|file_sep|>"))  # type: ignore[arg-type]
     ids: list[int] = []
     for f in files:
         ids += [sep, *tok(f"{f.relpath}\n{f.text}", add_special_tokens=False).input_ids, tok.eos_token_id]
@@ -82,7 +83,8 @@ def measure(target: torch.nn.Module, draft: torch.nn.Module, tok: PreTrainedToke
 def sample_completion(model: torch.nn.Module, tok: PreTrainedTokenizerBase, prompt: str, n: int = 48) -> str:
     """Greedy continuation, for the card."""
     ids = tok(prompt, return_tensors="pt").input_ids
-    out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    out = model.generate(ids, max_new_tokens=n, do_sample=False,  # type: ignore[operator]
+                         pad_token_id=tok.eos_token_id)
     return str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
 
@@ -91,7 +93,7 @@ def params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--assets", type=Path, default=ASSETS)
     parser.add_argument("--max-tokens", type=int, default=120_000, help="held-out tokens per evaluation set")
@@ -118,13 +120,19 @@ def main() -> None:
     (args.assets / "model_card.json").write_text(json.dumps(card, indent=2))
     (args.assets / "MODEL_CARD.md").write_text(render(card))
     print(json.dumps(results, indent=2))
+    return 0
 
 
-def render(card: dict[str, object]) -> str:
+def shape_row(name: str, shape: dict[str, int], parameters: int) -> str:
+    """One model's row of the card's size table."""
+    return (f"| {name} | {shape['layers']} | {shape['hidden']} | {shape['heads']} ({shape['kv_heads']}) | "
+            f"{shape['ffn']} | {parameters:,} |")
+
+
+def render(card: dict[str, Any]) -> str:
     """The Markdown model card."""
-    r = card["results"]
-    t = card["training"]
-    assert isinstance(r, dict) and isinstance(t, dict)
+    r: dict[str, dict[str, float]] = card["results"]
+    t: dict[str, Any] = card["training"]
     plan = t["plan"]
     rows = "\n".join(
         f"| {name} | {v['tokens']:,} | {v['target_bits_per_byte']:.3f} | {v['draft_bits_per_byte']:.3f} | "
@@ -148,8 +156,8 @@ tokens are drawn at random, and {plan['fim_rate']:.0%} of them are rearranged pr
 ## Models
 | | layers | hidden | heads (kv) | ffn | parameters |
 | --- | --- | --- | --- | --- | --- |
-| target | {plan['target']['layers']} | {plan['target']['hidden']} | {plan['target']['heads']} ({plan['target']['kv_heads']}) | {plan['target']['ffn']} | {card['target_parameters']:,} |
-| draft | {plan['draft']['layers']} | {plan['draft']['hidden']} | {plan['draft']['heads']} ({plan['draft']['kv_heads']}) | {plan['draft']['ffn']} | {card['draft_parameters']:,} |
+{shape_row("target", plan["target"], card["target_parameters"])}
+{shape_row("draft", plan["draft"], card["draft_parameters"])}
 
 Weights are bfloat16 safetensors ({card['weight_bytes_on_disk'] / 2**20:.1f} MiB for both), tied embeddings.
 

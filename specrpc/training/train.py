@@ -92,7 +92,7 @@ PLANS: dict[str, TrainPlan] = {
 
 def llama_config(shape: ModelShape, plan: TrainPlan, special: dict[str, int]) -> LlamaConfig:
     """A LlamaConfig for one of the pair."""
-    return LlamaConfig(
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=plan.vocab_size,
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
@@ -184,13 +184,13 @@ def export(model: LlamaForCausalLM, tokenizer_dir: Path, out_dir: Path, special:
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    model = model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]
     model.generation_config = GenerationConfig(
         bos_token_id=special[EOT], eos_token_id=special[EOT], pad_token_id=special[EOT]
     )
     model.save_pretrained(str(out_dir), max_shard_size=16 * 1024 * 1024)
     PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out_dir))
-    model.to(torch.float32)
+    model.to(torch.float32)  # type: ignore[arg-type]
 
 
 def main() -> None:
@@ -208,7 +208,8 @@ def main() -> None:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     plan = PLANS[args.plan if args.plan != "auto" else ("gpu" if device.type == "cuda" else "cpu")]
-    plan = replace(plan, joint_steps=args.joint_steps or plan.joint_steps, draft_steps=args.draft_steps or plan.draft_steps)
+    plan = replace(plan, joint_steps=args.joint_steps or plan.joint_steps,
+                   draft_steps=args.draft_steps or plan.draft_steps)
     if args.threads:
         torch.set_num_threads(args.threads)
     work: Path = args.work_dir
@@ -221,7 +222,12 @@ def main() -> None:
         print(f"training tokenizer on {len(train_files)} files", flush=True)
         train_tokenizer((f.text for f in train_files), plan.vocab_size, tok_dir)
     raw_tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    special = {t: raw_tok.token_to_id(t) for t in (EOT, FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, FILE_SEP)}
+    special: dict[str, int] = {}
+    for name in (EOT, FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, FILE_SEP):
+        token_id = raw_tok.token_to_id(name)
+        if token_id is None:
+            raise SystemExit(f"{tok_dir} lacks the special token {name}: delete it to retrain the tokenizer")
+        special[name] = token_id
 
     train_path, heldout_path = work / "train.npy", work / "heldout.npy"
     if not train_path.exists():
@@ -232,8 +238,8 @@ def main() -> None:
     print(f"corpus: {len(data):,} training tokens", flush=True)
 
     torch.manual_seed(plan.seed)
-    target = LlamaForCausalLM(llama_config(plan.target, plan, special)).to(device)
-    draft = LlamaForCausalLM(llama_config(plan.draft, plan, special)).to(device)
+    target = LlamaForCausalLM(llama_config(plan.target, plan, special)).to(device)  # type: ignore[arg-type]
+    draft = LlamaForCausalLM(llama_config(plan.draft, plan, special)).to(device)  # type: ignore[arg-type]
     opt_t, opt_d = make_optimizer(target, plan.lr_target), make_optimizer(draft, plan.lr_draft)
     step, elapsed, tokens_seen = 0, 0.0, 0
     ckpt_path = work / "checkpoint.pt"
@@ -305,7 +311,7 @@ def main() -> None:
     (args.out_dir / "training.json").write_text(json.dumps({
         "plan": asdict(plan), "device": str(device), "threads": torch.get_num_threads(),
         "training_seconds": round(elapsed), "tokens_seen_target": plan.joint_steps * plan.batch * plan.seq_len,
-        "tokens_seen_draft": tokens_seen, "corpus_train_tokens": int(len(data)),
+        "tokens_seen_draft": tokens_seen, "corpus_train_tokens": len(data),
     }, indent=2))
     print(f"exported to {args.out_dir} after {elapsed / 60:.1f} min of training", flush=True)
 
