@@ -249,7 +249,10 @@ class Generation:
         self.prefill_pos = end
         if end < len(prompt):
             return StepResult([], 0, 0, None)
-        token = int(sample(logits_to_probs(logits, self.params), self.generator)[0])
+        if self.params.greedy:
+            token = int(logits[0].argmax())
+        else:
+            token = int(sample(logits_to_probs(logits, self.params), self.generator)[0])
         return self._commit([token], accepted=0, proposed=0)
 
     def _choose_k(self) -> int:

@@ -78,10 +78,13 @@ class DraftModelProposer:
         ids: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(k):
-            probs = logits_to_probs(logits, params)  # [1, V]
-            token = int(sample(probs, generator)[0])
+            if params.greedy:  # verify ignores draft probabilities when greedy
+                token = int(logits[0].argmax())
+            else:
+                probs = logits_to_probs(logits, params)  # [1, V]
+                token = int(sample(probs, generator)[0])
+                rows.append(probs[0])
             ids.append(token)
-            rows.append(probs[0])
             if i + 1 < k:
                 step = torch.tensor([token], dtype=torch.long, device=self.model.device)  # [1]
                 logits = self.model.forward(step, position + i, slot, num_logits=1)  # [1, V]
