@@ -168,7 +168,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown tables."""
     lines = [f"Machine: {results['machine']}  ", f"Command: `{results['command']}`  ",
-             f"Cases: {results['cases']} (code completion, fill-in-the-middle, text), {results['params']}", ""]
+             f"Cases: {results['cases']} ({results['workloads']}), sampling {results['params']}", ""]
     lines += ["| contender | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p99 ms | tokens/s | speed-up | "
               "acceptance | mean accepted len | mean k | efficiency | identical |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--max-new-tokens", type=int, default=0, help="override every case's length (0: keep)")
+    parser.add_argument("--workloads", default="code,infill,text", help="comma-separated subset of code,infill,text")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = Runtime(config)
     rss_load = rss_bytes() - rss0
     runtime.engine.calibrate()
-    cases = build_cases(args.cases)
+    cases = build_cases(args.cases, workloads=tuple(w for w in args.workloads.split(",") if w))
     if args.max_new_tokens:
         cases = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases]
     params = SamplingParams(temperature=args.temperature)
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
                    f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}",
         "command": "specrpc bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "cases": len(cases), "params": asdict(params),
+        "cases": len(cases), "workloads": args.workloads, "params": asdict(params),
         "costs": {"c": engine.costs.c, "V": {k: engine.costs.v(k) for k in range(max(ks) + 1)}},
         "contenders": {},
     }

@@ -84,9 +84,15 @@ def text_cases(files: list[SourceFile], n: int, rng: random.Random) -> list[Case
     return cases
 
 
-def build_cases(per_workload: int, seed: int = 0) -> list[Case]:
+WORKLOADS = ("code", "infill", "text")
+
+
+def build_cases(per_workload: int, seed: int = 0, workloads: tuple[str, ...] = WORKLOADS) -> list[Case]:
     """The benchmark set, deterministic for a seed."""
     rng = random.Random(seed)
     files = heldout_files()
-    return (completion_cases(files, per_workload, rng) + infill_cases(files, per_workload, rng)
-            + text_cases(files, per_workload, rng))
+    makers = {"code": completion_cases, "infill": infill_cases}
+    cases: list[Case] = []
+    for name in workloads:
+        cases += text_cases(files, per_workload, rng) if name == "text" else makers[name](files, per_workload, rng)
+    return cases

@@ -1,0 +1,28 @@
+"""Smoke test of `specrpc bench` on two prompts: every contender runs, outputs are identical, files are written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specrpc.bench.run import main
+from specrpc.config import ASSETS
+
+pytestmark = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="default models missing")
+
+
+def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
+    assert main(["--cases", "1", "--workloads", "code,infill", "--max-new-tokens", "12", "--ks", "2",
+                 "--concurrency", "1,2", "--threads", "1", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    contenders = results["contenders"]
+    expected = {"target-only", "adaptive", "k=2", "prompt lookup", "combined", "hf generate", "hf assisted"}
+    assert expected <= set(contenders)
+    for name in ("adaptive", "k=2", "prompt lookup", "combined"):
+        assert contenders[name]["identical"] == 1.0, name  # greedy: token-for-token the target-only output
+    assert results["grpc"]["concurrency"]["2:adaptive"]["aggregate_tokens_per_s"] > 0
+    for chart in ("tokens_per_s.png", "accepted_length.png", "speedup_vs_k.png"):
+        assert (tmp_path / chart).stat().st_size > 0
+    assert "| adaptive |" in (tmp_path / "results.md").read_text()
