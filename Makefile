@@ -10,30 +10,44 @@ STUBS := specrpc/v1/generator_pb2.py
 PROTOS := $(wildcard proto/specrpc/v1/*.proto)
 ARGS ?=
 PYTEST_ARGS ?=
+TS := clients/typescript
+# npm writes this file on every install, so it is newer than the lock file once node_modules matches it.
+TS_DEPS := $(TS)/node_modules/.package-lock.json
 
-.PHONY: install proto serve test lint models bench clean
+.PHONY: install proto serve test test-ts lint models bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml constraints.txt setup.py
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt setup.py clients/python/pyproject.toml
 	@if [ -n "$(TORCH)" ]; then $(BIN)/pip install -q "$(TORCH)"; fi
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e clients/python
 	touch $(STAMP)
 
 $(STUBS): $(STAMP) $(PROTOS) tools/gen_proto.py
 	$(BIN)/python tools/gen_proto.py
+	$(BIN)/python clients/python/gen_stubs.py
 
 install: $(STAMP) $(STUBS)
 
 proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py
+	$(BIN)/python clients/python/gen_stubs.py
 
 serve: install
 	$(BIN)/specrpc serve $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-ts
+
+$(TS_DEPS): $(TS)/package.json $(TS)/package-lock.json
+	cd $(TS) && npm ci --no-audit --no-fund
+
+# The TypeScript client against a real `specrpc serve` (same models: SPECRPC_TARGET/SPECRPC_DRAFT pass through).
+test-ts: install $(TS_DEPS)
+	cd $(TS) && npm test
 
 lint: install
 	$(BIN)/ruff check specrpc tests tools clients/python
@@ -49,4 +63,4 @@ bench: install
 	$(BIN)/specrpc bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) specrpc/v1 .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) specrpc/v1 clients/python/specrpc_client/_gen .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

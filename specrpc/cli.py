@@ -24,6 +24,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(argv: list[str]) -> int:
+    from specrpc.bench.run import main as bench_main
+
+    return bench_main(argv)
+
+
+def _add_client_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`complete` and `chat` come from the Python client (clients/python): only its argparse module is imported
+    here; the client itself loads when one of them runs. Without the client installed they say how to get it."""
+    try:
+        from specrpc_client.cli import add_commands
+    except ImportError as exc:
+        reason = f"the Python client is not installed ({exc}); run `make install` or `pip install -e clients/python`"
+        for name in ("complete", "chat"):
+            missing = commands.add_parser(name, help=f"(unavailable: {reason})")
+            missing.set_defaults(func=lambda _args: print(f"specrpc: {reason}", file=sys.stderr) or 2)
+        return
+    add_commands(commands)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `specrpc` command."""
     parser = argparse.ArgumentParser(prog="specrpc", description="Exact speculative decoding over gRPC.")
@@ -36,7 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     config_mod.add_arguments(serve)
     serve.set_defaults(func=_serve)
-    args = parser.parse_args(argv)
+    _add_client_commands(commands)
+    commands.add_parser("bench", help="side-by-side benchmarks (see `specrpc bench --help`)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return _bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return int(args.func(args))
 
 

@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Sized
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class SlotUsage(Protocol):
+    """What the gauges read live: the session registry."""
+
+    @property
+    def in_use(self) -> int:
+        """KV slots with a stream in flight."""
+        ...
+
+    @property
+    def total(self) -> int:
+        """KV slots preallocated."""
+        ...
+
+    @property
+    def sessions(self) -> Sized:
+        """Sessions holding a slot."""
+        ...
 
 
 class Metrics:
@@ -29,8 +52,23 @@ class Metrics:
         self.active_sessions = Gauge("specrpc_active_sessions", "Sessions holding a KV slot", registry=r)
         self.kv_slots_in_use = Gauge("specrpc_kv_slots_in_use", "KV slots with a stream in flight", registry=r)
         self.kv_slots_total = Gauge("specrpc_kv_slots_total", "KV slots preallocated", registry=r)
+        self._http: WSGIServer | None = None
+
+    def track(self, slots: SlotUsage) -> None:
+        """Read the slot and session gauges from `slots` at each scrape (never stale)."""
+        self.kv_slots_in_use.set_function(lambda: slots.in_use)
+        self.kv_slots_total.set_function(lambda: slots.total)
+        self.active_sessions.set_function(lambda: len(slots.sessions))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP exporter; returns the bound port."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
         return int(server.server_port)
+
+    def close(self) -> None:
+        """Stop the HTTP exporter (if started) and free its port."""
+        server, self._http = self._http, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()

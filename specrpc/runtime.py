@@ -7,7 +7,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,12 +16,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.config import Config
-from specrpc.engine import Engine, GenerationRequest
+from specrpc.engine import Engine, GenerationRequest, GenerationStats
 from specrpc.models import CausalLM, load_model, load_tokenizer
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.sampling import SamplingParams
-from specrpc.scheduler import Done, Event, Failed, Job, Scheduler
-from specrpc.sessions import Session, SessionRegistry
+from specrpc.scheduler import FINISH_CANCELLED, Done, Event, Failed, Job, Scheduler
+from specrpc.sessions import SessionRegistry, Superseded
 from specrpc.text import IncrementalDetokenizer, StopMatcher
 
 log = structlog.get_logger(__name__)
@@ -32,6 +32,10 @@ FIM_NAMES = [
     ("<|fim▁begin|>", "<|fim▁hole|>", "<|fim▁end|>"),
 ]
 FILE_SEP_NAMES = ["<|file_sep|>", "<file_sep>", "<|file_separator|>"]
+
+
+SEEDED_DRAFT_TOKENS = 4
+"""Draft tokens per step for seeded sampled requests left to the adaptive policy (see `Runtime._speculation`)."""
 
 
 class NoInfillSupport(Exception):
@@ -174,6 +178,11 @@ class Runtime:
         self.scheduler.stop()
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may use: known to both the tokenizer and the target's embedding."""
+        return min(self.target.vocab_size, len(self.tokenizer))
+
+    @property
     def context_limit(self) -> int:
         """Most committed tokens per slot."""
         return self.config.engine.max_context
@@ -189,7 +198,8 @@ class Runtime:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def infill_prompt(self, prefix: str, suffix: str, extra: Sequence[ExtraFile], path: str) -> list[int]:
-        """Prefix-suffix-middle with extra files first: [SEP path\\n text EOT]* PRE [SEP path\\n] prefix SUF suffix MID."""
+        """Prefix-suffix-middle with extra files first:
+        [SEP path\\n text EOT]* PRE [SEP path\\n] prefix SUF suffix MID."""
         if self.fim_ids is None:
             raise NoInfillSupport("the loaded tokenizer has no fill-in-the-middle tokens "
                                   "(<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>); load a FIM-trained model")
@@ -214,21 +224,50 @@ class Runtime:
 
     # ---- generation --------------------------------------------------------------------------------------------
 
+    def _speculation(self, params: DecodeParams) -> tuple[int | None, str | None]:
+        """k and proposer for a request. A seeded sampled request must give the same output every time, but how
+        many draft tokens a step verifies changes how its random stream is consumed, and the adaptive k and the
+        combined proposer's pick follow live timings and acceptance: such a request runs at a fixed k
+        (SEEDED_DRAFT_TOKENS unless it set one) with a fixed proposer (the draft model for `combined`)."""
+        k, proposer = params.num_draft_tokens, params.proposer
+        if params.sampling.greedy or params.sampling.seed is None:
+            return k, proposer
+        if k is None and self.config.engine.speculation == "adaptive":
+            k = min(SEEDED_DRAFT_TOKENS, self.engine.max_k)
+        if (proposer or self.engine.default_proposer) == "combined":
+            proposer = "draft"
+        return k, proposer
+
     async def generate(self, prompt: list[int], params: DecodeParams, session_id: str = "",
-                       session: Session | None = None) -> AsyncIterator[Event]:
-        """Stream events for one request; the slot is released when the device thread has let go of it."""
-        lease = await self.registry.acquire(session.id if session else session_id, prompt)
+                       cancel: asyncio.Event | None = None,
+                       on_done: Callable[[Done], None] | None = None) -> AsyncIterator[Event]:
+        """Stream events for one request, ending with Done or Failed; the slot is released when the device thread
+        has let go of it. Setting `cancel` (or closing the iterator) stops the generation before its next step.
+        `on_done` gets the final Done even when the consumer has gone (client cancel), for accounting."""
+        arrival = time.perf_counter()
+        try:
+            lease = await self.registry.acquire(session_id, prompt)
+        except Superseded:
+            now = time.perf_counter()
+            done = Done(FINISH_CANCELLED, GenerationStats(prompt_tokens=len(prompt)), "", "", now, arrival, None)
+            if on_done is not None:
+                on_done(done)
+            yield done
+            return
         loop = asyncio.get_running_loop()
+        num_draft_tokens, proposer = self._speculation(params)
         request = GenerationRequest(
             prompt_ids=prompt,
             max_new_tokens=params.max_new_tokens,
             sampling=params.sampling,
-            num_draft_tokens=params.num_draft_tokens,
-            proposer=params.proposer,
+            num_draft_tokens=num_draft_tokens,
+            proposer=proposer,
             stop_token_ids=self.stop_token_ids,
         )
-        job = Job(lease.slot, request, IncrementalDetokenizer(self.tokenizer, prompt), StopMatcher(params.stop), loop)
+        job = Job(lease.slot, request, IncrementalDetokenizer(self.tokenizer, prompt), StopMatcher(params.stop), loop,
+                  arrival=arrival)
         job.on_done = lambda: self.registry.release(lease)
+        job.on_final = on_done
         if lease.session is not None:
             lease.session.job = job
         try:
@@ -236,6 +275,10 @@ class Runtime:
         except BaseException:
             self.registry.release(lease)
             raise
+        watcher: asyncio.Task[bool] | None = None
+        if cancel is not None:
+            watcher = asyncio.create_task(cancel.wait())
+            watcher.add_done_callback(lambda _: job.cancel())
         try:
             while True:
                 event = await job.queue.get()
@@ -244,6 +287,8 @@ class Runtime:
                     return
         finally:
             job.cancel()
+            if watcher is not None:
+                watcher.cancel()
 
 
 def summary_fields(done: Done) -> dict[str, object]:

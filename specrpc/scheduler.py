@@ -40,6 +40,7 @@ class Done:
     at: float
     arrival: float
     first_token_at: float | None
+    started_at: float | None = None  # when the device thread took the job up (queue time = started_at - arrival)
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,10 @@ class Job:
     text: list[str] = field(default_factory=list)
     generation: Generation | None = None
     on_done: Callable[[], None] | None = None
+    on_final: Callable[[Done], None] | None = None  # on the loop, with the Done event, even if nobody reads it
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    started_at: float | None = None
 
     def cancel(self) -> None:
         """Ask the device thread to stop this job before its next step."""
@@ -76,16 +79,29 @@ class Job:
 
     def post(self, event: Event) -> None:
         """From the device thread: deliver an event to the loop."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self._call(self._deliver, event)
 
-    def finished(self) -> None:
-        """From the device thread: the slot is no longer touched by the engine."""
-        self.loop.call_soon_threadsafe(self._set_done)
+    def _deliver(self, event: Event) -> None:
+        self.queue.put_nowait(event)
+        if isinstance(event, Done) and self.on_final is not None:
+            self.on_final(event)
 
-    def _set_done(self) -> None:
+    def finish(self, event: Done | Failed) -> None:
+        """From the device thread, once the engine no longer touches the slot: release it, then deliver the final
+        event, in one loop callback, so that a client holding the summary never sees its slot still in use."""
+        self._call(self._complete, event)
+
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed (process exit): nobody is listening any more
+            log.debug("event loop closed; event dropped", slot=self.slot.index)
+
+    def _complete(self, event: Done | Failed) -> None:
         self.done.set()
         if self.on_done is not None:
             self.on_done()
+        self._deliver(event)
 
 
 class Scheduler:
@@ -138,26 +154,27 @@ class Scheduler:
                 self._incoming.clear()
                 jobs = list(self._jobs)
             for job in jobs:
-                if not self._advance(job):
+                final = self._advance(job)
+                if final is not None:
                     with self._wake:
                         self._jobs.remove(job)
-                    job.finished()
+                    job.finish(final)
 
-    def _advance(self, job: Job) -> bool:
-        """One step of `job`; False once it has ended (its final event posted)."""
+    def _advance(self, job: Job) -> Done | Failed | None:
+        """One step of `job`; its final event once it has ended."""
         try:
             if job.generation is None:
+                job.started_at = time.perf_counter()
                 job.generation = self.engine.start(job.slot, job.request)
             generation = job.generation
             if job.cancelled.is_set():
-                self._finish(job, FINISH_CANCELLED, "")
-                return False
+                return self._done(job, FINISH_CANCELLED, "")
             t0 = time.perf_counter()
             result = generation.step()
             if self.on_step is not None:
                 self.on_step(job, result, time.perf_counter() - t0)
             if not result.token_ids and result.finish is None:
-                return True
+                return None
             delta = job.detokenizer.push(result.token_ids)
             finish = result.finish
             if finish is not None:
@@ -171,19 +188,16 @@ class Scheduler:
                 job.first_token_at = now
             job.post(Chunk(safe, result.token_ids, result.accepted, now))
             if stopped:
-                self._finish(job, "stop", job.stops.matched or "")
-                return False
+                return self._done(job, "stop", job.stops.matched or "")
             if finish is not None:
-                self._finish(job, finish, "")
-                return False
-            return True
+                return self._done(job, finish, "")
+            return None
         except Exception as exc:  # the failure belongs to this stream only
             log.exception("engine step failed", slot=job.slot.index)
             self.engine.reset_slot(job.slot)
-            job.post(Failed(exc))
-            return False
+            return Failed(exc)
 
-    def _finish(self, job: Job, finish: str, stop_sequence: str) -> None:
+    def _done(self, job: Job, finish: str, stop_sequence: str) -> Done:
         stats = job.generation.stats if job.generation is not None else GenerationStats()
-        job.post(Done(finish, stats, stop_sequence, "".join(job.text), time.perf_counter(), job.arrival,
-                      job.first_token_at))
+        return Done(finish, stats, stop_sequence, "".join(job.text), time.perf_counter(), job.arrival,
+                    job.first_token_at, job.started_at)

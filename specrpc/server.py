@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import structlog
@@ -23,6 +26,22 @@ log = structlog.get_logger(__name__)
 
 SWITCH_INTERVAL_S = 0.0002
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+class HealthStatus(Protocol):
+    """The part of grpc_health's asyncio HealthServicer used here (grpc-stubs does not describe `health.aio`)."""
+
+    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        """Status of `service` ('' is the whole server)."""
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Every service NOT_SERVING from now on; later `set` calls are ignored."""
+
+
+def _health_servicer() -> HealthStatus:
+    servicer: HealthStatus = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    return servicer
 
 
 @dataclass
@@ -32,7 +51,7 @@ class Running:
     server: grpc.aio.Server
     port: int
     metrics_port: int
-    health: health.aio.HealthServicer
+    health: HealthStatus
     runtime: Runtime
     service: GeneratorService
     metrics: Metrics
@@ -40,24 +59,34 @@ class Running:
 
     async def set_serving(self, serving: bool) -> None:
         """Health status for the overall server and the Generator service."""
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+        await _set_health(self.health, serving)
 
     async def stop(self, grace_s: float) -> None:
-        """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within `grace_s`, then stop."""
-        await self.set_serving(False)
-        await self.server.stop(grace_s)
+        """Drain: NOT_SERVING, new generation calls UNAVAILABLE, in-flight streams get `grace_s` to finish; then
+        stop, aborting what is left. The port stays open while draining, so a new call gets a clear UNAVAILABLE
+        from the service instead of racing the listener's shutdown; health Watch streams, which never end by
+        themselves, do not hold the grace period. (One `server.stop`: a second call while the first one's grace
+        runs can crash grpcio.)"""
+        self.service.refuse_new_streams()
+        await self.health.enter_graceful_shutdown()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.service.drained(), grace_s)
+        await self.server.stop(0)
         self.janitor.cancel()
         await asyncio.to_thread(self.runtime.stop)
+        self.metrics.close()
+
+
+async def _set_health(servicer: HealthStatus, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, status)
 
 
 async def _janitor(runtime: Runtime, metrics: Metrics, period_s: float) -> None:
-    """Evict idle sessions and refresh the gauges."""
+    """Evict idle sessions (the gauges read the registry live)."""
     while True:
         runtime.registry.evict_expired()
-        metrics.active_sessions.set(len(runtime.registry.sessions))
-        metrics.kv_slots_in_use.set(runtime.registry.in_use)
         await asyncio.sleep(period_s)
 
 
@@ -74,8 +103,11 @@ def _credentials(config: Config) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
-async def start_server(config: Config, runtime: Runtime | None = None) -> Running:
-    """Bind, register services (health NOT_SERVING), load and warm the models, then report SERVING."""
+async def start_server(config: Config, runtime: Runtime | None = None,
+                       on_listening: Callable[[int], object] | None = None) -> Running:
+    """Bind and start listening with health NOT_SERVING (health checks and reflection answer at once, Generator
+    calls get UNAVAILABLE), then load and warm the models and report SERVING. `on_listening(port)` is called as soon
+    as the port is bound, before the models are loaded."""
     s = config.server
     # The device thread runs many short torch calls holding the GIL; with the default 5 ms switch interval the
     # event loop waits that long to forward each chunk. 0.2 ms keeps streaming latency well under a model step.
@@ -86,28 +118,34 @@ async def start_server(config: Config, runtime: Runtime | None = None) -> Runnin
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", 0),
     ])
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = _health_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await _set_health(health_servicer, False)
     address = f"{s.host}:{s.port}"
     credentials = _credentials(config)
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if s.reflection:
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            server,
-        )
+        reflection.enable_server_reflection([SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME], server)
     metrics = Metrics()
-    if runtime is None:
-        runtime = await asyncio.to_thread(Runtime, config)
-    service = GeneratorService(runtime, config, metrics)
+    service = GeneratorService(config, metrics)
     pb_grpc.add_GeneratorServicer_to_server(service, server)
     await server.start()
     log.info("listening", address=f"{s.host}:{port}", tls=credentials is not None)
-    await asyncio.to_thread(runtime.start)
-    metrics.kv_slots_total.set(runtime.registry.total)
-    metrics_port = metrics.serve(s.metrics_port, s.host) if s.metrics_port else 0
+    if on_listening is not None:
+        on_listening(port)
+    try:
+        if runtime is None:
+            runtime = await asyncio.to_thread(Runtime, config)
+        await asyncio.to_thread(runtime.start)
+        service.attach(runtime)
+        metrics.track(runtime.registry)
+        metrics_port = metrics.serve(s.metrics_port, s.host) if s.metrics_port else 0
+    except BaseException:
+        await server.stop(0)
+        if runtime is not None:
+            await asyncio.to_thread(runtime.stop)
+        metrics.close()
+        raise
     janitor = asyncio.create_task(_janitor(runtime, metrics, min(5.0, s.session_ttl_s / 4)))
     running = Running(server, port, metrics_port, health_servicer, runtime, service, metrics, janitor)
     await running.set_serving(True)
@@ -117,12 +155,23 @@ async def start_server(config: Config, runtime: Runtime | None = None) -> Runnin
 
 
 async def serve(config: Config) -> None:
-    """Run until SIGTERM/SIGINT, then drain for --grace-s and return (exit status 0)."""
-    running = await start_server(config)
+    """Run until SIGTERM/SIGINT, then drain for --grace-s and return (exit status 0). A signal that arrives while
+    the models are still loading stops the start-up."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(start_server(config))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("stopped during start-up")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return
+    stopping.cancel()
+    running = starting.result()
     await stop.wait()
     log.info("draining", grace_s=config.server.grace_s)
     await running.stop(config.server.grace_s)

@@ -7,7 +7,6 @@ import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -20,7 +19,7 @@ from specrpc.metrics import Metrics
 from specrpc.runtime import CheckpointInfo, DecodeParams, ExtraFile, NoInfillSupport, Runtime
 from specrpc.sampling import SamplingParams
 from specrpc.scheduler import FINISH_CANCELLED, Chunk, Done, Failed
-from specrpc.sessions import Session, SlotsExhausted, UnknownSession
+from specrpc.sessions import SlotsExhausted, UnknownSession
 from specrpc.text import PhraseSegmenter
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
@@ -49,6 +48,14 @@ class EngineFailure(RuntimeError):
     """The engine raised while serving this stream: INTERNAL for this stream only."""
 
 
+class NotReady(RuntimeError):
+    """The models are still loading or warming up: UNAVAILABLE (retry once health reports SERVING)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is draining: UNAVAILABLE (retry elsewhere)."""
+
+
 ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownSession, grpc.StatusCode.INVALID_ARGUMENT),
@@ -56,9 +63,12 @@ ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (torch.OutOfMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NoInfillSupport, grpc.StatusCode.FAILED_PRECONDITION),
     (EngineFailure, grpc.StatusCode.INTERNAL),
+    (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
 ]
 
 T = TypeVar("T")
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode | None:
@@ -76,9 +86,12 @@ def stream_errors(
 
     def wrap(handler: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
         @functools.wraps(handler)
-        async def run(self: GeneratorService, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
+        async def run(self: GeneratorService, request: Any, context: Context) -> AsyncIterator[T]:
             code = grpc.StatusCode.OK
+            entered = False
             try:
+                self._enter()
+                entered = True
                 async for item in handler(self, request, context):
                     yield item
             except asyncio.CancelledError:
@@ -92,6 +105,8 @@ def stream_errors(
                 code = mapped
                 await context.abort(mapped, str(exc))
             finally:
+                if entered:
+                    self._leave()
                 self.metrics.requests.labels(rpc, code.name).inc()
 
         return run
@@ -104,12 +119,15 @@ def unary_errors(rpc: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[.
 
     def wrap(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         @functools.wraps(handler)
-        async def run(self: GeneratorService, request: Any, context: grpc.aio.ServicerContext) -> T:
+        async def run(self: GeneratorService, request: Any, context: Context) -> T:
             code = grpc.StatusCode.OK
             try:
                 return await handler(self, request, context)
             except Exception as exc:
-                code = status_for(exc) or grpc.StatusCode.INTERNAL
+                mapped = status_for(exc)
+                if mapped is None:
+                    log.exception("unhandled error", rpc=rpc)
+                code = mapped or grpc.StatusCode.INTERNAL
                 await context.abort(code, str(exc))
                 raise  # unreachable: abort raises
             finally:
@@ -120,22 +138,49 @@ def unary_errors(rpc: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[.
     return wrap
 
 
-@dataclass
-class TurnState:
-    """Converse bookkeeping for the reply in flight."""
-
-    task: asyncio.Task[None] | None = None
-    cancel: asyncio.Event = field(default_factory=asyncio.Event)
-
-
 class GeneratorService(pb_grpc.GeneratorServicer):
     """specrpc.v1.Generator."""
 
-    def __init__(self, runtime: Runtime, config: Config, metrics: Metrics) -> None:
-        self.runtime = runtime
+    def __init__(self, config: Config, metrics: Metrics, runtime: Runtime | None = None) -> None:
+        self._runtime = runtime
         self.config = config
         self.limits = config.limits
         self.metrics = metrics
+        self._streams = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+
+    def _enter(self) -> None:
+        if self._draining:
+            raise ShuttingDown("the server is shutting down; retry on another replica")
+        self._streams += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._streams -= 1
+        if not self._streams:
+            self._idle.set()
+
+    def refuse_new_streams(self) -> None:
+        """From now on new Generate/Infill/Converse calls end UNAVAILABLE at once (the server is draining)."""
+        self._draining = True
+
+    async def drained(self) -> None:
+        """Return once no Generate/Infill/Converse stream is in flight."""
+        await self._idle.wait()
+
+    def attach(self, runtime: Runtime) -> None:
+        """Start serving with `runtime` (loaded and warm); until then every call is UNAVAILABLE."""
+        self._runtime = runtime
+
+    @property
+    def runtime(self) -> Runtime:
+        """The loaded runtime, or NotReady while the server starts."""
+        if self._runtime is None:
+            raise NotReady("the server is starting: models are loading or warming up; retry when the health "
+                           "service reports SERVING")
+        return self._runtime
 
     # ---- validation --------------------------------------------------------------------------------------------
 
@@ -161,14 +206,14 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             raise InvalidRequest(f"max_new_tokens must be <= {lim.max_new_tokens} (server --max-new-tokens); "
                                  f"got {max_new_tokens}")
         if len(stop) > lim.max_stop_strings:
-            raise InvalidRequest(f"at most {lim.max_stop_strings} stop strings allowed (--max-stop-strings); "
+            raise InvalidRequest(f"stop: at most {lim.max_stop_strings} stop strings allowed (--max-stop-strings); "
                                  f"got {len(stop)}")
-        for s in stop:
+        for i, s in enumerate(stop):
             if not s:
-                raise InvalidRequest("stop strings must not be empty")
+                raise InvalidRequest(f"stop[{i}] is empty: stop strings must be non-empty; remove it")
             if len(s) > lim.max_stop_chars:
-                raise InvalidRequest(f"stop strings must be at most {lim.max_stop_chars} characters "
-                                     f"(--max-stop-chars); got one of {len(s)}")
+                raise InvalidRequest(f"stop[{i}] has {len(s)} characters; stop strings must be at most "
+                                     f"{lim.max_stop_chars} (--max-stop-chars)")
         num_draft: int | None = None
         proposer: str | None = None
         if speculation is not None:
@@ -179,11 +224,12 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     raise InvalidRequest(f"speculation.num_draft_tokens must be <= {cap} (server "
                                          f"--max-draft-tokens); got {num_draft}")
             if speculation.proposer not in PROPOSERS:
-                raise InvalidRequest(f"unknown speculation.proposer {speculation.proposer}")
+                raise InvalidRequest(f"speculation.proposer {speculation.proposer} is not a Proposer value; use "
+                                     f"PROPOSER_DRAFT_MODEL, PROPOSER_PROMPT_LOOKUP or PROPOSER_COMBINED")
             proposer = PROPOSERS[speculation.proposer]
             if proposer is not None and proposer not in self.runtime.engine.proposers:
-                raise InvalidRequest(f"proposer {proposer!r} needs a draft model, and this server runs without "
-                                     f"one; use PROPOSER_PROMPT_LOOKUP or leave it unspecified")
+                raise InvalidRequest(f"speculation.proposer {proposer!r} needs a draft model, and this server runs "
+                                     f"without one; use PROPOSER_PROMPT_LOOKUP or leave it unspecified")
         return DecodeParams(
             max_new_tokens=max_new_tokens or lim.default_max_new_tokens,
             sampling=self._sampling(sampling),
@@ -192,11 +238,13 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             proposer=proposer,
         )
 
-    def _check_session_id(self, session_id: str) -> None:
+    def _check_session_id(self, session_id: str, name: str = "session_id") -> None:
         if len(session_id) > MAX_SESSION_ID or not session_id.isprintable():
-            raise InvalidRequest(f"session_id must be at most {MAX_SESSION_ID} printable characters")
+            raise InvalidRequest(f"{name} must be at most {MAX_SESSION_ID} printable characters; got "
+                                 f"{len(session_id)} characters")
 
-    def _fit_prompt(self, ids: list[int], truncate: bool) -> list[int]:
+    def _fit_prompt(self, ids: list[int], truncate: bool, too_long: str = "shorten it or set truncate_prompt"
+                    ) -> list[int]:
         if not ids:
             raise InvalidRequest("the prompt is empty: set prompt or prompt_token_ids")
         room = self.runtime.context_limit - 1
@@ -204,8 +252,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         if len(ids) > cap:
             if not truncate:
                 raise InvalidRequest(f"the prompt has {len(ids)} tokens but at most {cap} fit (context "
-                                     f"{self.runtime.context_limit}, --max-prompt-tokens); shorten it or set "
-                                     f"truncate_prompt")
+                                     f"{self.runtime.context_limit}, --max-prompt-tokens); {too_long}")
             ids = ids[-cap:]
         return ids
 
@@ -214,50 +261,54 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             ids = self.runtime.encode(request.prompt)
         else:
             ids = list(request.prompt_token_ids)
-            vocab = self.runtime.target.vocab_size
-            bad = next((i for i in ids if i >= vocab), None)
+            vocab = self.runtime.vocab_size
+            bad = next((i for i, t in enumerate(ids) if t >= vocab), None)
             if bad is not None:
-                raise InvalidRequest(f"prompt_token_ids contains {bad}, outside the vocabulary (0..{vocab - 1})")
+                raise InvalidRequest(f"prompt_token_ids[{bad}] is {ids[bad]}, outside the vocabulary "
+                                     f"(0..{vocab - 1})")
         return self._fit_prompt(ids, request.truncate_prompt)
 
     # ---- streaming -----------------------------------------------------------------------------------------------
 
     async def _stream(self, prompt: list[int], params: DecodeParams, session_id: str, rpc: str,
-                      session: Session | None = None) -> AsyncIterator[Chunk | Done]:
-        """Run one generation and yield its chunks and final Done; records metrics and one log line."""
+                      cancel: asyncio.Event | None = None) -> AsyncIterator[Chunk | Done]:
+        """Run one generation and yield its chunks and final Done (accounted in `_account`, even when the client
+        goes away before reading it)."""
         last = 0.0
-        async for event in self.runtime.generate(prompt, params, session_id, session):
+        account = functools.partial(self._account, rpc, session_id)
+        async for event in self.runtime.generate(prompt, params, session_id, cancel, account):
             if isinstance(event, Failed):
                 raise EngineFailure(f"the engine failed on this stream: {type(event.error).__name__}: "
                                     f"{event.error}") from event.error
-            if isinstance(event, Chunk):
-                if event.token_ids:
-                    if last:
-                        self.metrics.inter_token.observe((event.at - last) / len(event.token_ids))
-                    last = event.at
-                yield event
-                continue
-            s = event.stats
-            m = self.metrics
-            m.prompt_tokens.inc(s.prompt_tokens)
-            m.cached_prompt_tokens.inc(s.cached_prompt_tokens)
-            m.completion_tokens.inc(s.completion_tokens)
-            m.draft_proposed.inc(s.proposed)
-            m.draft_accepted.inc(s.accepted)
-            m.verify_steps.inc(s.verify_steps)
-            m.ttft.observe((event.first_token_at or event.at) - event.arrival)
-            fields: dict[str, object] = {
-                "rpc": rpc, "session": session.id if session else session_id, "finish": event.finish,
-                "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_prompt_tokens,
-                "completion_tokens": s.completion_tokens, "proposed": s.proposed, "accepted": s.accepted,
-                "verify_steps": s.verify_steps, "mean_accepted_length": round(s.mean_accepted_length, 3),
-                "ttft_ms": round(((event.first_token_at or event.at) - event.arrival) * 1e3, 2),
-                "total_ms": round((event.at - event.arrival) * 1e3, 2),
-            }
-            if self.config.server.log_prompts:
-                fields["output"] = event.text
-            log.info("request", **fields)
+            if isinstance(event, Chunk) and event.token_ids:
+                if last:
+                    self.metrics.inter_token.observe((event.at - last) / len(event.token_ids))
+                last = event.at
             yield event
+
+    def _account(self, rpc: str, session_id: str, done: Done) -> None:
+        """Counters, the TTFT histogram and one log line for a finished generation."""
+        s = done.stats
+        m = self.metrics
+        m.prompt_tokens.inc(s.prompt_tokens)
+        m.cached_prompt_tokens.inc(s.cached_prompt_tokens)
+        m.completion_tokens.inc(s.completion_tokens)
+        m.draft_proposed.inc(s.proposed)
+        m.draft_accepted.inc(s.accepted)
+        m.verify_steps.inc(s.verify_steps)
+        if done.first_token_at is not None:
+            m.ttft.observe(done.first_token_at - done.arrival)
+        fields: dict[str, object] = {
+            "rpc": rpc, "session": session_id, "finish": done.finish,
+            "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_prompt_tokens,
+            "completion_tokens": s.completion_tokens, "proposed": s.proposed, "accepted": s.accepted,
+            "verify_steps": s.verify_steps, "mean_accepted_length": round(s.mean_accepted_length, 3),
+            "ttft_ms": round(((done.first_token_at or done.at) - done.arrival) * 1e3, 2),
+            "total_ms": round((done.at - done.arrival) * 1e3, 2),
+        }
+        if self.config.server.log_prompts:
+            fields["output"] = done.text
+        log.info("request", **fields)
 
     def _summary(self, done: Done, session_id: str) -> pb.GenerationSummary:
         s = done.stats
@@ -278,6 +329,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             timing=pb.Timing(
                 ttft_ms=((first or done.at) - done.arrival) * 1e3,
                 total_ms=(done.at - done.arrival) * 1e3,
+                queue_ms=((done.started_at or done.at) - done.arrival) * 1e3,
             ),
             session_id=session_id,
             stop_sequence=done.stop_sequence,
@@ -294,7 +346,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     @stream_errors("Generate")
     async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+                       context: Context) -> AsyncIterator[pb.GenerateResponse]:
         self._check_session_id(request.session_id)
         params = self._decode_params(request.max_new_tokens, request.sampling if request.HasField("sampling")
                                      else None, list(request.stop),
@@ -305,23 +357,24 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     @stream_errors("Infill")
     async def Infill(self, request: pb.InfillRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+                     context: Context) -> AsyncIterator[pb.GenerateResponse]:
         self._check_session_id(request.session_id)
         if len(request.extra) > self.limits.max_extra_files:
-            raise InvalidRequest(f"at most {self.limits.max_extra_files} extra files allowed (--max-extra-files); "
-                                 f"got {len(request.extra)}")
+            raise InvalidRequest(f"extra: at most {self.limits.max_extra_files} extra files allowed "
+                                 f"(--max-extra-files); got {len(request.extra)}")
         params = self._decode_params(request.max_new_tokens, request.sampling if request.HasField("sampling")
                                      else None, list(request.stop),
                                      request.speculation if request.HasField("speculation") else None)
         extra = [ExtraFile(f.path, f.text) for f in request.extra]
         prompt = self.runtime.infill_prompt(request.prefix, request.suffix, extra, request.path)
-        prompt = self._fit_prompt(prompt, truncate=False)
+        prompt = self._fit_prompt(prompt, truncate=False, too_long="send fewer or shorter extra files, or a "
+                                  "shorter prefix and suffix")
         async for response in self._generate_responses(prompt, params, request.session_id, "Infill"):
             yield response
 
     @unary_errors("GetModelInfo")
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+                           context: Context) -> pb.ModelInfo:
         return self.model_info()
 
     def model_info(self) -> pb.ModelInfo:
@@ -350,25 +403,15 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     # ---- Converse ------------------------------------------------------------------------------------------------
 
+    @stream_errors("Converse")
     async def Converse(self, request_iterator: AsyncIterator[pb.ConverseRequest],
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ConverseResponse]:
-        code = grpc.StatusCode.OK
-        conversation = Conversation(self)
+                       context: Context) -> AsyncIterator[pb.ConverseResponse]:
+        conversation = Conversation(self, self.runtime)
         try:
             async for response in conversation.run(request_iterator):
                 yield response
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as exc:
-            mapped = status_for(exc)
-            if mapped is None:
-                log.exception("unhandled error", rpc="Converse")
-            code = mapped or grpc.StatusCode.INTERNAL
-            await context.abort(code, str(exc))
         finally:
             await conversation.close()
-            self.metrics.requests.labels("Converse", code.name).inc()
 
 
 def describe(info: CheckpointInfo) -> pb.ModelDescription:
@@ -388,13 +431,18 @@ ROLE_NAMES = {"user": "User", "assistant": "Assistant", "system": "System"}
 
 
 class Conversation:
-    """One Converse stream: a session's turns, cancel (barge-in) and rewind."""
+    """One Converse stream: a session's turns, cancel (barge-in) and rewind.
 
-    def __init__(self, service: GeneratorService) -> None:
+    Without a chat template the history is plain text, one `Role: text` line per message, and a reply follows
+    `Assistant:` exactly as generated (its leading space included), so each turn's prompt extends the previous
+    prompt and reply token for token and the session's KV cache is reused.
+    """
+
+    def __init__(self, service: GeneratorService, runtime: Runtime) -> None:
         self.service = service
-        self.runtime = service.runtime
+        self.runtime = runtime
         self.out: asyncio.Queue[pb.ConverseResponse | BaseException | None] = asyncio.Queue()
-        self.session: Session | None = None
+        self.session_id = ""
         self.defaults: pb.SessionStart = pb.SessionStart()
         self.messages: list[tuple[str, str]] = []
         self.turn: asyncio.Task[None] | None = None
@@ -417,17 +465,14 @@ class Conversation:
             reader.cancel()
 
     async def close(self) -> None:
-        """Cancel a reply still in flight."""
-        if self.turn is not None and not self.turn.done():
-            self.turn_cancel.set()
-            await asyncio.gather(self.turn, return_exceptions=True)
+        """Cancel a reply still in flight and wait until it has let go of the session."""
+        await self._wait_turn(cancel=True)
 
     async def _read(self, requests: AsyncIterator[pb.ConverseRequest]) -> None:
         try:
             async for request in requests:
                 await self._handle(request)
-            if self.turn is not None:
-                await asyncio.gather(self.turn, return_exceptions=True)
+            await self._wait_turn(cancel=False)
             await self.out.put(None)
         except asyncio.CancelledError:
             raise
@@ -438,12 +483,12 @@ class Conversation:
         kind = request.WhichOneof("action")
         if kind == "start":
             self._start(request.start)
-        elif self.session is None:
+        elif not self.session_id:
             raise InvalidRequest(f"the first Converse message must be `start`; got `{kind}`")
         elif kind == "turn":
             await self._wait_turn(cancel=True)
             self.turn_cancel = asyncio.Event()
-            self.turn = asyncio.create_task(self._run_turn(request.turn))
+            self.turn = asyncio.create_task(self._run_turn(request.turn, self.turn_cancel))
         elif kind == "cancel":
             self.turn_cancel.set()
         elif kind == "rewind":
@@ -452,50 +497,61 @@ class Conversation:
             raise InvalidRequest("empty ConverseRequest: set start, turn, cancel or rewind")
 
     def _start(self, start: pb.SessionStart) -> None:
-        if self.session is not None:
-            raise InvalidRequest("this Converse stream already has a session; open a new stream for another")
-        self.service._check_session_id(start.session_id)
+        if self.session_id:
+            raise InvalidRequest("start: this Converse stream already has a session; open a new stream for another")
+        self.service._check_session_id(start.session_id, "start.session_id")
         self.service._decode_params(start.max_new_tokens, start.sampling if start.HasField("sampling") else None,
                                     list(start.stop), start.speculation if start.HasField("speculation") else None)
         registry = self.runtime.registry
         resumed = bool(start.session_id) and start.session_id in registry.sessions
-        self.session = registry.open(start.session_id)
+        session = registry.open(start.session_id)
+        self.session_id = session.id
         self.defaults = start
-        state = self.session.conversation
+        state = session.conversation
         if resumed and state is not None:
-            self.messages, self.turn_index, self.last_reply = state
+            messages, self.turn_index, self.last_reply = state
+            self.messages = list(messages)
         elif start.system:
             self.messages = [("system", start.system)]
         self.out.put_nowait(pb.ConverseResponse(started=pb.SessionStarted(
-            session_id=self.session.id, resumed=resumed, history_tokens=len(self._render(False)))))
+            session_id=session.id, resumed=resumed, history_tokens=len(self._render(False)))))
+
+    def _save(self) -> None:
+        """Keep the history on the session (if it still holds a slot) for a later stream to resume."""
+        session = self.runtime.registry.sessions.get(self.session_id)
+        if session is not None:
+            session.conversation = (list(self.messages), self.turn_index, self.last_reply)
 
     def _render(self, generation_prompt: bool) -> list[int]:
         tok = self.runtime.tokenizer
         if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template([{"role": r, "content": t} for r, t in self.messages],
-                                          add_generation_prompt=generation_prompt, tokenize=True)
-            return list(ids if isinstance(ids, list) else ids["input_ids"])
-        text = "".join(f"{ROLE_NAMES.get(r, r.capitalize())}: {t}\n" for r, t in self.messages)
+            out: Any = tok.apply_chat_template([{"role": r, "content": t} for r, t in self.messages],
+                                               add_generation_prompt=generation_prompt, tokenize=True)
+            ids = out if isinstance(out, list) else out["input_ids"]
+            return [int(i) for i in ids]
+        text = "".join(f"Assistant:{t}\n" if r == "assistant" else f"{ROLE_NAMES.get(r, r.capitalize())}: {t}\n"
+                       for r, t in self.messages)
         if generation_prompt:
             text += "Assistant:"
         return self.runtime.encode(text) if text else []
 
     async def _wait_turn(self, cancel: bool) -> None:
+        """Wait for the reply in flight (cancelled first when `cancel`). asyncio.wait, unlike gather, leaves the
+        turn running if this waiter is itself cancelled, so the turn always ends through its own cancel path."""
         if self.turn is not None and not self.turn.done():
             if cancel:
                 self.turn_cancel.set()
-            await asyncio.gather(self.turn, return_exceptions=True)
+            await asyncio.wait({self.turn})
 
-    async def _run_turn(self, turn: pb.Turn) -> None:
-        assert self.session is not None
+    async def _run_turn(self, turn: pb.Turn, cancel: asyncio.Event) -> None:
         try:
-            await self._turn(turn, self.session)
+            await self._turn(turn, cancel)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             await self.out.put(exc)
 
-    async def _turn(self, turn: pb.Turn, session: Session) -> None:
+    async def _turn(self, turn: pb.Turn, cancel: asyncio.Event) -> None:
         d = self.defaults
         sampling = turn.sampling if turn.HasField("sampling") else (d.sampling if d.HasField("sampling") else None)
         speculation = turn.speculation if turn.HasField("speculation") else (
@@ -511,32 +567,18 @@ class Conversation:
         reply: list[str] = []
         first_phrase = 0.0
         offset = 0
-        stream = self.service._stream(prompt, params, "", "Converse", session)
         done: Done | None = None
-        cancel_wait = asyncio.create_task(self.turn_cancel.wait())
-        try:
-            iterator = stream.__aiter__()
-            while True:
-                next_item = asyncio.ensure_future(iterator.__anext__())
-                finished, _ = await asyncio.wait({next_item, cancel_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if cancel_wait in finished and session.job is not None:
-                    session.job.cancel()
-                try:
-                    event = await next_item
-                except StopAsyncIteration:
-                    break
-                if isinstance(event, Chunk):
-                    reply.append(event.text)
-                    await self.out.put(pb.ConverseResponse(chunk=pb.TokenChunk(
-                        text=event.text, token_ids=event.token_ids, accepted_draft_tokens=event.accepted)))
-                    for phrase in segmenter.feed(event.text) if segmenter else []:
-                        first_phrase = first_phrase or (time.perf_counter() - started) * 1e3
-                        await self.out.put(self._phrase(phrase, offset, started))
-                        offset += len(phrase)
-                else:
-                    done = event
-        finally:
-            cancel_wait.cancel()
+        async for event in self.service._stream(prompt, params, self.session_id, "Converse", cancel):
+            if isinstance(event, Chunk):
+                reply.append(event.text)
+                await self.out.put(pb.ConverseResponse(chunk=pb.TokenChunk(
+                    text=event.text, token_ids=event.token_ids, accepted_draft_tokens=event.accepted)))
+                for phrase in segmenter.feed(event.text) if segmenter else []:
+                    first_phrase = first_phrase or (time.perf_counter() - started) * 1e3
+                    await self.out.put(self._phrase(phrase, offset, started))
+                    offset += len(phrase)
+            else:
+                done = event
         if segmenter is not None:
             rest = segmenter.flush()
             if rest:
@@ -545,30 +587,29 @@ class Conversation:
         text = "".join(reply)
         self.messages.append(("assistant", text))
         self.last_reply = text
-        session.conversation = (self.messages, self.turn_index + 1, text)
         if done is not None:
-            summary = self.service._summary(done, session.id)
+            summary = self.service._summary(done, self.session_id)
             await self.out.put(pb.ConverseResponse(summary=pb.TurnSummary(
                 turn_index=self.turn_index, generation=summary, time_to_first_phrase_ms=first_phrase,
                 reply_text=text)))
         self.turn_index += 1
+        self._save()
 
     def _phrase(self, text: str, offset: int, started: float) -> pb.ConverseResponse:
         return pb.ConverseResponse(phrase=pb.Phrase(text=text, start_char=offset, end_char=offset + len(text),
                                                     time_ms=(time.perf_counter() - started) * 1e3))
 
     async def _rewind(self, rewind: pb.Rewind) -> None:
-        assert self.session is not None
-        if rewind.session_id and rewind.session_id != self.session.id:
-            raise InvalidRequest(f"rewind names session {rewind.session_id!r}, but this stream's session is "
-                                 f"{self.session.id!r}")
+        if rewind.session_id and rewind.session_id != self.session_id:
+            raise InvalidRequest(f"rewind.session_id is {rewind.session_id!r}, but this stream's session is "
+                                 f"{self.session_id!r}; leave it empty or send this session's id")
         await self._wait_turn(cancel=True)
         if not self.messages or self.messages[-1][0] != "assistant":
-            raise InvalidRequest("nothing to rewind: no reply in this session yet")
+            raise InvalidRequest("rewind: nothing to rewind, there is no reply in this session yet")
         kept = self.last_reply[: rewind.spoken_chars]
         self.messages[-1] = ("assistant", kept)
         self.last_reply = kept
-        self.session.conversation = (self.messages, self.turn_index, kept)
+        self._save()
         kept_tokens = len(self.runtime.encode_plain(kept)) if kept else 0
         await self.out.put(pb.ConverseResponse(rewound=pb.Rewound(
             kept_chars=len(kept), kept_tokens=kept_tokens, history_tokens=len(self._render(False)))))

@@ -19,6 +19,10 @@ class UnknownSession(Exception):
     """A request named a session that does not exist (or was evicted)."""
 
 
+class Superseded(Exception):
+    """A newer request arrived on the session while this one waited for it (cancel-previous): it never ran."""
+
+
 @dataclass
 class Session:
     """A named conversation/editor buffer that keeps its KV slot between requests until idle for the TTL."""
@@ -29,6 +33,7 @@ class Session:
     job: Job | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     conversation: tuple[list[tuple[str, str]], int, str] | None = None
+    latest: int = 0  # ticket of the newest request on this session (cancel-previous also skips waiting ones)
 
 
 @dataclass
@@ -118,15 +123,22 @@ class SessionRegistry:
 
     async def acquire(self, session_id: str, prompt: list[int]) -> Lease:
         """Hold a slot for one request. On a named session, first cancel the request still in flight there
-        (cancel-previous) and wait until the device thread has let go of the slot. Pair with `release`."""
+        (cancel-previous) and wait until the device thread has let go of the slot; a request still waiting when a
+        newer one arrives on the session raises Superseded (on each keystroke only the latest counts). Pair with
+        `release`."""
         if not session_id:
             slot = self._take_slot(prompt)
             self.busy.add(slot.index)
             return Lease(slot, None)
         session = self.open(session_id, prompt)
+        session.latest += 1
+        ticket = session.latest
         if session.job is not None:
             session.job.cancel()
         await session.lock.acquire()
+        if session.latest != ticket:
+            session.lock.release()
+            raise Superseded(f"a newer request on session {session.id!r} replaced this one before it started")
         if self.sessions.get(session.id) is not session:  # evicted while waiting: start it again, cold
             session.lock.release()
             return await self.acquire(session_id, prompt)

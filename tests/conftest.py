@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
 import pytest_asyncio
+from transformers import PreTrainedTokenizerBase
 
 from specrpc.config import Config, Limits, ServerConfig, build_config
 from specrpc.server import Running, start_server
@@ -34,9 +37,23 @@ def test_config(**engine: object) -> Config:
     )
 
 
+def models_missing() -> str | None:
+    """Why the configured models cannot be served yet (None when they can)."""
+    engine = build_config(None).engine
+    for role, path in (("target", engine.target), ("draft", engine.draft)):
+        if role == "draft" and path.lower() == "none":
+            continue
+        if not (Path(path) / "config.json").exists():
+            return f"{role} model {path} not there yet (still training? set SPECRPC_TARGET/SPECRPC_DRAFT)"
+    return None
+
+
 @pytest_asyncio.fixture(scope="session")
 async def server() -> AsyncIterator[Running]:
     """One real server for the session's service tests."""
+    missing = models_missing()
+    if missing:
+        pytest.skip(missing)
     running = await start_server(test_config())
     yield running
     await running.stop(0.5)
@@ -51,3 +68,51 @@ async def channel(server: Running) -> AsyncIterator[grpc.aio.Channel]:
 @pytest.fixture
 def stub(channel: grpc.aio.Channel) -> pb_grpc.GeneratorStub:
     return pb_grpc.GeneratorStub(channel)
+
+
+@pytest.fixture
+def tokenizer(server: Running) -> PreTrainedTokenizerBase:
+    """The served target's tokenizer."""
+    return server.runtime.tokenizer
+
+
+@pytest.fixture
+def long_streams(server: Running) -> Iterator[float]:
+    """Make streams last: every engine step also sleeps (yields the step time) and the end-of-sequence token does
+    not end generation, so a 256-token request is still running when a test cancels it or fills every slot,
+    whatever the model would generate."""
+    step_s = 0.01
+    scheduler, runtime = server.runtime.scheduler, server.runtime
+    old_hook, old_stops = scheduler.on_step, runtime.stop_token_ids
+    scheduler.on_step = lambda job, result, seconds: time.sleep(step_s)
+    runtime.stop_token_ids = frozenset()
+    try:
+        yield step_s
+    finally:
+        scheduler.on_step = old_hook
+        runtime.stop_token_ids = old_stops
+
+
+@pytest_asyncio.fixture
+async def extra_server(request: pytest.FixtureRequest) -> AsyncIterator[Callable[..., Awaitable[int]]]:
+    """Start more grpc.aio servers on loopback, by default around the running server's Generator service (same
+    models, same sessions), with optional interceptors, credentials, port or servicer: for client tests (request
+    metadata, TLS, load balancing, a server that starts late). `await extra_server(...)` returns the port."""
+    started: list[grpc.aio.Server] = []
+
+    async def start(*, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                    credentials: grpc.ServerCredentials | None = None, port: int = 0,
+                    servicer: pb_grpc.GeneratorServicer | None = None) -> int:
+        if servicer is None:
+            servicer = request.getfixturevalue("server").service
+        srv = grpc.aio.server(interceptors=list(interceptors), options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_GeneratorServicer_to_server(servicer, srv)
+        address = f"127.0.0.1:{port}"
+        bound = srv.add_secure_port(address, credentials) if credentials else srv.add_insecure_port(address)
+        await srv.start()
+        started.append(srv)
+        return int(bound)
+
+    yield start
+    for srv in started:
+        await srv.stop(0)

@@ -1,0 +1,290 @@
+"""Operations: health (NOT_SERVING until warm, while draining), reflection, Prometheus metrics, and a graceful
+SIGTERM drain of `specrpc serve` run as a process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import free_port
+from conftest import test_config as make_config
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from service_helpers import GREEDY_K0, collect, first_tokens, ids_of, read_rest, rpc_error
+
+from specrpc.config import Config
+from specrpc.runtime import Runtime
+from specrpc.server import Running, start_server
+from specrpc.v1 import generator_pb2 as pb
+from specrpc.v1 import generator_pb2_grpc as pb_grpc
+
+GENERATOR = "specrpc.v1.Generator"
+HEALTH = "grpc.health.v1.Health"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+REPO = Path(__file__).resolve().parents[1]
+
+
+async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return int(response.status)
+
+
+# ---- health and reflection on the shared server --------------------------------------------------------------------
+
+
+async def test_health_reports_serving(channel: grpc.aio.Channel) -> None:
+    assert await health_status(channel) == SERVING
+    assert await health_status(channel, GENERATOR) == SERVING
+    error = await rpc_error(health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_reflection_lists_the_services(channel: grpc.aio.Channel) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=GENERATOR),
+    ]
+    responses = [r async for r in stub.ServerReflectionInfo(iter(requests), timeout=10)]
+    names = {s.name for s in responses[0].list_services_response.service}
+    assert {GENERATOR, HEALTH} <= names
+    files = responses[1].file_descriptor_response.file_descriptor_proto
+    assert files and any(b"specrpc/v1/generator.proto" in f for f in files)
+
+
+# ---- metrics -------------------------------------------------------------------------------------------------------
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def value(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_metrics_count_requests_tokens_and_slots(
+    stub: pb_grpc.GeneratorStub, server: Running, long_streams: float
+) -> None:
+    assert server.metrics_port
+    before = await asyncio.to_thread(scrape, server.metrics_port)
+    chunks, summary = await collect(stub.Generate(pb.GenerateRequest(
+        prompt="def add(a, b):\n    return", max_new_tokens=12, speculation=pb.SpeculationParams(num_draft_tokens=3))))
+    await rpc_error(stub.Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_k=-1))))
+    # a stream in flight shows in the slot gauge at once
+    call = stub.Generate(pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=256, speculation=GREEDY_K0))
+    await first_tokens(call)
+    during = await asyncio.to_thread(scrape, server.metrics_port)
+    call.cancel()
+    while server.runtime.registry.in_use:
+        await asyncio.sleep(0.01)
+    after = await asyncio.to_thread(scrape, server.metrics_port)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("specrpc_requests_total", rpc="Generate", code="OK") == 1
+    assert delta("specrpc_requests_total", rpc="Generate", code="INVALID_ARGUMENT") == 1
+    assert delta("specrpc_requests_total", rpc="Generate", code="CANCELLED") == 1
+    cancelled_tokens = delta("specrpc_completion_tokens_total") - summary.completion_tokens
+    assert summary.completion_tokens == len(ids_of(chunks)) and cancelled_tokens >= 1
+    assert delta("specrpc_prompt_tokens_total") >= summary.prompt_tokens
+    assert delta("specrpc_time_to_first_token_seconds_count") == 2
+    assert delta("specrpc_draft_tokens_proposed_total") == summary.speculation.draft_tokens_proposed > 0
+    assert delta("specrpc_draft_tokens_accepted_total") == summary.speculation.draft_tokens_accepted
+    assert delta("specrpc_verify_steps_total") >= summary.speculation.verify_steps
+    assert value(after, "specrpc_kv_slots_total") == server.runtime.registry.total
+    assert value(during, "specrpc_kv_slots_in_use") == 1
+    assert value(after, "specrpc_kv_slots_in_use") == 0
+    assert value(after, "specrpc_active_sessions") == len(server.runtime.registry.sessions)
+
+
+# ---- start-up and drain of an in-process server --------------------------------------------------------------------
+
+
+async def test_health_not_serving_until_warm_and_while_draining(server: Running,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    config = make_config()
+    config = replace(config, engine=replace(config.engine, max_sessions=1, max_context=128),
+                     server=replace(config.server, metrics_port=0))
+    load_gate, warm_gate = threading.Event(), threading.Event()
+    loaded: list[Runtime] = []
+
+    def gated_runtime(config: Config) -> Runtime:
+        """Runtime whose loading and warm-up each wait for the test."""
+        load_gate.wait(60)
+        runtime = Runtime(config)
+        warm_up = runtime.start
+
+        def gated_start() -> None:
+            warm_gate.wait(60)
+            warm_up()
+
+        runtime.start = gated_start  # type: ignore[method-assign]
+        loaded.append(runtime)
+        return runtime
+
+    monkeypatch.setattr("specrpc.server.Runtime", gated_runtime)
+    listening: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    starting = asyncio.create_task(start_server(config, on_listening=listening.set_result))
+    try:
+        port = await asyncio.wait_for(listening, timeout=30)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=GENERATOR))
+            assert (await watch.read()).status == NOT_SERVING
+            stub = pb_grpc.GeneratorStub(channel)
+            for phase, gate in (("loading", load_gate), ("warming up", warm_gate)):
+                assert await health_status(channel) == NOT_SERVING, phase
+                assert await health_status(channel, GENERATOR) == NOT_SERVING, phase
+                error = await rpc_error(stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=2), timeout=5))
+                assert error.code() == grpc.StatusCode.UNAVAILABLE and "SERVING" in (error.details() or ""), phase
+                error = await rpc_error(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5))
+                assert error.code() == grpc.StatusCode.UNAVAILABLE, phase
+                assert not starting.done(), phase
+                gate.set()
+                if phase == "loading":
+                    while not loaded:
+                        await asyncio.sleep(0.01)
+            running = await asyncio.wait_for(starting, timeout=60)
+            runtime = loaded[0]
+            assert running.runtime is runtime
+            assert (await asyncio.wait_for(watch.read(), timeout=5)).status == SERVING
+            assert await health_status(channel) == SERVING
+
+            # drain with a stream in flight: NOT_SERVING at once, new calls refused, the stream completes
+            runtime.stop_token_ids = frozenset()
+            runtime.scheduler.on_step = lambda job, result, seconds: time.sleep(0.01)
+            call = stub.Generate(pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=40,
+                                                    speculation=GREEDY_K0))
+            await first_tokens(call)
+            stopping = asyncio.create_task(running.stop(10.0))
+            assert (await asyncio.wait_for(watch.read(), timeout=2)).status == NOT_SERVING
+            error = await rpc_error(stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=2), timeout=5))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in (error.details() or "")
+            _, summary = await read_rest(call)
+            assert summary.finish_reason == pb.FINISH_REASON_LENGTH and summary.completion_tokens == 40
+            await asyncio.wait_for(stopping, timeout=3)  # the health Watch stream does not hold the grace period
+            watch.cancel()
+    finally:
+        load_gate.set()
+        warm_gate.set()
+        if not starting.done():
+            starting.cancel()
+
+
+async def test_a_failed_start_frees_the_port(tmp_path: Path) -> None:
+    config = make_config(target=str(tmp_path / "missing"), draft="none")
+    config = replace(config, server=replace(config.server, metrics_port=0))
+    ports: list[int] = []
+    with pytest.raises(OSError):
+        await start_server(config, on_listening=ports.append)
+    assert ports
+    server = grpc.aio.server()
+    assert server.add_insecure_port(f"127.0.0.1:{ports[0]}") == ports[0]  # the port was released
+
+
+# ---- `specrpc serve` as a process ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+    """`python -m specrpc.cli serve` on a free port with the configured models (logs in tmp_path/serve.log)."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "specrpc.cli", "serve", "--port", str(port), "--metrics-port", "0",
+           "--max-sessions", "2", "--max-context", "1100", "--max-new-tokens", "1024", "--threads", "1",
+           "--grace-s", "3",
+           "--log-format", "console"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield process, port, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+async def wait_for_health(channel: grpc.aio.Channel, process: subprocess.Popen[bytes], log: Path,
+                          want: set[int], timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"specrpc serve exited early:\n{log.read_text()}"
+        try:
+            status = await health_status(channel)
+            if status in want:
+                return status
+        except grpc.aio.AioRpcError:
+            pass
+        await asyncio.sleep(0.05)
+    pytest.fail(f"no health status in {want} within {timeout} s:\n{log.read_text()}")
+
+
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 200)]
+"""Channel options for a server that is not listening yet (the default backoff waits seconds between tries)."""
+
+
+async def test_sigterm_drains_in_flight_streams_and_exits_0(
+    server: Running, serve_process: tuple[subprocess.Popen[bytes], int, Path]
+) -> None:
+    process, port, log = serve_process
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as channel:
+        await wait_for_health(channel, process, log, {SERVING})
+        stub = pb_grpc.GeneratorStub(channel)
+        call = stub.Generate(pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=1024,
+                                                speculation=GREEDY_K0), timeout=30)
+        await first_tokens(call)
+        process.send_signal(signal.SIGTERM)
+        # new calls are refused once the signal has landed: UNAVAILABLE (a call already on the wire when the server
+        # stops listening may be CANCELLED by gRPC before any handler sees it)
+        refused: list[grpc.StatusCode] = []
+        for _ in range(100):
+            try:
+                await collect(stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=1), timeout=5))
+                assert not refused, "a call was accepted after one was refused"
+            except grpc.aio.AioRpcError as error:
+                refused.append(error.code())
+                if len(refused) == 3:
+                    break
+            await asyncio.sleep(0.02)
+        assert refused[0] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), refused
+        assert refused[1:] == [grpc.StatusCode.UNAVAILABLE] * 2, refused
+        # the stream in flight completes, or ends UNAVAILABLE/CANCELLED when the grace period runs out
+        try:
+            _, summary = await read_rest(call)
+            assert summary.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+        except grpc.aio.AioRpcError as error:
+            assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), error
+    code = await asyncio.to_thread(process.wait, 30)
+    assert code == 0, log.read_text()
+    assert "draining" in log.read_text()
+
+
+async def test_sigterm_during_start_up_exits_0(
+    server: Running, serve_process: tuple[subprocess.Popen[bytes], int, Path]
+) -> None:
+    process, port, log = serve_process
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as channel:
+        await wait_for_health(channel, process, log, {NOT_SERVING, SERVING})
+    process.send_signal(signal.SIGTERM)
+    code = await asyncio.to_thread(process.wait, 60)
+    assert code == 0, log.read_text()

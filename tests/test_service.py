@@ -1,0 +1,771 @@
+"""End-to-end tests of specrpc.v1.Generator against a real server on a loopback port (tests/conftest.py).
+
+They hold for any model pair with the shipped tokenizer: expectations come from the server's own outputs (a stop
+string is cut from a run without one, greedy outputs are compared across speculation settings), never from
+hard-coded generated text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+from conftest import test_config as make_config
+from service_helpers import (
+    GREEDY_K0,
+    LONG_TOKENS,
+    Conversation,
+    collect,
+    first_tokens,
+    ids_of,
+    long_request,
+    read_rest,
+    rpc_error,
+    text_of,
+    wait_until,
+)
+from transformers import PreTrainedTokenizerBase
+
+from specrpc.engine import GenerationRequest, GenerationStats, StepResult
+from specrpc.server import Running, start_server
+from specrpc.v1 import generator_pb2 as pb
+from specrpc.v1 import generator_pb2_grpc as pb_grpc
+
+Stub = pb_grpc.GeneratorStub
+CODE_PROMPT = "def add(a, b):\n    return"
+REPLACEMENT = "\ufffd"
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def greedy(prompt: str = CODE_PROMPT, n: int = 24, **fields: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=prompt, max_new_tokens=n, **fields)
+
+
+def eos_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    return {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+
+
+def plain_history(messages: list[tuple[str, str]]) -> str:
+    """The documented plain-text history (no chat template): `Role: text` lines, replies right after `Assistant:`."""
+    names = {"system": "System", "user": "User"}
+    return "".join(f"Assistant:{text}\n" if role == "assistant" else f"{names[role]}: {text}\n"
+                   for role, text in messages)
+
+
+# ---- Generate ------------------------------------------------------------------------------------------------------
+
+
+async def test_generate_streams_chunks_then_one_summary_with_counts(
+    stub: Stub, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    chunks, summary = await collect(stub.Generate(greedy(n=24)))
+    ids = ids_of(chunks)
+    assert chunks and ids
+    assert summary.prompt_tokens == len(tokenizer(CODE_PROMPT).input_ids)
+    assert summary.completion_tokens == len(ids)
+    if summary.finish_reason == pb.FINISH_REASON_LENGTH:
+        assert len(ids) == 24
+    else:
+        assert summary.finish_reason == pb.FINISH_REASON_STOP and ids[-1] in eos_ids(tokenizer)
+    assert summary.speculation.draft_tokens_accepted == sum(c.accepted_draft_tokens for c in chunks)
+    assert summary.speculation.draft_tokens_accepted <= summary.speculation.draft_tokens_proposed
+    assert summary.session_id == "" and summary.stop_sequence == ""
+    assert 0 <= summary.timing.queue_ms <= summary.timing.ttft_ms <= summary.timing.total_ms
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    if REPLACEMENT not in full:
+        assert text_of(chunks) == full
+
+    # the same prompt sent as token ids: the same tokens, text and counts
+    by_ids = pb.GenerateRequest(prompt_token_ids=tokenizer(CODE_PROMPT).input_ids, max_new_tokens=24)
+    chunks2, summary2 = await collect(stub.Generate(by_ids))
+    assert ids_of(chunks2) == ids and text_of(chunks2) == text_of(chunks)
+    assert summary2.prompt_tokens == summary.prompt_tokens
+    assert summary2.finish_reason == summary.finish_reason
+
+
+async def test_greedy_is_deterministic_and_exact_whatever_the_speculation(stub: Stub, server: Running) -> None:
+    prompt = "import os\nimport sys\n\n\ndef main():\n"
+    reference, _ = await collect(stub.Generate(greedy(prompt, 40, speculation=GREEDY_K0)))
+    variants: dict[str, pb.SpeculationParams | None] = {
+        "adaptive": None,
+        "k=0 again": GREEDY_K0,
+        "k=4": pb.SpeculationParams(num_draft_tokens=4),
+        "prompt lookup": pb.SpeculationParams(proposer=pb.PROPOSER_PROMPT_LOOKUP),
+        "prompt lookup k=8": pb.SpeculationParams(num_draft_tokens=8, proposer=pb.PROPOSER_PROMPT_LOOKUP),
+    }
+    if server.runtime.draft is not None:
+        variants["draft k=8"] = pb.SpeculationParams(num_draft_tokens=8, proposer=pb.PROPOSER_DRAFT_MODEL)
+        variants["combined"] = pb.SpeculationParams(proposer=pb.PROPOSER_COMBINED)
+    for name, speculation in variants.items():
+        request = greedy(prompt, 40)
+        if speculation is not None:
+            request.speculation.CopyFrom(speculation)
+        chunks, summary = await collect(stub.Generate(request))
+        assert ids_of(chunks) == ids_of(reference), name
+        assert text_of(chunks) == text_of(reference), name
+        if speculation is not None and speculation.HasField("num_draft_tokens") and speculation.num_draft_tokens == 0:
+            assert summary.speculation.draft_tokens_proposed == 0, name
+
+
+async def test_seeded_sampling_is_reproducible(stub: Stub, server: Running) -> None:
+    sampling = pb.SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    # the adaptive policy's k follows live timings; the seed must win over it
+    variants = [None, pb.SpeculationParams(num_draft_tokens=2)]
+    if server.runtime.draft is not None:
+        variants.append(pb.SpeculationParams(proposer=pb.PROPOSER_COMBINED))
+    for speculation in variants:
+        runs = []
+        for _ in range(2):
+            request = greedy("The weather today is", 32, sampling=sampling)
+            if speculation is not None:
+                request.speculation.CopyFrom(speculation)
+            runs.append(await collect(stub.Generate(request)))
+        assert ids_of(runs[0][0]) == ids_of(runs[1][0]), speculation
+        assert text_of(runs[0][0]) == text_of(runs[1][0])
+
+
+async def test_max_new_tokens_ends_with_length(stub: Stub, long_streams: float) -> None:
+    for n in (1, 3):
+        chunks, summary = await collect(stub.Generate(greedy(n=n, speculation=GREEDY_K0)))
+        assert summary.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(ids_of(chunks)) == summary.completion_tokens == n
+    # 0 means the server default
+    chunks, summary = await collect(stub.Generate(greedy(n=0)))
+    assert summary.finish_reason == pb.FINISH_REASON_LENGTH and summary.completion_tokens == 128
+
+
+# ---- stop strings --------------------------------------------------------------------------------------------------
+
+
+async def test_stop_strings_end_the_stream_and_are_not_emitted(stub: Stub, long_streams: float) -> None:
+    chunks, _ = await collect(stub.Generate(greedy(n=40, speculation=GREEDY_K0)))
+    full = text_of(chunks)
+    assert len(full) >= 12, full
+    # cut inside the text, and at a chunk boundary crossing (chunks are single tokens at k=0)
+    middle = full[len(full) // 2 : len(full) // 2 + 3]
+    bounds = [sum(len(c.text) for c in chunks[: i + 1]) for i in range(len(chunks) - 1)]
+    crossing = next((b for b in bounds if 2 <= b <= len(full) - 2 and chunks[0].text), None)
+    stops = [middle]
+    if crossing is not None:
+        stops.append(full[crossing - 2 : crossing + 2])
+    for stop in stops:
+        if not stop.strip(REPLACEMENT):
+            continue
+        cut = full.index(stop)
+        # other chunkings give the same text unless the model wrote invalid UTF-8 (U+FFFD)
+        chunkings = [GREEDY_K0] if REPLACEMENT in full else [GREEDY_K0, pb.SpeculationParams(num_draft_tokens=4)]
+        for speculation in chunkings:
+            stopped, summary = await collect(stub.Generate(greedy(n=40, stop=[stop], speculation=speculation)))
+            assert summary.finish_reason == pb.FINISH_REASON_STOP, stop
+            assert summary.stop_sequence == stop
+            assert text_of(stopped) == full[:cut], (stop, full)
+            assert all(stop not in c.text for c in stopped)
+            assert summary.completion_tokens == len(ids_of(stopped))
+    # with several stop strings the earliest occurrence wins
+    early, late = full[1:3], full[-3:]
+    chunks3, summary3 = await collect(stub.Generate(greedy(n=40, stop=[late, early], speculation=GREEDY_K0)))
+    first = min(full.index(early), full.index(late))
+    assert text_of(chunks3) == full[:first]
+    assert summary3.stop_sequence in (early, late)
+
+
+# ---- UTF-8 ---------------------------------------------------------------------------------------------------------
+
+
+async def test_chunks_never_split_a_character(stub: Stub, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Whatever the model writes: chunk texts are valid, and together they are the decode of the chunk ids."""
+    prompt = "# 你好，世界！😀😀😀 こんにちは 🎉🎉🎉 ünïcödé — 数据处理\ntext = \"你好😀😀"
+    prompt_ids = tokenizer(prompt).input_ids
+    assert any(REPLACEMENT in tokenizer.decode([i]) for i in prompt_ids)  # the prompt has split characters
+    for sampling in (None, pb.SamplingParams(temperature=1.0, seed=0)):
+        request = greedy(prompt, 32, speculation=GREEDY_K0)
+        if sampling is not None:
+            request.sampling.CopyFrom(sampling)
+        chunks, _ = await collect(stub.Generate(request))
+        ids = ids_of(chunks)
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        if REPLACEMENT not in full:  # else the model wrote invalid UTF-8, which no detokenizer can make whole
+            assert all(REPLACEMENT not in c.text for c in chunks), [c.text for c in chunks]
+            assert text_of(chunks) == full
+        # the prompt as token ids gives the same stream
+        by_ids = pb.GenerateRequest(prompt_token_ids=prompt_ids, max_new_tokens=32, speculation=GREEDY_K0)
+        if sampling is not None:
+            by_ids.sampling.CopyFrom(sampling)
+        chunks2, _ = await collect(stub.Generate(by_ids))
+        assert ids_of(chunks2) == ids and [c.text for c in chunks2] == [c.text for c in chunks]
+
+
+class ScriptedGeneration:
+    """Stands in for the engine's Generation: commits a fixed token script, `per_step` tokens per step."""
+
+    def __init__(self, request: GenerationRequest, script: list[int], per_step: int) -> None:
+        self.script, self.per_step = script, per_step
+        self.stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+        self.finish: str | None = None
+
+    def step(self) -> StepResult:
+        done = self.stats.completion_tokens
+        tokens = self.script[done : done + self.per_step]
+        self.stats.completion_tokens += len(tokens)
+        self.stats.verify_steps += 1
+        if self.stats.completion_tokens == len(self.script):
+            self.finish = "length"
+        return StepResult(tokens, 0, 0, self.finish)
+
+
+@pytest.fixture
+def scripted(server: Running, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[int], int], None]:
+    """Make the engine emit a given token script (to force characters split across chunks, whatever the model)."""
+
+    def use(script: list[int], per_step: int) -> None:
+        monkeypatch.setattr(server.runtime.engine, "start",
+                            lambda slot, request: ScriptedGeneration(request, script, per_step))
+
+    return use
+
+
+async def test_multibyte_characters_split_across_chunks_arrive_whole(
+    stub: Stub, tokenizer: PreTrainedTokenizerBase, scripted: Callable[[list[int], int], None]
+) -> None:
+    text = "def 你好():  # 😀 ünï 🎉🎉 数据 — done"
+    script = tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.decode(script) == text
+    for per_step in (1, 2, 3):
+        scripted(script, per_step)
+        chunks, summary = await collect(stub.Generate(greedy("x", len(script))))
+        assert ids_of(chunks) == script and summary.finish_reason == pb.FINISH_REASON_LENGTH
+        assert text_of(chunks) == text
+        assert all(REPLACEMENT not in c.text for c in chunks), [c.text for c in chunks]
+        assert any(REPLACEMENT in tokenizer.decode(list(c.token_ids)) for c in chunks)  # splits did happen
+        # a stop string made of multi-byte characters, met across chunks
+        stopped, summary = await collect(stub.Generate(greedy("x", len(script), stop=["🎉🎉"])))
+        assert text_of(stopped) == text[: text.index("🎉🎉")]
+        assert summary.finish_reason == pb.FINISH_REASON_STOP and summary.stop_sequence == "🎉🎉"
+    # Converse streams the same way, and phrases count code points
+    scripted(tokenizer(" Ça va? 你好。😀 Oui.", add_special_tokens=False).input_ids, 1)
+    conversation = Conversation(stub)
+    await conversation.start(phrase_mode=True)
+    chunks, phrases, turn = await conversation.turn("hi")
+    assert turn.reply_text == text_of(chunks) == " Ça va? 你好。😀 Oui."
+    assert [p.text for p in phrases] == [" Ça va? ", "你好。", "😀 Oui."]
+    assert [(p.start_char, p.end_char) for p in phrases] == [(0, 8), (8, 11), (11, 17)]
+    await conversation.close()
+
+
+# ---- Infill --------------------------------------------------------------------------------------------------------
+
+
+def fim_prompt(tokenizer: PreTrainedTokenizerBase, prefix: str, suffix: str, path: str = "",
+               extra: tuple[tuple[str, str], ...] = ()) -> list[int]:
+    """The documented layout: [SEP path\\n text EOS]* PRE [SEP path\\n] prefix SUF suffix MID."""
+    pre, suf, mid = tokenizer.convert_tokens_to_ids(list(FIM_TOKENS))
+    sep = tokenizer.convert_tokens_to_ids("<|file_sep|>")
+
+    def plain(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    ids: list[int] = []
+    for file_path, text in extra:
+        ids += [sep, *plain(f"{file_path}\n{text}"), tokenizer.eos_token_id]
+    ids.append(pre)
+    if path:
+        ids += [sep, *plain(f"{path}\n")]
+    return [*ids, *plain(prefix), suf, *plain(suffix), mid]
+
+
+async def test_infill_formats_the_prompt_with_fim_tokens(stub: Stub, tokenizer: PreTrainedTokenizerBase) -> None:
+    prefix, suffix = "def area(w, h):\n    return ", "\n\n\nprint(area(2, 3))\n"
+    extra = (("geometry/util.py", "def square(x):\n    return x * x\n"), ("README.md", "Area helpers.\n"))
+    cases = [
+        (pb.InfillRequest(prefix=prefix, suffix=suffix, max_new_tokens=16), fim_prompt(tokenizer, prefix, suffix)),
+        (pb.InfillRequest(prefix=prefix, suffix=suffix, max_new_tokens=16, path="geometry/area.py",
+                          extra=[pb.ExtraFile(path=p, text=t) for p, t in extra]),
+         fim_prompt(tokenizer, prefix, suffix, "geometry/area.py", extra)),
+    ]
+    for request, expected in cases:
+        chunks, summary = await collect(stub.Infill(request))
+        assert summary.prompt_tokens == len(expected)
+        assert summary.completion_tokens == len(ids_of(chunks))
+        # the same ids through Generate give the same middle: the prompt was exactly this
+        same, _ = await collect(stub.Generate(pb.GenerateRequest(prompt_token_ids=expected, max_new_tokens=16)))
+        assert ids_of(same) == ids_of(chunks)
+        assert text_of(same) == text_of(chunks)
+
+
+def _rename_fim(value: Any) -> Any:
+    """JSON with the FIM token names replaced (keys and strings), so that the tokenizer has none."""
+    if isinstance(value, dict):
+        return {_rename_fim(k): _rename_fim(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rename_fim(v) for v in value]
+    if isinstance(value, str) and value in FIM_TOKENS:
+        return f"<|reserved_{FIM_TOKENS.index(value)}|>"
+    return value
+
+
+@pytest_asyncio.fixture(scope="module")
+async def no_fim_server(server: Running, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
+    """A second server on a copy of the target whose tokenizer has no fill-in-the-middle tokens (no draft)."""
+    target = tmp_path_factory.mktemp("no_fim") / "target"
+    shutil.copytree(server.runtime.config.engine.target, target)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (target / name).exists():
+            data = json.loads((target / name).read_text())
+            (target / name).write_text(json.dumps(_rename_fim(data)))
+    config = make_config()
+    config = replace(config, engine=replace(config.engine, target=str(target), draft="none", max_sessions=1,
+                                            max_context=128),
+                     server=replace(config.server, metrics_port=0))
+    running = await start_server(config)
+    yield running
+    await running.stop(0.5)
+
+
+async def test_infill_without_fim_tokens_is_failed_precondition(no_fim_server: Running) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{no_fim_server.port}") as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        error = await rpc_error(stub.Infill(pb.InfillRequest(prefix="def f(", suffix=")\n", max_new_tokens=4)))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "fill-in-the-middle" in (error.details() or "")
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert not info.supports_infill and not info.HasField("draft")
+        assert info.speculation_policy.proposer == pb.PROPOSER_PROMPT_LOOKUP
+        error = await rpc_error(stub.Generate(greedy(n=4, speculation=pb.SpeculationParams(
+            proposer=pb.PROPOSER_DRAFT_MODEL))))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft" in (error.details() or "")
+        chunks, summary = await collect(stub.Generate(greedy(n=4)))  # generation still works
+        assert summary.completion_tokens == len(ids_of(chunks)) > 0
+
+
+# ---- sessions ------------------------------------------------------------------------------------------------------
+
+
+async def test_session_reuses_the_prompt_prefix_across_keystrokes(stub: Stub, tokenizer: PreTrainedTokenizerBase
+                                                                  ) -> None:
+    session = f"editor-{uuid.uuid4().hex}"
+    buffer = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    keystrokes = [buffer[:30], buffer[:44], buffer[:58], buffer]
+    previous: list[int] = []
+    for i, text in enumerate(keystrokes):
+        chunks, summary = await collect(stub.Generate(greedy(text, 8, session_id=session)))
+        assert summary.session_id == session
+        ids = tokenizer(text).input_ids
+        if i:
+            shared = next((j for j, (a, b) in enumerate(zip(previous, ids, strict=False)) if a != b),
+                          min(len(previous), len(ids)))
+            assert summary.cached_prompt_tokens >= min(shared, len(ids) - 1) > 0
+        assert summary.cached_prompt_tokens < summary.prompt_tokens
+        previous = ids
+        # reuse is exact: a cold anonymous request gives the same tokens
+        cold, _ = await collect(stub.Generate(greedy(text, 8)))
+        assert ids_of(cold) == ids_of(chunks)
+
+
+async def test_new_request_on_a_session_cancels_the_previous_one(stub: Stub, long_streams: float) -> None:
+    session = f"keys-{uuid.uuid4().hex}"
+    first = stub.Generate(long_request(session_id=session))
+    await first_tokens(first)
+    second = await collect(stub.Generate(greedy(n=4, session_id=session, speculation=GREEDY_K0)))
+    assert second[1].finish_reason == pb.FINISH_REASON_LENGTH and second[1].completion_tokens == 4
+    _, summary = await read_rest(first)
+    assert summary.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert summary.completion_tokens < LONG_TOKENS and summary.session_id == session
+
+
+async def test_only_the_latest_of_queued_requests_on_a_session_runs(
+    stub: Stub, server: Running, long_streams: float
+) -> None:
+    session = f"burst-{uuid.uuid4().hex}"
+    first = stub.Generate(long_request(session_id=session))
+    await first_tokens(first)
+    # two keystrokes in a burst: the middle one is replaced before (or just after) it starts
+    middle = asyncio.ensure_future(collect(stub.Generate(long_request(session_id=session, prompt="Once upon"))))
+    last = asyncio.ensure_future(collect(stub.Generate(greedy(n=4, session_id=session, speculation=GREEDY_K0))))
+    _, middle_summary = await asyncio.wait_for(middle, timeout=20)
+    _, last_summary = await asyncio.wait_for(last, timeout=20)
+    _, first_summary = await read_rest(first)
+    assert first_summary.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert middle_summary.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert middle_summary.completion_tokens < LONG_TOKENS // 4
+    assert last_summary.finish_reason == pb.FINISH_REASON_LENGTH and last_summary.completion_tokens == 4
+    await wait_until(lambda: server.runtime.registry.in_use == 0, what="all slots released")
+
+
+# ---- cancellation, deadlines, admission ----------------------------------------------------------------------------
+
+
+async def test_client_cancel_frees_the_slot_while_other_streams_keep_streaming(
+    stub: Stub, server: Running, long_streams: float
+) -> None:
+    registry = server.runtime.registry
+    before = registry.in_use
+    a, b = stub.Generate(long_request()), stub.Generate(long_request(prompt="It was a dark"))
+    await first_tokens(a)
+    await first_tokens(b)
+    assert registry.in_use == before + 2
+    a.cancel()
+    received = 0
+
+    async def read_b() -> None:
+        nonlocal received
+        while True:
+            response = await b.read()
+            assert response.WhichOneof("event") == "chunk", response
+            received += 1
+
+    reader = asyncio.create_task(read_b())
+    took = await wait_until(lambda: registry.in_use == before + 1, timeout=3, what="cancelled stream's slot freed")
+    await wait_until(lambda: received >= 5, timeout=5, what="the other stream streaming")
+    assert took < 1.0
+    assert await a.code() == grpc.StatusCode.CANCELLED
+    b.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    await wait_until(lambda: registry.in_use == before, timeout=3, what="slot freed")
+
+
+async def test_deadline_mid_stream_frees_the_slot(stub: Stub, server: Running, long_streams: float) -> None:
+    registry = server.runtime.registry
+    before = registry.in_use
+    call = stub.Generate(long_request(), timeout=0.5)
+    error = await rpc_error(call)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await wait_until(lambda: registry.in_use == before, timeout=2, what="slot freed after the deadline")
+
+
+async def test_resource_exhausted_when_every_slot_has_a_stream(
+    stub: Stub, server: Running, long_streams: float
+) -> None:
+    registry = server.runtime.registry
+    calls = [stub.Generate(long_request(prompt=f"Story number {i}:")) for i in range(registry.total)]
+    try:
+        for call in calls:
+            await first_tokens(call)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.kv_slots_in_use == info.kv_slots_total == registry.total
+        started = time.perf_counter()
+        error = await rpc_error(stub.Generate(greedy(n=4), timeout=10))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "KV slots" in (error.details() or "") and "--max-sessions" in (error.details() or "")
+        assert time.perf_counter() - started < 2
+        # a new named session and a new conversation are refused the same way
+        error = await rpc_error(stub.Generate(greedy(n=4, session_id=f"s-{uuid.uuid4().hex}"), timeout=10))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        conversation = Conversation(stub, timeout=10)
+        await conversation.send(start=pb.SessionStart())
+        error = await rpc_error(conversation.call.read())
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for call in calls:
+            call.cancel()
+    await wait_until(lambda: registry.in_use == 0, timeout=3, what="every slot freed")
+    _, summary = await collect(stub.Generate(greedy(n=2)))
+    assert summary.completion_tokens > 0
+
+
+# ---- Converse ------------------------------------------------------------------------------------------------------
+
+
+async def test_converse_turns_stream_and_resume(stub: Stub, tokenizer: PreTrainedTokenizerBase,
+                                               long_streams: float) -> None:
+    conversation = Conversation(stub)
+    system = "You answer in one short sentence."
+    started = await conversation.start(system=system, max_new_tokens=16)
+    assert started.session_id and not started.resumed
+    assert started.history_tokens == len(tokenizer(plain_history([("system", system)])).input_ids)
+    chunks, phrases, summary = await conversation.turn("What is the capital of France?")
+    assert not phrases
+    assert summary.turn_index == 0 and summary.reply_text == text_of(chunks)
+    assert summary.generation.completion_tokens == len(ids_of(chunks)) > 0
+    assert summary.generation.session_id == started.session_id
+    assert summary.time_to_first_phrase_ms == 0
+    messages = [("system", system), ("user", "What is the capital of France?")]
+    assert summary.generation.prompt_tokens == len(tokenizer(plain_history(messages) + "Assistant:").input_ids)
+    messages.append(("assistant", summary.reply_text))
+    chunks2, _, summary2 = await conversation.turn("And of Spain?", max_new_tokens=4)
+    assert summary2.turn_index == 1 and summary2.generation.completion_tokens == len(ids_of(chunks2)) <= 4
+    # the second prompt extends the first prompt and reply: their KV cache is reused
+    assert summary2.generation.cached_prompt_tokens >= summary.generation.prompt_tokens - 1
+    messages += [("user", "And of Spain?"), ("assistant", summary2.reply_text)]
+    await conversation.close()
+
+    resumed = Conversation(stub)
+    again = await resumed.start(session_id=started.session_id)
+    assert again.session_id == started.session_id and again.resumed
+    assert again.history_tokens == len(tokenizer(plain_history(messages)).input_ids)
+    _, _, summary3 = await resumed.turn("Thanks.", max_new_tokens=2)
+    assert summary3.turn_index == 2
+    await resumed.close()
+
+
+async def test_converse_barge_in_cancels_the_reply_quickly(stub: Stub, server: Running, long_streams: float) -> None:
+    conversation = Conversation(stub)
+    await conversation.start(sampling=pb.SamplingParams(temperature=100.0, seed=3))
+    await conversation.send(turn=pb.Turn(text="Tell me a very long story.", max_new_tokens=LONG_TOKENS))
+    while (await conversation.read()).WhichOneof("event") != "chunk":
+        pass
+    await conversation.send(cancel=pb.Cancel())
+    cancelled_at = time.perf_counter()
+    _, _, summary = await conversation.reply()
+    assert time.perf_counter() - cancelled_at < 1.0
+    assert summary.generation.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert summary.generation.completion_tokens < LONG_TOKENS
+    # the session goes on: the next turn runs normally
+    _, _, summary2 = await conversation.turn("Short one, please.", max_new_tokens=3)
+    assert summary2.turn_index == 1 and summary2.generation.finish_reason == pb.FINISH_REASON_LENGTH
+    # a new turn while a reply streams cancels that reply first
+    await conversation.send(turn=pb.Turn(text="Another long story.", max_new_tokens=LONG_TOKENS))
+    while (await conversation.read()).WhichOneof("event") != "chunk":
+        pass
+    _, _, summary3 = await conversation.turn("Stop. Just one word.", max_new_tokens=2)
+    assert summary3.turn_index == 2 and summary3.generation.finish_reason == pb.FINISH_REASON_CANCELLED
+    _, _, summary4 = await conversation.reply()
+    assert summary4.turn_index == 3 and summary4.generation.completion_tokens == 2
+    await conversation.close()
+    await wait_until(lambda: server.runtime.registry.in_use == 0, what="slot released")
+
+
+@pytest.mark.parametrize("half_closed", [False, True], ids=["open", "half-closed"])
+async def test_converse_client_cancel_mid_reply_frees_the_slot(stub: Stub, server: Running, long_streams: float,
+                                                                half_closed: bool) -> None:
+    registry = server.runtime.registry
+    conversation = Conversation(stub)
+    await conversation.start(sampling=pb.SamplingParams(temperature=100.0, seed=4))
+    await conversation.send(turn=pb.Turn(text="Tell me a very long story.", max_new_tokens=LONG_TOKENS))
+    if half_closed:  # the client has nothing more to say and waits for the reply
+        await conversation.call.done_writing()
+    while (await conversation.read()).WhichOneof("event") != "chunk":
+        pass
+    assert registry.in_use == 1
+    conversation.call.cancel()
+    took = await wait_until(lambda: registry.in_use == 0, timeout=3, what="the reply's slot freed")
+    assert took < 1.0
+
+
+async def test_converse_barge_in_works_after_the_idle_session_was_evicted(
+    stub: Stub, server: Running, long_streams: float
+) -> None:
+    registry = server.runtime.registry
+    conversation = Conversation(stub)
+    started = await conversation.start(sampling=pb.SamplingParams(temperature=100.0, seed=5))
+    # a burst of anonymous streams takes every slot: the idle conversation's session is evicted
+    calls = [stub.Generate(long_request(prompt=f"Story {i}:")) for i in range(registry.total)]
+    for call in calls:
+        await first_tokens(call)
+    assert started.session_id not in registry.sessions
+    for call in calls:
+        call.cancel()
+    await wait_until(lambda: registry.in_use == 0, timeout=3, what="slots freed")
+    # the conversation goes on in a fresh slot, and a barge-in still stops its reply
+    await conversation.send(turn=pb.Turn(text="Tell me a very long story.", max_new_tokens=LONG_TOKENS))
+    while (await conversation.read()).WhichOneof("event") != "chunk":
+        pass
+    await conversation.send(cancel=pb.Cancel())
+    cancelled_at = time.perf_counter()
+    _, _, summary = await conversation.reply()
+    assert time.perf_counter() - cancelled_at < 1.0
+    assert summary.generation.finish_reason == pb.FINISH_REASON_CANCELLED
+    await conversation.close()
+    # and its history is kept for a later stream
+    resumed = Conversation(stub)
+    again = await resumed.start(session_id=started.session_id)
+    assert again.resumed and again.history_tokens > 0
+    await resumed.close()
+
+
+async def test_converse_rewind_keeps_only_the_spoken_characters(stub: Stub, tokenizer: PreTrainedTokenizerBase,
+                                                                long_streams: float) -> None:
+    conversation = Conversation(stub)
+    started = await conversation.start(max_new_tokens=24)
+    _, _, summary = await conversation.turn("Count to ten.", speculation=GREEDY_K0)
+    reply = summary.reply_text
+    assert len(reply) >= 2, reply
+    spoken = len(reply) // 2
+    await conversation.send(rewind=pb.Rewind(spoken_chars=spoken, session_id=started.session_id))
+    rewound = (await conversation.read()).rewound
+    assert rewound.kept_chars == spoken and rewound.kept_tokens > 0
+    messages = [("user", "Count to ten."), ("assistant", reply[:spoken])]
+    assert rewound.history_tokens == len(tokenizer(plain_history(messages)).input_ids)
+    # the next turn's prompt holds only the spoken part of the reply
+    _, _, summary2 = await conversation.turn("Go on.", max_new_tokens=2)
+    messages.append(("user", "Go on."))
+    assert summary2.generation.prompt_tokens == len(tokenizer(plain_history(messages) + "Assistant:").input_ids)
+    assert summary2.generation.cached_prompt_tokens > 0
+    # rewinding past the end keeps everything
+    await conversation.send(rewind=pb.Rewind(spoken_chars=10_000))
+    assert (await conversation.read()).rewound.kept_chars == len(summary2.reply_text)
+    await conversation.close()
+
+
+async def test_converse_phrase_mode(stub: Stub, long_streams: float) -> None:
+    conversation = Conversation(stub)
+    await conversation.start(phrase_mode=True, max_new_tokens=48, sampling=pb.SamplingParams(temperature=2.0, seed=9))
+    await conversation.send(turn=pb.Turn(text="Describe the sea in a few sentences, please."))
+    streamed = ""
+    phrases: list[pb.Phrase] = []
+    while True:
+        response = await conversation.read()
+        kind = response.WhichOneof("event")
+        if kind == "chunk":
+            streamed += response.chunk.text
+        elif kind == "phrase":
+            phrases.append(response.phrase)
+            assert response.phrase.end_char <= len(streamed)  # a phrase never runs ahead of the text
+        else:
+            summary = response.summary
+            break
+    reply = summary.reply_text
+    assert reply == streamed and reply
+    assert "".join(p.text for p in phrases) == reply
+    offset = 0
+    for phrase in phrases:
+        assert phrase.start_char == offset and phrase.end_char == offset + len(phrase.text)
+        assert reply[phrase.start_char : phrase.end_char] == phrase.text
+        offset = phrase.end_char
+    assert [p.time_ms for p in phrases] == sorted(p.time_ms for p in phrases)
+    assert summary.time_to_first_phrase_ms > 0
+    assert math.isclose(summary.time_to_first_phrase_ms, phrases[0].time_ms, rel_tol=0.5, abs_tol=5)
+    await conversation.close()
+
+
+async def test_converse_protocol_errors_are_invalid_argument(stub: Stub) -> None:
+    conversation = Conversation(stub)
+    await conversation.send(turn=pb.Turn(text="hi"))
+    error = await rpc_error(conversation.call.read())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "start" in (error.details() or "")
+
+    conversation = Conversation(stub)
+    started = await conversation.start()
+    await conversation.send(rewind=pb.Rewind(spoken_chars=1))
+    error = await rpc_error(conversation.call.read())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "nothing to rewind" in (error.details() or "")
+
+    for other in (f"unknown-{uuid.uuid4().hex}", started.session_id + "x"):
+        conversation = Conversation(stub)
+        await conversation.start(max_new_tokens=2)
+        await conversation.turn("hi")
+        await conversation.send(rewind=pb.Rewind(spoken_chars=1, session_id=other))
+        error = await rpc_error(conversation.call.read())
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "rewind.session_id" in (error.details() or "")
+
+    conversation = Conversation(stub)
+    await conversation.start()
+    await conversation.send(start=pb.SessionStart())
+    error = await rpc_error(conversation.call.read())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "already has a session" in (error.details() or "")
+
+    conversation = Conversation(stub)
+    await conversation.start()
+    await conversation.send(turn=pb.Turn(text="hi", sampling=pb.SamplingParams(temperature=-1)))
+    error = await rpc_error(conversation.call.read())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in (error.details() or "")
+
+
+# ---- GetModelInfo --------------------------------------------------------------------------------------------------
+
+
+async def test_model_info(stub: Stub, server: Running, tokenizer: PreTrainedTokenizerBase) -> None:
+    engine = server.runtime.config.engine
+    info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+    target_config = json.loads((Path(engine.target) / "config.json").read_text())
+    assert info.target.name == Path(engine.target).name
+    assert info.target.architecture == target_config["model_type"]
+    assert info.target.vocab_size == target_config["vocab_size"]
+    assert info.target.parameters > 0 and info.target.weight_bytes >= 4 * info.target.parameters
+    assert info.target.context_length == target_config["max_position_embeddings"]
+    assert info.HasField("draft") == (server.runtime.draft is not None)
+    if info.HasField("draft"):
+        assert info.draft.name == Path(engine.draft).name and info.draft.parameters > 0
+    assert info.device == "cpu" and info.dtype == "float32"
+    assert info.max_context == engine.max_context
+    assert info.speculation_policy.mode == engine.speculation
+    assert info.speculation_policy.max_draft_tokens == engine.max_draft_tokens
+    assert info.kv_slots_total == engine.max_sessions and info.kv_slots_in_use == server.runtime.registry.in_use
+    assert info.kv_cache_bytes > 0
+    assert info.supports_infill
+    assert info.tokenizer_vocab_size == len(tokenizer)
+
+
+# ---- invalid requests ----------------------------------------------------------------------------------------------
+
+TOO_LONG = 600  # tokens: more than the test server's 512-position context
+
+
+def _bad_generate(**fields: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(**{"prompt": CODE_PROMPT, "max_new_tokens": 4, **fields})
+
+
+BAD_GENERATE = {
+    "negative temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=-0.5)), "temperature"),
+    "NaN temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=math.nan)), "temperature"),
+    "huge temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=1e30)), "temperature"),
+    "infinite temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=math.inf)), "temperature"),
+    "negative top_p": (_bad_generate(sampling=pb.SamplingParams(top_p=-0.1)), "top_p"),
+    "top_p above 1": (_bad_generate(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+    "NaN top_p": (_bad_generate(sampling=pb.SamplingParams(top_p=math.nan)), "top_p"),
+    "negative top_k": (_bad_generate(sampling=pb.SamplingParams(top_k=-1)), "top_k"),
+    "max_new_tokens above the limit": (_bad_generate(max_new_tokens=257), "max_new_tokens"),
+    "empty prompt": (pb.GenerateRequest(max_new_tokens=4), "prompt"),
+    "token id outside the vocabulary": (_bad_generate(prompt="", prompt_token_ids=[5, 10**6]), "prompt_token_ids"),
+    "largest uint32 token id": (_bad_generate(prompt="", prompt_token_ids=[2**32 - 1]), "prompt_token_ids"),
+    "prompt longer than the context": (_bad_generate(prompt="", prompt_token_ids=[5] * TOO_LONG), "truncate_prompt"),
+    "too many stop strings": (_bad_generate(stop=[f"s{i}" for i in range(17)]), "stop"),
+    "too long stop string": (_bad_generate(stop=["x" * 129]), "stop[0]"),
+    "empty stop string": (_bad_generate(stop=["ok", ""]), "stop[1]"),
+    "num_draft_tokens above the server max": (
+        _bad_generate(speculation=pb.SpeculationParams(num_draft_tokens=9)), "num_draft_tokens"),
+    "unknown proposer": (_bad_generate(speculation=pb.SpeculationParams(proposer=42)), "proposer"),  # type: ignore[arg-type]
+    "over-long session_id": (_bad_generate(session_id="s" * 129), "session_id"),
+    "unprintable session_id": (_bad_generate(session_id="a\nb"), "session_id"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_GENERATE))
+async def test_invalid_generate_requests(stub: Stub, case: str) -> None:
+    request, field_name = BAD_GENERATE[case]
+    error = await rpc_error(stub.Generate(request, timeout=10))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, error.details())
+    assert field_name in (error.details() or ""), (case, error.details())
+
+
+async def test_invalid_infill_requests(stub: Stub) -> None:
+    too_many = pb.InfillRequest(prefix="a", suffix="b", extra=[pb.ExtraFile(path=f"f{i}", text="x") for i in range(33)])
+    error = await rpc_error(stub.Infill(too_many, timeout=10))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "extra" in (error.details() or "")
+    too_long = pb.InfillRequest(prefix="word " * 700, suffix="")
+    error = await rpc_error(stub.Infill(too_long, timeout=10))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "extra files" in (error.details() or "") and "truncate_prompt" not in (error.details() or "")
+    error = await rpc_error(stub.Infill(pb.InfillRequest(prefix="a", session_id="x" * 200), timeout=10))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in (error.details() or "")
+
+
+async def test_truncate_prompt_keeps_the_last_tokens(stub: Stub, server: Running,
+                                                     tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = (tokenizer("a b c d e f g h ").input_ids * TOO_LONG)[:TOO_LONG]
+    chunks, summary = await collect(stub.Generate(pb.GenerateRequest(prompt_token_ids=ids, max_new_tokens=4,
+                                                                     truncate_prompt=True)))
+    room = server.runtime.config.engine.max_context - 1
+    assert summary.prompt_tokens == room
+    assert summary.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+    assert 1 <= summary.completion_tokens == len(ids_of(chunks))
+    same, _ = await collect(stub.Generate(pb.GenerateRequest(prompt_token_ids=ids[-room:], max_new_tokens=4)))
+    assert ids_of(same) == ids_of(chunks)
+
+
+async def test_after_bad_requests_the_server_still_serves(stub: Stub, server: Running) -> None:
+    assert server.runtime.registry.in_use == 0
+    chunks, summary = await collect(stub.Generate(greedy(n=4)))
+    assert summary.completion_tokens == len(ids_of(chunks)) > 0
+    await wait_until(lambda: server.runtime.registry.in_use == 0, what="slot released")
