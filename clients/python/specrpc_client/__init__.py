@@ -1,0 +1,104 @@
+"""Typed Python client for specrpc (specrpc.v1.Generator over gRPC).
+
+    from specrpc_client import AsyncClient, Client
+
+Names load on first use, so `import specrpc_client.cli` (the `specrpc complete|chat` arguments) stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specrpc_client._core import NO_RETRY, UNSET, RetryPolicy
+    from specrpc_client.aio import AsyncClient, AsyncGeneration, CompletionSession, Reply, VoiceSession
+    from specrpc_client.errors import (
+        Cancelled,
+        DeadlineExceeded,
+        FailedPrecondition,
+        InvalidArgument,
+        PermissionDenied,
+        ResourceExhausted,
+        SpecrpcError,
+        Unauthenticated,
+        Unavailable,
+    )
+    from specrpc_client.sync import Client, Conversation, Generation
+    from specrpc_client.types import (
+        Chunk,
+        ExtraFile,
+        FinishReason,
+        ModelDescription,
+        ModelInfo,
+        Phrase,
+        Proposer,
+        Rewound,
+        Sampling,
+        SessionStarted,
+        Speculation,
+        SpeculationPolicy,
+        SpeculationStats,
+        Summary,
+        Timing,
+        TurnSummary,
+    )
+
+_WHERE = {
+    "specrpc_client._core": ["NO_RETRY", "UNSET", "RetryPolicy"],
+    "specrpc_client.aio": ["AsyncClient", "AsyncGeneration", "CompletionSession", "Reply", "VoiceSession"],
+    "specrpc_client.errors": ["Cancelled", "DeadlineExceeded", "FailedPrecondition", "InvalidArgument",
+                              "PermissionDenied", "ResourceExhausted", "SpecrpcError", "Unauthenticated",
+                              "Unavailable"],
+    "specrpc_client.sync": ["Client", "Conversation", "Generation"],
+    "specrpc_client.types": ["Chunk", "ExtraFile", "FinishReason", "ModelDescription", "ModelInfo", "Phrase",
+                             "Proposer", "Rewound", "Sampling", "SessionStarted", "Speculation", "SpeculationPolicy",
+                             "SpeculationStats", "Summary", "Timing", "TurnSummary"],
+}
+_MODULE = {name: module for module, names in _WHERE.items() for name in names}
+__all__ = [
+    "NO_RETRY",
+    "UNSET",
+    "AsyncClient",
+    "AsyncGeneration",
+    "Cancelled",
+    "Chunk",
+    "Client",
+    "CompletionSession",
+    "Conversation",
+    "DeadlineExceeded",
+    "ExtraFile",
+    "FailedPrecondition",
+    "FinishReason",
+    "Generation",
+    "InvalidArgument",
+    "ModelDescription",
+    "ModelInfo",
+    "PermissionDenied",
+    "Phrase",
+    "Proposer",
+    "Reply",
+    "ResourceExhausted",
+    "RetryPolicy",
+    "Rewound",
+    "Sampling",
+    "SessionStarted",
+    "SpecrpcError",
+    "Speculation",
+    "SpeculationPolicy",
+    "SpeculationStats",
+    "Summary",
+    "Timing",
+    "TurnSummary",
+    "Unauthenticated",
+    "Unavailable",
+    "VoiceSession",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE:
+        raise AttributeError(f"module 'specrpc_client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE[name]), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,210 @@
+"""`specrpc complete` and `specrpc chat`: the Python client on the command line.
+
+Only argparse is imported at module level; the client loads when a command runs. Generated text goes to stdout,
+the stats line (and errors) to stderr, so `specrpc complete ... > out.txt` keeps the text clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _connection_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection")
+    g.add_argument("--host", default="127.0.0.1", help="server host (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=50051, help="server port (default 50051)")
+    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
+    g.add_argument("--tls", action="store_true", help="use TLS (system roots unless --ca-cert)")
+    g.add_argument("--ca-cert", type=Path, help="root certificates (PEM) to verify the server; implies --tls")
+    g.add_argument("--client-cert", type=Path, help="client certificate (PEM) for mutual TLS")
+    g.add_argument("--client-key", type=Path, help="client private key (PEM) for mutual TLS")
+    g.add_argument("--server-name", help="name to verify in the server certificate (default: --host)")
+    g.add_argument("--token", default=None,
+                   help="bearer token (default: env SPECRPC_CLIENT_TOKEN; prefer --token-file, argv is visible)")
+    g.add_argument("--token-file", type=Path, help="file holding the bearer token")
+
+
+def _generation_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=0, help="most tokens to generate (0: server default)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=0.0, help="nucleus mass in (0, 1]; 0 or 1 = off")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampled output")
+    g.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="draft tokens per step: unset = the server's adaptive policy, 0 = no speculation")
+    g.add_argument("--proposer", choices=["draft", "lookup", "combined"], default=None,
+                   help="draft proposer (default: the server's)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--session-id", default="", help="session id (reuses that session's KV cache)")
+
+
+def add_commands(commands: Any) -> None:
+    """Register `complete` and `chat` on an argparse subparsers object."""
+    complete = commands.add_parser(
+        "complete", help="stream a completion from a server",
+        description="Stream the completion of PROMPT (or fill in the middle with --suffix) from a running server.")
+    complete.add_argument("prompt", help="text to continue ('-' reads stdin)")
+    complete.add_argument("--suffix", default=None, help="text after the cursor: use Infill (fill-in-the-middle)")
+    _connection_arguments(complete)
+    _generation_arguments(complete)
+    complete.set_defaults(func=run_complete)
+
+    chat = commands.add_parser(
+        "chat", help="interactive Converse session",
+        description="Chat over Converse: each stdin line is a turn, the reply streams back. Ctrl-C during a reply "
+                    "cancels it (barge-in); '/rewind N' keeps N characters of the last reply; '/quit' or EOF ends.")
+    chat.add_argument("--system", default="", help="system prompt")
+    chat.add_argument("--phrases", action="store_true", help="print phrase events (text-to-speech chunks)")
+    _connection_arguments(chat)
+    _generation_arguments(chat)
+    chat.set_defaults(func=run_chat)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from specrpc_client import Client
+
+    token = args.token or os.environ.get("SPECRPC_CLIENT_TOKEN") or None
+    if args.token_file:
+        token = args.token_file.read_text().strip()
+    return Client(f"{args.host}:{args.port}", token=token, tls=args.tls, root_certificates=args.ca_cert,
+                  client_cert=args.client_cert, client_key=args.client_key, server_name=args.server_name,
+                  timeout=args.timeout)
+
+
+def _request_options(args: argparse.Namespace) -> dict[str, Any]:
+    from specrpc_client import Proposer, Sampling, Speculation
+
+    speculation = None
+    if args.num_draft_tokens is not None or args.proposer:
+        speculation = Speculation(args.num_draft_tokens, Proposer.parse(args.proposer or ""))
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
+    return {"max_new_tokens": args.max_new_tokens, "sampling": sampling, "stop": args.stop,
+            "speculation": speculation}
+
+
+def stats_line(summary: Any, ttft_ms: float | None, elapsed_s: float) -> str:
+    """tokens, TTFT, tokens/s, acceptance rate (and why it ended) in one line."""
+    spec = summary.speculation
+    rate = f"{spec.acceptance_rate:.0%} ({spec.draft_tokens_accepted}/{spec.draft_tokens_proposed} drafted)" \
+        if spec.draft_tokens_proposed else "n/a (no drafts)"
+    ttft = summary.timing.ttft_ms if ttft_ms is None else ttft_ms
+    tps = summary.completion_tokens / elapsed_s if elapsed_s > 0 else 0.0
+    cached = f" · cached {summary.cached_prompt_tokens}" if summary.cached_prompt_tokens else ""
+    return (f"[{summary.completion_tokens} tokens · TTFT {ttft:.1f} ms · {tps:.1f} tokens/s · acceptance {rate} · "
+            f"{summary.finish_reason.name.lower()}{cached}]")
+
+
+def _fail(exc: Exception) -> int:
+    print(f"specrpc: {exc}", file=sys.stderr)
+    return 1
+
+
+def run_complete(args: argparse.Namespace) -> int:
+    from specrpc_client import SpecrpcError
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    options = _request_options(args)
+    try:
+        with _client(args) as client:
+            if args.suffix is None:
+                gen = client.generate(prompt, session_id=args.session_id, **options)
+            else:
+                gen = client.infill(prompt, args.suffix, session_id=args.session_id, **options)
+            try:
+                for chunk in gen:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                gen.cancel()
+                print("\n[cancelled]", file=sys.stderr)
+                return 130
+            sys.stdout.write("\n")
+            if gen.summary is not None:
+                elapsed = (gen.ended_at or gen.started_at) - gen.started_at
+                print(stats_line(gen.summary, gen.ttft_ms, elapsed), file=sys.stderr)
+    except SpecrpcError as exc:
+        return _fail(exc)
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+    import time
+
+    from specrpc_client import Chunk, Phrase, SpecrpcError, TurnSummary
+
+    options = _request_options(args)
+    options.pop("stop")
+    interactive = sys.stdin.isatty()
+    totals = {"turns": 0, "tokens": 0, "proposed": 0, "accepted": 0, "seconds": 0.0}
+    try:
+        with _client(args) as client, client.conversation(
+                args.session_id or None, system=args.system, phrase_mode=args.phrases, stop=args.stop,
+                **options) as conv:
+            print(f"[session {conv.session_id}{' resumed' if conv.started and conv.started.resumed else ''}; "
+                  f"/rewind N, /quit]", file=sys.stderr)
+            while True:
+                if interactive:
+                    print("> ", end="", file=sys.stderr, flush=True)
+                line = sys.stdin.readline()
+                if not line or line.strip() == "/quit":
+                    break
+                text = line.rstrip("\n")
+                if not text.strip():
+                    continue
+                if text.startswith("/rewind"):
+                    parts = text.split()
+                    try:
+                        r = conv.rewind(int(parts[1]))
+                    except (IndexError, ValueError):
+                        print("usage: /rewind N", file=sys.stderr)
+                        continue
+                    print(f"[rewound: kept {r.kept_chars} chars, {r.kept_tokens} tokens; history "
+                          f"{r.history_tokens} tokens]", file=sys.stderr)
+                    continue
+                started = time.perf_counter()
+                first: float | None = None
+                # Ctrl-C while a reply streams is a barge-in, not an exit.
+                previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is \
+                    threading.main_thread() else None
+                if previous is not None:
+                    signal.signal(signal.SIGINT, lambda *_: conv.cancel())
+                try:
+                    for event in conv.say(text):
+                        if isinstance(event, Chunk):
+                            if first is None and event.token_ids:
+                                first = (time.perf_counter() - started) * 1e3
+                            sys.stdout.write(event.text)
+                            sys.stdout.flush()
+                        elif isinstance(event, Phrase):
+                            print(f"\n  [phrase {event.start_char}-{event.end_char} at {event.time_ms:.0f} ms]",
+                                  file=sys.stderr)
+                        elif isinstance(event, TurnSummary):
+                            elapsed = time.perf_counter() - started
+                            g = event.generation
+                            sys.stdout.write("\n")
+                            print(stats_line(g, first, elapsed), file=sys.stderr)
+                            totals["turns"] += 1
+                            totals["tokens"] += g.completion_tokens
+                            totals["proposed"] += g.speculation.draft_tokens_proposed
+                            totals["accepted"] += g.speculation.draft_tokens_accepted
+                            totals["seconds"] += elapsed
+                finally:
+                    if previous is not None:
+                        signal.signal(signal.SIGINT, previous)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    except SpecrpcError as exc:
+        return _fail(exc)
+    if totals["turns"]:
+        rate = totals["accepted"] / totals["proposed"] if totals["proposed"] else 0.0
+        tps = totals["tokens"] / totals["seconds"] if totals["seconds"] else 0.0
+        print(f"[session: {totals['turns']} turns · {totals['tokens']} tokens · {tps:.1f} tokens/s · acceptance "
+              f"{rate:.0%}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,245 @@
+"""Typed results and parameters: frozen dataclasses that mirror the proto, and their conversions."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar, cast
+
+from specrpc_client._stubs import pb
+
+
+class FinishReason(enum.IntEnum):
+    """Why generation ended."""
+
+    UNSPECIFIED = 0
+    LENGTH = 1
+    STOP = 2
+    CANCELLED = 3
+
+
+class Proposer(enum.IntEnum):
+    """Which proposer drafts tokens."""
+
+    UNSPECIFIED = 0
+    DRAFT_MODEL = 1
+    PROMPT_LOOKUP = 2
+    COMBINED = 3
+
+    @classmethod
+    def parse(cls, name: str) -> Proposer:
+        """'draft', 'lookup', 'combined' (the server's --proposer names) or an enum name."""
+        short = {"draft": cls.DRAFT_MODEL, "lookup": cls.PROMPT_LOOKUP, "combined": cls.COMBINED, "": cls.UNSPECIFIED}
+        key = name.strip().lower()
+        if key in short:
+            return short[key]
+        return cls[key.upper().removeprefix("PROPOSER_")]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen; the defaults mean greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def to_proto(self) -> pb.SamplingParams:
+        msg = pb.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        if self.seed is not None:
+            msg.seed = self.seed
+        return msg
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Per-request speculation: None = the server's adaptive policy, 0 = off, n = at most n draft tokens."""
+
+    num_draft_tokens: int | None = None
+    proposer: Proposer = Proposer.UNSPECIFIED
+
+    def to_proto(self) -> pb.SpeculationParams:
+        msg = pb.SpeculationParams(proposer=cast("pb.Proposer.ValueType", int(self.proposer)))
+        if self.num_draft_tokens is not None:
+            msg.num_draft_tokens = self.num_draft_tokens
+        return msg
+
+
+@dataclass(frozen=True)
+class ExtraFile:
+    """A file given as context to Infill (for example an open tab)."""
+
+    path: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The tokens of one verify step and the text they complete."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    accepted_draft_tokens: int
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Speculation figures of one request."""
+
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    verify_steps: int = 0
+    mean_accepted_length: float = 0.0
+    num_draft_tokens: int = 0
+    acceptance_rate: float = 0.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Server-side timings in milliseconds from the request's arrival."""
+
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    queue_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The last event of a generation."""
+
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    timing: Timing = field(default_factory=Timing)
+    session_id: str = ""
+    stop_sequence: str = ""
+
+
+@dataclass(frozen=True)
+class Phrase:
+    """A complete sentence or clause of a reply, ready for text-to-speech."""
+
+    text: str
+    start_char: int
+    end_char: int
+    time_ms: float
+    """Server: milliseconds from the turn's start to this phrase."""
+    received_ms: float = 0.0
+    """Client: milliseconds from `say()` to this phrase's arrival (includes the network)."""
+
+
+@dataclass(frozen=True)
+class TurnSummary:
+    """The end of one reply."""
+
+    turn_index: int
+    generation: Summary
+    time_to_first_phrase_ms: float
+    reply_text: str
+
+
+@dataclass(frozen=True)
+class SessionStarted:
+    """A Converse session is open."""
+
+    session_id: str
+    resumed: bool
+    history_tokens: int
+
+
+@dataclass(frozen=True)
+class Rewound:
+    """A rewind was applied."""
+
+    kept_chars: int
+    kept_tokens: int
+    history_tokens: int
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """One loaded model."""
+
+    name: str = ""
+    architecture: str = ""
+    parameters: int = 0
+    vocab_size: int = 0
+    weight_bytes: int = 0
+    context_length: int = 0
+    lean_forward: bool = False
+
+
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    """How the server runs speculation."""
+
+    mode: str = ""
+    max_draft_tokens: int = 0
+    proposer: Proposer = Proposer.UNSPECIFIED
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server has loaded (`draft` is None without a draft model)."""
+
+    target: ModelDescription
+    draft: ModelDescription | None
+    device: str
+    dtype: str
+    max_context: int
+    speculation_policy: SpeculationPolicy
+    kv_slots_total: int
+    kv_slots_in_use: int
+    kv_cache_bytes: int
+    supports_infill: bool
+    tokenizer_vocab_size: int
+
+
+# ---- proto → dataclass ----------------------------------------------------------------------------------------
+
+D = TypeVar("D")
+
+
+def _flat(cls: type[D], msg: Any, **override: Any) -> D:
+    """Copy the scalar fields a dataclass shares with a message (by name); `override` wins."""
+    values = {f.name: getattr(msg, f.name) for f in fields(cls) if f.name not in override}  # type: ignore[arg-type]
+    return cls(**values, **override)
+
+
+def chunk_from(msg: pb.TokenChunk) -> Chunk:
+    return Chunk(text=msg.text, token_ids=tuple(msg.token_ids), accepted_draft_tokens=msg.accepted_draft_tokens)
+
+
+def summary_from(msg: pb.GenerationSummary) -> Summary:
+    return _flat(Summary, msg, finish_reason=FinishReason(msg.finish_reason),
+                 speculation=_flat(SpeculationStats, msg.speculation), timing=_flat(Timing, msg.timing))
+
+
+def phrase_from(msg: pb.Phrase, received_ms: float = 0.0) -> Phrase:
+    return _flat(Phrase, msg, received_ms=received_ms)
+
+
+def turn_summary_from(msg: pb.TurnSummary) -> TurnSummary:
+    return _flat(TurnSummary, msg, generation=summary_from(msg.generation))
+
+
+def model_info_from(msg: pb.ModelInfo) -> ModelInfo:
+    policy = msg.speculation_policy
+    return _flat(
+        ModelInfo, msg,
+        target=_flat(ModelDescription, msg.target),
+        draft=_flat(ModelDescription, msg.draft) if msg.HasField("draft") else None,
+        speculation_policy=_flat(SpeculationPolicy, policy, proposer=Proposer(policy.proposer)),
+    )
+
+
+def extra_to_proto(files: Sequence[ExtraFile | tuple[str, str]]) -> list[pb.ExtraFile]:
+    out = []
+    for f in files:
+        path, text = (f.path, f.text) if isinstance(f, ExtraFile) else f
+        out.append(pb.ExtraFile(path=path, text=text))
+    return out

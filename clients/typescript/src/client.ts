@@ -1,0 +1,452 @@
+// SpecrpcClient: Generate / Infill / Converse / GetModelInfo over gRPC (HTTP/2) with @connectrpc/connect-node.
+import { randomUUID } from "node:crypto";
+
+import { type MessageInitShape } from "@bufbuild/protobuf";
+import { Code, ConnectError, type Client, type Interceptor, createClient } from "@connectrpc/connect";
+import { Http2SessionManager, createGrpcTransport } from "@connectrpc/connect-node";
+
+import { Health, HealthCheckResponse_ServingStatus } from "./gen/grpc/health/v1/health_pb.js";
+import {
+  type ConverseRequestSchema,
+  type ConverseResponse,
+  type GenerateResponse,
+  Generator,
+} from "./gen/specrpc/v1/generator_pb.js";
+import { AsyncQueue } from "./queue.js";
+import {
+  type Chunk,
+  type ConverseEvent,
+  type FinishReason,
+  type GenerateOptions,
+  type GenerationEvent,
+  type InfillOptions,
+  type ModelInfo,
+  type RequestOptions,
+  type Rewound,
+  type SamplingOptions,
+  type SessionStarted,
+  type SpeculationOptions,
+  type Summary,
+  chunkFrom,
+  modelInfoFrom,
+  phraseFrom,
+  samplingToProto,
+  speculationToProto,
+  summaryFrom,
+  turnSummaryFrom,
+} from "./types.js";
+
+/** TLS settings (PEM strings or buffers). `ca` verifies the server; `cert` + `key` authenticate the client (mTLS). */
+export interface TlsOptions {
+  ca?: string | Buffer;
+  cert?: string | Buffer;
+  key?: string | Buffer;
+  /** Name to verify in the server certificate (default: the host of `address`). */
+  serverName?: string;
+}
+
+export interface ClientOptions {
+  /** "host:port" (default "127.0.0.1:50051"). */
+  address?: string;
+  /** Full base URL ("http://host:port" or "https://host:port"); overrides address and the scheme from `tls`. */
+  baseUrl?: string;
+  /** Bearer token, sent as `authorization: Bearer <token>` on every call. */
+  token?: string;
+  /** true: TLS with the system roots; an object: custom roots and/or a client certificate. */
+  tls?: boolean | TlsOptions;
+  /** Default deadline in milliseconds for unary and generation calls (Converse has none unless given). */
+  timeoutMs?: number;
+  /** Extra connect interceptors (logging, tracing, ...). */
+  interceptors?: Interceptor[];
+}
+
+export type ServingStatus = "UNKNOWN" | "SERVING" | "NOT_SERVING" | "SERVICE_UNKNOWN";
+
+/** The gRPC status name of an error ("INVALID_ARGUMENT", "DEADLINE_EXCEEDED", ...), or undefined. */
+export function grpcStatus(err: unknown): string | undefined {
+  if (!(err instanceof ConnectError)) return undefined;
+  return Code[err.code].replace(/([a-z])([A-Z])/g, "$1_$2").toUpperCase();
+}
+
+function isAbort(err: unknown): boolean {
+  return (err instanceof ConnectError && err.code === Code.Canceled) ||
+    (err instanceof Error && err.name === "AbortError");
+}
+
+function sessionHeaders(sessionId: string | undefined): Record<string, string> {
+  return sessionId ? { "x-session-id": sessionId } : {};
+}
+
+/** One Generate/Infill stream: `for await` its events (chunks, then one summary). Aborting (the caller's signal or
+ * `cancel()`) ends the iteration quietly, with `finishReason` "cancelled". Iterate it once. */
+export class Generation implements AsyncIterable<GenerationEvent> {
+  readonly chunks: Chunk[] = [];
+  summary: Summary | undefined;
+  readonly startedAt = performance.now();
+  firstTokenAt: number | undefined;
+  private readonly controller = new AbortController();
+  private readonly signal: AbortSignal;
+  private readonly source: AsyncIterable<GenerateResponse>;
+  private iterator: AsyncGenerator<GenerationEvent> | undefined;
+  private aborted = false;
+
+  constructor(start: (signal: AbortSignal) => AsyncIterable<GenerateResponse>, signal?: AbortSignal) {
+    this.signal = signal ? AbortSignal.any([signal, this.controller.signal]) : this.controller.signal;
+    this.source = start(this.signal);
+  }
+
+  /** The text received so far. */
+  get text(): string {
+    return this.chunks.map((c) => c.text).join("");
+  }
+
+  /** The summary's reason, "cancelled" after an abort, undefined while running. */
+  get finishReason(): FinishReason | undefined {
+    return this.summary?.finishReason ?? (this.aborted || this.signal.aborted ? "cancelled" : undefined);
+  }
+
+  get cancelled(): boolean {
+    return this.finishReason === "cancelled";
+  }
+
+  /** Client-side time to the first token in milliseconds (includes the network). */
+  get ttftMs(): number | undefined {
+    return this.firstTokenAt === undefined ? undefined : this.firstTokenAt - this.startedAt;
+  }
+
+  /** Stop now; the server stops within one engine step and keeps the prefix cached for the session. */
+  cancel(): void {
+    if (!this.summary) this.controller.abort();
+  }
+
+  [Symbol.asyncIterator](): AsyncIterator<GenerationEvent> {
+    this.iterator ??= this.run();
+    return this.iterator;
+  }
+
+  /** Read to the end; the summary (undefined when cancelled). */
+  async result(): Promise<Summary | undefined> {
+    for await (const _ of this) {
+      // drain
+    }
+    return this.summary;
+  }
+
+  private async *run(): AsyncGenerator<GenerationEvent> {
+    try {
+      for await (const res of this.source) {
+        if (res.event.case === "chunk") {
+          const chunk = chunkFrom(res.event.value);
+          if (this.firstTokenAt === undefined && chunk.tokenIds.length > 0) this.firstTokenAt = performance.now();
+          this.chunks.push(chunk);
+          yield chunk;
+        } else if (res.event.case === "summary") {
+          this.summary = summaryFrom(res.event.value);
+          yield this.summary;
+        }
+      }
+    } catch (err) {
+      if (this.signal.aborted && isAbort(err)) {
+        this.aborted = true;
+        return;
+      }
+      throw err;
+    }
+  }
+}
+
+/** Completions for one editor buffer: each request aborts the previous one (cancel-on-keystroke) and all share one
+ * session id, so the server reuses the cached prompt prefix (`summary.cachedPromptTokens`). */
+export class CompletionSession {
+  readonly sessionId: string;
+  current: Generation | undefined;
+
+  constructor(private readonly client: SpecrpcClient, private readonly defaults: RequestOptions = {},
+    sessionId?: string) {
+    this.sessionId = sessionId ?? randomUUID();
+  }
+
+  complete(prefix: string, options: GenerateOptions = {}): Generation {
+    this.cancel();
+    this.current = this.client.complete(prefix, { ...this.defaults, ...options, sessionId: this.sessionId });
+    return this.current;
+  }
+
+  infill(prefix: string, suffix: string, options: InfillOptions = {}): Generation {
+    this.cancel();
+    this.current = this.client.infill(prefix, suffix, { ...this.defaults, ...options, sessionId: this.sessionId });
+    return this.current;
+  }
+
+  /** Abort the request in flight, if any (for example on Escape). */
+  cancel(): void {
+    this.current?.cancel();
+  }
+}
+
+export interface ConverseOptions {
+  /** Reuse an id to resume that session's history (default: a new random id, also sent as `x-session-id`). */
+  sessionId?: string;
+  system?: string;
+  /** Emit phrase events for text-to-speech (default true). */
+  phraseMode?: boolean;
+  sampling?: SamplingOptions;
+  speculation?: SpeculationOptions;
+  maxNewTokens?: number;
+  stop?: string[];
+  signal?: AbortSignal;
+  /** A deadline for the whole stream (default none: sessions are long-lived). */
+  timeoutMs?: number;
+}
+
+export interface TurnOptions {
+  role?: string;
+  sampling?: SamplingOptions;
+  maxNewTokens?: number;
+  speculation?: SpeculationOptions;
+}
+
+type ConverseRequestInit = MessageInitShape<typeof ConverseRequestSchema>;
+
+/** A Converse session: `send`/`say` turns, `cancel` (barge-in), `rewind`; `for await` gives every event (chunks,
+ * phrases, turn summaries, rewinds). Consume events either through the session or through `say`, not both. */
+export class Conversation implements AsyncIterable<ConverseEvent> {
+  sessionId: string;
+  /** Resolves once the server has opened the session. */
+  readonly started: Promise<SessionStarted>;
+  private readonly requests = new AsyncQueue<ConverseRequestInit>();
+  private readonly events = new AsyncQueue<ConverseEvent>();
+  private readonly rewinds: { resolve: (r: Rewound) => void; reject: (e: unknown) => void }[] = [];
+  private readonly controller = new AbortController();
+  private readonly pumping: Promise<void>;
+  private closing = false;
+
+  constructor(generator: Client<typeof Generator>, options: ConverseOptions, headers: Record<string, string>) {
+    this.sessionId = options.sessionId ?? randomUUID();
+    this.requests.push({
+      action: {
+        case: "start",
+        value: {
+          sessionId: this.sessionId,
+          system: options.system ?? "",
+          phraseMode: options.phraseMode ?? true,
+          sampling: samplingToProto(options.sampling),
+          speculation: speculationToProto(options.speculation),
+          maxNewTokens: options.maxNewTokens ?? 0,
+          stop: options.stop ?? [],
+        },
+      },
+    });
+    const signal = options.signal ? AbortSignal.any([options.signal, this.controller.signal])
+      : this.controller.signal;
+    // connect wants a full async generator (with throw/return) for the request stream.
+    const requests = (async function* (queue: AsyncQueue<ConverseRequestInit>) {
+      yield* queue;
+    })(this.requests);
+    const responses = generator.converse(requests, {
+      signal, timeoutMs: options.timeoutMs, headers: { ...headers, ...sessionHeaders(this.sessionId) },
+    });
+    let resolveStarted!: (s: SessionStarted) => void;
+    let rejectStarted!: (e: unknown) => void;
+    this.started = new Promise((resolve, reject) => {
+      resolveStarted = resolve;
+      rejectStarted = reject;
+    });
+    this.started.catch(() => undefined); // awaited by callers; never an unhandled rejection
+    this.pumping = this.pump(responses, resolveStarted, rejectStarted);
+  }
+
+  private async pump(responses: AsyncIterable<ConverseResponse>,
+    resolveStarted: (s: SessionStarted) => void, rejectStarted: (e: unknown) => void): Promise<void> {
+    try {
+      for await (const res of responses) {
+        const ev = res.event;
+        switch (ev.case) {
+          case "started":
+            this.sessionId = ev.value.sessionId;
+            resolveStarted({ type: "started", sessionId: ev.value.sessionId, resumed: ev.value.resumed,
+              historyTokens: ev.value.historyTokens });
+            break;
+          case "chunk":
+            this.events.push(chunkFrom(ev.value));
+            break;
+          case "phrase":
+            this.events.push(phraseFrom(ev.value));
+            break;
+          case "summary":
+            this.events.push(turnSummaryFrom(ev.value));
+            break;
+          case "rewound": {
+            const r: Rewound = { type: "rewound", keptChars: ev.value.keptChars, keptTokens: ev.value.keptTokens,
+              historyTokens: ev.value.historyTokens };
+            this.rewinds.shift()?.resolve(r);
+            this.events.push(r);
+            break;
+          }
+        }
+      }
+      const ended = new ConnectError("the Converse stream ended", Code.Canceled);
+      rejectStarted(ended);
+      for (const w of this.rewinds.splice(0)) w.reject(ended);
+      this.events.end();
+    } catch (err) {
+      rejectStarted(err);
+      for (const w of this.rewinds.splice(0)) w.reject(err);
+      if (this.closing && isAbort(err)) this.events.end();
+      else this.events.fail(err);
+    }
+  }
+
+  /** Send a turn (a reply still in flight is cancelled by the server first). */
+  send(text: string, options: TurnOptions = {}): void {
+    this.requests.push({
+      action: {
+        case: "turn",
+        value: {
+          text, role: options.role ?? "", sampling: samplingToProto(options.sampling),
+          maxNewTokens: options.maxNewTokens ?? 0, speculation: speculationToProto(options.speculation),
+        },
+      },
+    });
+  }
+
+  /** Send a turn and iterate its events up to and including its turn summary. */
+  say(text: string, options: TurnOptions = {}): AsyncIterable<ConverseEvent> {
+    this.send(text, options);
+    const events = this.events;
+    return {
+      async *[Symbol.asyncIterator]() {
+        for await (const ev of events) {
+          yield ev;
+          if (ev.type === "turnSummary") return;
+        }
+      },
+    };
+  }
+
+  /** Barge-in: stop the reply in flight within one engine step (its turn summary says "cancelled"). */
+  cancel(): void {
+    this.requests.push({ action: { case: "cancel", value: {} } });
+  }
+
+  /** Keep only the first `spokenChars` characters (code points) of the last reply in the history. */
+  rewind(spokenChars: number): Promise<Rewound> {
+    const done = new Promise<Rewound>((resolve, reject) => this.rewinds.push({ resolve, reject }));
+    this.requests.push({ action: { case: "rewind", value: { spokenChars, sessionId: this.sessionId } } });
+    return done;
+  }
+
+  [Symbol.asyncIterator](): AsyncIterator<ConverseEvent> {
+    return this.events[Symbol.asyncIterator]();
+  }
+
+  /** Cancel what is in flight and close the stream (the server keeps the session until its TTL). */
+  async close(): Promise<void> {
+    this.closing = true;
+    this.cancel();
+    this.requests.end();
+    const timer = setTimeout(() => this.controller.abort(), 2000);
+    await this.pumping;
+    clearTimeout(timer);
+  }
+}
+
+/** Typed client for specrpc.v1.Generator. Call `close()` when done (it closes the HTTP/2 connection). */
+export class SpecrpcClient {
+  readonly baseUrl: string;
+  readonly timeoutMs: number | undefined;
+  private readonly sessionManager: Http2SessionManager;
+  private readonly generator: Client<typeof Generator>;
+  private readonly healthClient: Client<typeof Health>;
+
+  constructor(options: ClientOptions = {}) {
+    const tls = typeof options.tls === "object" ? options.tls : undefined;
+    const scheme = options.tls ? "https" : "http";
+    this.baseUrl = options.baseUrl ?? `${scheme}://${options.address ?? "127.0.0.1:50051"}`;
+    this.timeoutMs = options.timeoutMs;
+    const nodeOptions = tls ? { ca: tls.ca, cert: tls.cert, key: tls.key, servername: tls.serverName } : {};
+    this.sessionManager = new Http2SessionManager(this.baseUrl, { idleConnectionTimeoutMs: 60_000 }, nodeOptions);
+    const interceptors: Interceptor[] = [...(options.interceptors ?? [])];
+    const token = options.token;
+    if (token) {
+      interceptors.unshift((next) => async (req) => {
+        req.header.set("authorization", `Bearer ${token}`);
+        return await next(req);
+      });
+    }
+    const transport = createGrpcTransport({ baseUrl: this.baseUrl, sessionManager: this.sessionManager, interceptors });
+    this.generator = createClient(Generator, transport);
+    this.healthClient = createClient(Health, transport);
+  }
+
+  private callOptions(o: RequestOptions): { timeoutMs?: number; headers: Record<string, string> } {
+    return { timeoutMs: o.timeoutMs ?? this.timeoutMs, headers: sessionHeaders(o.sessionId) };
+  }
+
+  /** Continue `prompt`: an async iterable of chunks, then one summary. */
+  complete(prompt: string, options: GenerateOptions = {}): Generation {
+    const request = {
+      prompt, maxNewTokens: options.maxNewTokens ?? 0, sampling: samplingToProto(options.sampling),
+      stop: options.stop ?? [], speculation: speculationToProto(options.speculation),
+      sessionId: options.sessionId ?? "", truncatePrompt: options.truncatePrompt ?? false,
+    };
+    return new Generation((signal) => this.generator.generate(request, { ...this.callOptions(options), signal }),
+      options.signal);
+  }
+
+  /** Fill in the middle between prefix and suffix (extraFiles: other files as context). */
+  infill(prefix: string, suffix: string, options: InfillOptions = {}): Generation {
+    const request = {
+      prefix, suffix, extra: options.extraFiles ?? [], path: options.path ?? "",
+      maxNewTokens: options.maxNewTokens ?? 0, sampling: samplingToProto(options.sampling),
+      stop: options.stop ?? [], speculation: speculationToProto(options.speculation), sessionId: options.sessionId ?? "",
+    };
+    return new Generation((signal) => this.generator.infill(request, { ...this.callOptions(options), signal }),
+      options.signal);
+  }
+
+  /** An editor buffer's completion session (see CompletionSession). */
+  completionSession(defaults: RequestOptions = {}, sessionId?: string): CompletionSession {
+    return new CompletionSession(this, defaults, sessionId);
+  }
+
+  /** Open a Converse session (await `started` to know it is open). */
+  converse(options: ConverseOptions = {}): Conversation {
+    return new Conversation(this.generator, options, {});
+  }
+
+  async modelInfo(options: { timeoutMs?: number; signal?: AbortSignal } = {}): Promise<ModelInfo> {
+    const info = await this.generator.getModelInfo({}, { timeoutMs: options.timeoutMs ?? this.timeoutMs,
+      signal: options.signal });
+    return modelInfoFrom(info);
+  }
+
+  /** grpc.health.v1 status of `service` ("" = the whole server). */
+  async health(service = "", timeoutMs = 5000): Promise<ServingStatus> {
+    const res = await this.healthClient.check({ service }, { timeoutMs });
+    return (HealthCheckResponse_ServingStatus[res.status] ?? "UNKNOWN") as ServingStatus;
+  }
+
+  /** Poll health until SERVING (connection errors count as not yet); rejects after `timeoutMs`. */
+  async waitForServing(timeoutMs = 60_000, intervalMs = 200): Promise<void> {
+    const until = performance.now() + timeoutMs;
+    let last: unknown = "no answer";
+    while (performance.now() < until) {
+      try {
+        const status = await this.health("", Math.max(1, Math.min(2000, until - performance.now())));
+        if (status === "SERVING") return;
+        last = status;
+      } catch (err) {
+        last = err;
+      }
+      await new Promise((r) => setTimeout(r, intervalMs));
+    }
+    throw new ConnectError(`${this.baseUrl} not SERVING within ${timeoutMs} ms (last: ${String(last)})`,
+      Code.Unavailable);
+  }
+
+  /** Close the HTTP/2 connection (and any stream still open). */
+  close(): void {
+    this.sessionManager.abort();
+  }
+}

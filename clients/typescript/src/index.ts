@@ -1,0 +1,36 @@
+// @specrpc/client: typed TypeScript client for specrpc (specrpc.v1.Generator over gRPC / HTTP/2).
+export {
+  type ClientOptions,
+  CompletionSession,
+  Conversation,
+  type ConverseOptions,
+  Generation,
+  type ServingStatus,
+  SpecrpcClient,
+  type TlsOptions,
+  type TurnOptions,
+  grpcStatus,
+} from "./client.js";
+export type {
+  Chunk,
+  ConverseEvent,
+  ExtraFile,
+  FinishReason,
+  GenerateOptions,
+  GenerationEvent,
+  InfillOptions,
+  ModelDescription,
+  ModelInfo,
+  Phrase,
+  ProposerName,
+  RequestOptions,
+  Rewound,
+  SamplingOptions,
+  SessionStarted,
+  SpeculationOptions,
+  SpeculationStats,
+  Summary,
+  Timing,
+  TurnSummary,
+} from "./types.js";
+export { Code, ConnectError } from "@connectrpc/connect";

@@ -1,0 +1,284 @@
+// Plain typed results and options: stable shapes for plugins, mapped from the generated protobuf-es messages.
+import { create } from "@bufbuild/protobuf";
+
+import {
+  type GenerationSummary,
+  type ModelInfo as ModelInfoMsg,
+  type Phrase as PhraseMsg,
+  type SamplingParams,
+  SamplingParamsSchema,
+  type SpeculationParams,
+  SpeculationParamsSchema,
+  type TokenChunk,
+  type TurnSummary as TurnSummaryMsg,
+  FinishReason as FinishReasonEnum,
+  Proposer as ProposerEnum,
+} from "./gen/specrpc/v1/generator_pb.js";
+
+/** Why generation ended. */
+export type FinishReason = "unspecified" | "length" | "stop" | "cancelled";
+
+/** Which proposer drafts tokens ("default": the server's). */
+export type ProposerName = "default" | "draft" | "lookup" | "combined";
+
+/** How tokens are chosen; all unset means greedy. */
+export interface SamplingOptions {
+  /** 0 = greedy. */
+  temperature?: number;
+  /** Nucleus mass in (0, 1]; 0 or 1 = off. */
+  topP?: number;
+  /** Keep the k most likely tokens; 0 = off. */
+  topK?: number;
+  /** Seed: the same seed and request give the same output. */
+  seed?: number | bigint;
+}
+
+/** Per-request speculation: numDraftTokens unset = the server's adaptive policy, 0 = off. */
+export interface SpeculationOptions {
+  numDraftTokens?: number;
+  proposer?: ProposerName;
+}
+
+/** Options every generation call takes. */
+export interface RequestOptions {
+  /** Most tokens to generate; 0 or unset = the server default. */
+  maxNewTokens?: number;
+  sampling?: SamplingOptions;
+  /** Generation ends before the first occurrence of any of these (not emitted). */
+  stop?: string[];
+  speculation?: SpeculationOptions;
+  /** Session: the server reuses its KV cache for the common prefix and cancels the request still in flight on it.
+   * Sent as request metadata `x-session-id` too (for load balancers). */
+  sessionId?: string;
+  /** Abort the call (an editor aborts on every keystroke): the iteration then ends quietly. */
+  signal?: AbortSignal;
+  /** Deadline for this call in milliseconds (default: the client's timeoutMs). */
+  timeoutMs?: number;
+}
+
+export interface GenerateOptions extends RequestOptions {
+  /** Keep the prompt's last tokens when it does not fit the context instead of failing. */
+  truncatePrompt?: boolean;
+}
+
+/** A file given to infill as context (for example an open tab). */
+export interface ExtraFile {
+  path: string;
+  text: string;
+}
+
+export interface InfillOptions extends RequestOptions {
+  extraFiles?: ExtraFile[];
+  /** Path of the file being edited. */
+  path?: string;
+}
+
+/** The tokens of one verify step and the text they complete. */
+export interface Chunk {
+  type: "chunk";
+  text: string;
+  tokenIds: number[];
+  acceptedDraftTokens: number;
+}
+
+export interface SpeculationStats {
+  draftTokensProposed: number;
+  draftTokensAccepted: number;
+  verifySteps: number;
+  meanAcceptedLength: number;
+  numDraftTokens: number;
+  acceptanceRate: number;
+}
+
+/** Server-side timings, milliseconds from the request's arrival. */
+export interface Timing {
+  ttftMs: number;
+  totalMs: number;
+  queueMs: number;
+}
+
+/** The last event of a generation. */
+export interface Summary {
+  type: "summary";
+  finishReason: FinishReason;
+  promptTokens: number;
+  completionTokens: number;
+  cachedPromptTokens: number;
+  speculation: SpeculationStats;
+  timing: Timing;
+  sessionId: string;
+  stopSequence: string;
+}
+
+export type GenerationEvent = Chunk | Summary;
+
+/** A complete sentence or clause of a reply, for text-to-speech. Offsets are in Unicode code points. */
+export interface Phrase {
+  type: "phrase";
+  text: string;
+  startChar: number;
+  endChar: number;
+  /** Milliseconds from the turn's start (server clock). */
+  timeMs: number;
+}
+
+/** The end of one reply. */
+export interface TurnSummary {
+  type: "turnSummary";
+  turnIndex: number;
+  generation: Summary;
+  timeToFirstPhraseMs: number;
+  replyText: string;
+}
+
+export interface SessionStarted {
+  type: "started";
+  sessionId: string;
+  resumed: boolean;
+  historyTokens: number;
+}
+
+export interface Rewound {
+  type: "rewound";
+  keptChars: number;
+  keptTokens: number;
+  historyTokens: number;
+}
+
+export type ConverseEvent = Chunk | Phrase | TurnSummary | Rewound;
+
+export interface ModelDescription {
+  name: string;
+  architecture: string;
+  parameters: number;
+  vocabSize: number;
+  weightBytes: number;
+  contextLength: number;
+  leanForward: boolean;
+}
+
+export interface ModelInfo {
+  target: ModelDescription;
+  draft?: ModelDescription;
+  device: string;
+  dtype: string;
+  maxContext: number;
+  speculationPolicy: { mode: string; maxDraftTokens: number; proposer: ProposerName };
+  kvSlotsTotal: number;
+  kvSlotsInUse: number;
+  kvCacheBytes: number;
+  supportsInfill: boolean;
+  tokenizerVocabSize: number;
+}
+
+// ---- conversions ------------------------------------------------------------------------------------------------
+
+const FINISH: Record<number, FinishReason> = {
+  [FinishReasonEnum.UNSPECIFIED]: "unspecified",
+  [FinishReasonEnum.LENGTH]: "length",
+  [FinishReasonEnum.STOP]: "stop",
+  [FinishReasonEnum.CANCELLED]: "cancelled",
+};
+
+const PROPOSER_TO: Record<ProposerName, ProposerEnum> = {
+  default: ProposerEnum.UNSPECIFIED,
+  draft: ProposerEnum.DRAFT_MODEL,
+  lookup: ProposerEnum.PROMPT_LOOKUP,
+  combined: ProposerEnum.COMBINED,
+};
+
+function proposerName(p: ProposerEnum): ProposerName {
+  const found = (Object.keys(PROPOSER_TO) as ProposerName[]).find((k) => PROPOSER_TO[k] === p);
+  return found ?? "default";
+}
+
+export function samplingToProto(s: SamplingOptions | undefined): SamplingParams | undefined {
+  if (s === undefined) return undefined;
+  return create(SamplingParamsSchema, {
+    temperature: s.temperature ?? 0,
+    topP: s.topP ?? 0,
+    topK: s.topK ?? 0,
+    seed: s.seed === undefined ? undefined : BigInt(s.seed),
+  });
+}
+
+export function speculationToProto(s: SpeculationOptions | undefined): SpeculationParams | undefined {
+  if (s === undefined) return undefined;
+  return create(SpeculationParamsSchema, {
+    numDraftTokens: s.numDraftTokens,
+    proposer: PROPOSER_TO[s.proposer ?? "default"],
+  });
+}
+
+export function chunkFrom(c: TokenChunk): Chunk {
+  return { type: "chunk", text: c.text, tokenIds: [...c.tokenIds], acceptedDraftTokens: c.acceptedDraftTokens };
+}
+
+export function summaryFrom(s: GenerationSummary): Summary {
+  const spec = s.speculation;
+  return {
+    type: "summary",
+    finishReason: FINISH[s.finishReason] ?? "unspecified",
+    promptTokens: s.promptTokens,
+    completionTokens: s.completionTokens,
+    cachedPromptTokens: s.cachedPromptTokens,
+    speculation: {
+      draftTokensProposed: Number(spec?.draftTokensProposed ?? 0),
+      draftTokensAccepted: Number(spec?.draftTokensAccepted ?? 0),
+      verifySteps: spec?.verifySteps ?? 0,
+      meanAcceptedLength: spec?.meanAcceptedLength ?? 0,
+      numDraftTokens: spec?.numDraftTokens ?? 0,
+      acceptanceRate: spec?.acceptanceRate ?? 0,
+    },
+    timing: { ttftMs: s.timing?.ttftMs ?? 0, totalMs: s.timing?.totalMs ?? 0, queueMs: s.timing?.queueMs ?? 0 },
+    sessionId: s.sessionId,
+    stopSequence: s.stopSequence,
+  };
+}
+
+export function phraseFrom(p: PhraseMsg): Phrase {
+  return { type: "phrase", text: p.text, startChar: p.startChar, endChar: p.endChar, timeMs: p.timeMs };
+}
+
+export function turnSummaryFrom(t: TurnSummaryMsg): TurnSummary {
+  return {
+    type: "turnSummary",
+    turnIndex: t.turnIndex,
+    generation: t.generation ? summaryFrom(t.generation) : summaryFrom({} as GenerationSummary),
+    timeToFirstPhraseMs: t.timeToFirstPhraseMs,
+    replyText: t.replyText,
+  };
+}
+
+function describe(m: NonNullable<ModelInfoMsg["target"]>): ModelDescription {
+  return {
+    name: m.name,
+    architecture: m.architecture,
+    parameters: Number(m.parameters),
+    vocabSize: m.vocabSize,
+    weightBytes: Number(m.weightBytes),
+    contextLength: m.contextLength,
+    leanForward: m.leanForward,
+  };
+}
+
+export function modelInfoFrom(m: ModelInfoMsg): ModelInfo {
+  const policy = m.speculationPolicy;
+  return {
+    target: m.target ? describe(m.target) : describe({} as NonNullable<ModelInfoMsg["target"]>),
+    draft: m.draft ? describe(m.draft) : undefined,
+    device: m.device,
+    dtype: m.dtype,
+    maxContext: m.maxContext,
+    speculationPolicy: {
+      mode: policy?.mode ?? "",
+      maxDraftTokens: policy?.maxDraftTokens ?? 0,
+      proposer: proposerName(policy?.proposer ?? ProposerEnum.UNSPECIFIED),
+    },
+    kvSlotsTotal: m.kvSlotsTotal,
+    kvSlotsInUse: m.kvSlotsInUse,
+    kvCacheBytes: Number(m.kvCacheBytes),
+    supportsInfill: m.supportsInfill,
+    tokenizerVocabSize: m.tokenizerVocabSize,
+  };
+}

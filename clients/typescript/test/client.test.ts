@@ -1,0 +1,193 @@
+// The TypeScript client against a real `specrpc serve` (started here, stopped at the end).
+// The server uses the same models as the Python suite: SPECRPC_TARGET / SPECRPC_DRAFT pass through, else the
+// shipped pair in specrpc/assets. Without them (still training) the tests are skipped, like pytest's.
+import assert from "node:assert/strict";
+import { type ChildProcess, spawn } from "node:child_process";
+import { existsSync } from "node:fs";
+import { createServer } from "node:net";
+import { dirname, join, resolve } from "node:path";
+import { after, before, describe, test } from "node:test";
+import { fileURLToPath } from "node:url";
+
+import { Code, ConnectError, type ConverseEvent, type GenerationEvent, SpecrpcClient, grpcStatus } from "../src/index.js";
+
+const REPO = resolve(dirname(fileURLToPath(import.meta.url)), "../../../..");
+const SPECRPC = join(REPO, ".venv", "bin", "specrpc");
+
+function whyNot(): string | undefined {
+  if (!existsSync(SPECRPC)) return `${SPECRPC} not found: run \`make install\` first`;
+  const target = process.env.SPECRPC_TARGET ?? join(REPO, "specrpc", "assets", "target");
+  const draft = process.env.SPECRPC_DRAFT ?? join(REPO, "specrpc", "assets", "draft");
+  for (const [role, dir] of [["target", target], ["draft", draft]] as const) {
+    if (role === "draft" && dir.toLowerCase() === "none") continue;
+    if (!existsSync(join(dir, "config.json"))) {
+      return `${role} model ${dir} not there yet (still training? set SPECRPC_TARGET/SPECRPC_DRAFT)`;
+    }
+  }
+  return undefined;
+}
+
+function freePort(): Promise<number> {
+  return new Promise((res, rej) => {
+    const srv = createServer();
+    srv.once("error", rej);
+    srv.listen(0, "127.0.0.1", () => {
+      const addr = srv.address();
+      srv.close(() => (typeof addr === "object" && addr ? res(addr.port) : rej(new Error("no port"))));
+    });
+  });
+}
+
+async function collect<T>(it: AsyncIterable<T>): Promise<T[]> {
+  const out: T[] = [];
+  for await (const x of it) out.push(x);
+  return out;
+}
+
+const skip = whyNot();
+
+describe("SpecrpcClient against specrpc serve", { skip }, () => {
+  let server: ChildProcess | undefined;
+  let client: SpecrpcClient;
+  let logs = "";
+
+  before(async () => {
+    const port = await freePort();
+    server = spawn(SPECRPC, ["serve", "--host", "127.0.0.1", "--port", String(port), "--threads", "1",
+      "--max-sessions", "4", "--max-context", "512", "--max-new-tokens", "256", "--metrics-port", "0",
+      "--log-format", "console", "--grace-s", "1"], { env: process.env, stdio: ["ignore", "pipe", "pipe"] });
+    server.stdout?.on("data", (d: Buffer) => (logs += d.toString()));
+    server.stderr?.on("data", (d: Buffer) => (logs += d.toString()));
+    const exited = new Promise<never>((_, rej) => server?.once("exit", (code) =>
+      rej(new Error(`specrpc serve exited early (${code}):\n${logs}`))));
+    client = new SpecrpcClient({ address: `127.0.0.1:${port}`, timeoutMs: 60_000 });
+    await Promise.race([client.waitForServing(180_000), exited]);
+  });
+
+  after(async () => {
+    client?.close();
+    if (server && server.exitCode === null) {
+      const gone = new Promise((r) => server?.once("exit", r));
+      server.kill("SIGTERM");
+      const timer = setTimeout(() => server?.kill("SIGKILL"), 10_000);
+      await gone;
+      clearTimeout(timer);
+    }
+  });
+
+  test("health and model info", async () => {
+    assert.equal(await client.health(), "SERVING");
+    const info = await client.modelInfo();
+    assert.ok(info.kvSlotsTotal >= 1 && info.target.vocabSize > 0 && info.maxContext > 0);
+  });
+
+  test("complete streams typed chunks, then exactly one summary", async () => {
+    const gen = client.complete("def fibonacci(n):", { maxNewTokens: 16 });
+    const events: GenerationEvent[] = await collect(gen);
+    const last = events.at(-1);
+    assert.equal(last?.type, "summary");
+    assert.equal(events.filter((e) => e.type === "summary").length, 1);
+    const chunks = events.filter((e) => e.type === "chunk");
+    assert.ok(last?.type === "summary");
+    assert.equal(last.completionTokens, chunks.reduce((n, c) => n + c.tokenIds.length, 0));
+    assert.ok(last.completionTokens <= 16 && last.promptTokens > 0);
+    assert.ok(["length", "stop"].includes(last.finishReason));
+    assert.equal(gen.text, chunks.map((c) => c.text).join(""));
+  });
+
+  test("infill streams the middle", async (t) => {
+    if (!(await client.modelInfo()).supportsInfill) return t.skip("no fill-in-the-middle tokens");
+    const gen = client.infill("def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n", {
+      maxNewTokens: 8, path: "main.py", extraFiles: [{ path: "util.py", text: "def sub(a, b):\n    return a - b\n" }],
+    });
+    const summary = await gen.result();
+    assert.ok(summary && summary.promptTokens > 0 && summary.completionTokens <= 8);
+  });
+
+  test("AbortSignal mid-stream ends the iteration quietly as cancelled", async () => {
+    const controller = new AbortController();
+    const gen = client.complete("Once upon a time", {
+      maxNewTokens: 256, speculation: { numDraftTokens: 0 }, signal: controller.signal,
+    });
+    let chunks = 0;
+    for await (const ev of gen) {
+      if (ev.type === "chunk") {
+        chunks += 1;
+        controller.abort(); // the keystroke
+      }
+    }
+    assert.ok(chunks >= 1);
+    // One token per step, so 256 tokens cannot be done yet: cancelled, unless the model stopped by itself first.
+    assert.ok(gen.finishReason === "cancelled" || gen.summary?.finishReason === "stop", String(gen.finishReason));
+  });
+
+  test("completion session: a new keystroke aborts the previous request and reuses its prefix", async () => {
+    const session = client.completionSession({ maxNewTokens: 256, speculation: { numDraftTokens: 0 } });
+    const prefix = "def fibonacci(n):\n    if n < 2:\n        return n\n    return";
+    const first = session.complete(prefix);
+    const firstEvent = await first[Symbol.asyncIterator]().next(); // the first request is streaming...
+    const second = session.complete(prefix + " fib", { maxNewTokens: 4 }); // ...when the next keystroke comes
+    await first.result(); // the first ends quietly, as cancelled (unless its model ended it before any chunk)
+    assert.ok(first.finishReason === "cancelled" || firstEvent.value?.type === "summary", first.finishReason);
+    const summary = await second.result();
+    assert.ok(summary && summary.cachedPromptTokens > 0, JSON.stringify(summary));
+    assert.equal(summary?.sessionId, session.sessionId);
+  });
+
+  test("converse: phrases, barge-in and rewind", async () => {
+    const conv = client.converse({ system: "Answer briefly.", maxNewTokens: 16 });
+    const started = await conv.started;
+    assert.equal(started.sessionId, conv.sessionId);
+
+    const events: ConverseEvent[] = await collect(conv.say("Hello! How are you?"));
+    const summary = events.at(-1);
+    assert.ok(summary?.type === "turnSummary");
+    const phrases = events.filter((e) => e.type === "phrase");
+    assert.equal(phrases.map((p) => p.text).join(""), summary.replyText);
+    assert.equal(events.filter((e) => e.type === "chunk").map((c) => c.text).join(""), summary.replyText);
+
+    let barged: ConverseEvent | undefined;
+    for await (const ev of conv.say("Tell me a long story.", { maxNewTokens: 200, speculation: { numDraftTokens: 0 } })) {
+      if (ev.type === "chunk" && ev.text) conv.cancel(); // the user speaks
+      if (ev.type === "turnSummary") barged = ev;
+    }
+    assert.ok(barged?.type === "turnSummary");
+    assert.ok(barged.generation.finishReason === "cancelled" || barged.generation.stopSequence,
+      barged.generation.finishReason);
+    assert.ok(barged.generation.completionTokens < 200);
+
+    const rewound = await conv.rewind(2);
+    assert.equal(rewound.keptChars, Math.min(2, [...barged.replyText].length));
+    await conv.close();
+  });
+
+  test("INVALID_ARGUMENT surfaces as a ConnectError with its code", async () => {
+    await assert.rejects(client.complete("x", { sampling: { temperature: -1 } }).result(), (err: unknown) => {
+      assert.ok(err instanceof ConnectError);
+      assert.equal(err.code, Code.InvalidArgument);
+      assert.equal(grpcStatus(err), "INVALID_ARGUMENT");
+      assert.match(err.rawMessage, /temperature/);
+      return true;
+    });
+  });
+
+  test("a deadline surfaces as DEADLINE_EXCEEDED", async () => {
+    const gen = client.complete("x", { maxNewTokens: 256, speculation: { numDraftTokens: 0 }, timeoutMs: 1 });
+    await assert.rejects(gen.result(), (err: unknown) => grpcStatus(err) === "DEADLINE_EXCEEDED");
+  });
+
+  test("bearer token and x-session-id travel as request metadata", async () => {
+    const seen: Headers[] = [];
+    const spy = new SpecrpcClient({
+      baseUrl: client.baseUrl, token: "s3cret",
+      interceptors: [(next) => async (req) => { seen.push(req.header); return await next(req); }],
+    });
+    try {
+      await spy.complete("x", { maxNewTokens: 1, sessionId: "editor-1" }).result();
+    } finally {
+      spy.close();
+    }
+    assert.equal(seen[0]?.get("authorization"), "Bearer s3cret");
+    assert.equal(seen[0]?.get("x-session-id"), "editor-1");
+  });
+});

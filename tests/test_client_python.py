@@ -1,0 +1,371 @@
+"""The Python client (clients/python/specrpc_client) against a real in-process server, and the CLI against it."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import free_port
+from specrpc_client import (
+    NO_RETRY,
+    AsyncClient,
+    Client,
+    DeadlineExceeded,
+    FinishReason,
+    InvalidArgument,
+    Phrase,
+    RetryPolicy,
+    Sampling,
+    TurnSummary,
+    Unavailable,
+)
+
+from specrpc.server import Running
+from specrpc.v1 import generator_pb2 as pb
+from specrpc.v1 import generator_pb2_grpc as pb_grpc
+
+BIN = Path(sys.executable).parent
+FAST_RETRY = RetryPolicy(max_attempts=10, initial_backoff_s=0.05, max_backoff_s=0.4)
+StartServer = Callable[..., Awaitable[int]]
+
+
+@pytest.fixture
+async def client(server: Running) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(f"127.0.0.1:{server.port}", timeout=30) as c:
+        yield c
+
+
+class Recorder(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Records (method, metadata) of every call it sees."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, str]]] = []
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        self.calls.append((details.method, dict(details.invocation_metadata or ())))
+        return await continuation(details)
+
+
+# ---- streaming ---------------------------------------------------------------------------------------------------
+
+async def test_generate_streams_typed_chunks_then_summary(client: AsyncClient, long_streams: float) -> None:
+    gen = client.generate("def fibonacci(n):", max_new_tokens=16)
+    chunks = [chunk async for chunk in gen]
+    s = gen.summary
+    assert chunks and s is not None
+    assert s.finish_reason is FinishReason.LENGTH  # (long_streams: the end-of-sequence token does not end it)
+    assert s.completion_tokens == sum(len(c.token_ids) for c in chunks) == 16
+    assert s.prompt_tokens > 0 and s.timing.total_ms >= s.timing.ttft_ms > 0
+    assert gen.text == "".join(c.text for c in chunks)
+    assert gen.ttft_ms is not None and gen.ttft_ms > 0
+
+
+async def test_model_info_is_typed(client: AsyncClient) -> None:
+    info = await client.model_info()
+    assert info.target.vocab_size > 0 and info.kv_slots_total >= 1 and info.max_context > 0
+
+
+async def test_infill_streams_the_middle(client: AsyncClient, long_streams: float) -> None:
+    if not (await client.model_info()).supports_infill:
+        pytest.skip("the served tokenizer has no fill-in-the-middle tokens")
+    gen = client.infill("def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n",
+                        extra_files=[("util.py", "def sub(a, b):\n    return a - b\n")], path="main.py",
+                        max_new_tokens=12)
+    summary = await gen.result()
+    assert summary is not None and summary.completion_tokens == 12
+    assert summary.finish_reason is FinishReason.LENGTH and summary.prompt_tokens > 0
+
+
+async def test_sync_client_streams_too(server: Running, long_streams: float) -> None:
+    def run() -> tuple[int, int, str]:
+        with Client(f"127.0.0.1:{server.port}", timeout=30) as c:
+            gen = c.generate("hello", max_new_tokens=8, sampling=Sampling(temperature=0.8, seed=1))
+            text = "".join(chunk.text for chunk in gen)
+            assert gen.summary is not None
+            return gen.summary.completion_tokens, c.model_info().kv_slots_total, text
+
+    tokens, slots, _ = await asyncio.to_thread(run)  # blocking calls off the loop the server runs on
+    assert tokens == 8 and slots >= 1
+
+
+async def test_invalid_argument_is_a_typed_error(client: AsyncClient) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        await client.generate("x", sampling=Sampling(temperature=-1.0)).result()
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details
+    assert isinstance(err.value, ValueError)
+
+
+# ---- editors -----------------------------------------------------------------------------------------------------
+
+async def test_cancel_on_keystroke_reuses_the_cached_prefix(client: AsyncClient, long_streams: float) -> None:
+    prefix = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
+    async with client.completion_session(max_new_tokens=200) as session:
+        first = session.complete(prefix)
+        got = [chunk async for chunk in _take(first, 1)]
+        second = session.complete(prefix + " fib", max_new_tokens=8)  # the next keystroke cancels the first
+        assert [c async for c in first] == []  # the first stream ends quietly...
+        assert first.finish_reason is FinishReason.CANCELLED and first.cancelled  # ...as cancelled
+        summary = await second.result()
+    assert got and summary is not None
+    assert summary.session_id == session.session_id
+    assert summary.cached_prompt_tokens > 0  # the first request's prompt stayed in the session's KV cache
+    assert summary.finish_reason is FinishReason.LENGTH
+
+
+async def _take(gen: Any, n: int) -> AsyncIterator[Any]:
+    async for item in gen:
+        yield item
+        n -= 1
+        if n == 0:
+            return
+
+
+async def test_completion_session_infill_cancels_too(client: AsyncClient, long_streams: float) -> None:
+    if not (await client.model_info()).supports_infill:
+        pytest.skip("the served tokenizer has no fill-in-the-middle tokens")
+    session = client.completion_session(max_new_tokens=100)
+    first = session.infill("def f(x):\n    return ", "\n", extra_files=[("a.py", "x = 1\n")])
+    second = session.infill("def f(x):\n    return x", "\n", max_new_tokens=4)
+    assert await first.result() is None and first.finish_reason is FinishReason.CANCELLED
+    summary = await second.result()
+    assert summary is not None and summary.completion_tokens == 4
+
+
+# ---- voice -------------------------------------------------------------------------------------------------------
+
+async def test_voice_session_phrases_barge_in_and_rewind(client: AsyncClient, long_streams: float) -> None:
+    async with client.voice_session(system="Answer briefly.", max_new_tokens=24) as voice:
+        assert voice.started is not None and voice.started.session_id == voice.session_id
+        reply = voice.say("Hello! How are you today?")
+        phrases = [p async for p in reply]
+        done = await reply.done()
+        assert all(isinstance(p, Phrase) for p in phrases) and (phrases or not done.reply_text.strip())
+        assert "".join(p.text for p in phrases) == done.reply_text == reply.text
+        assert [p.start_char for p in phrases[1:]] == [p.end_char for p in phrases[:-1]]
+        assert all(a.time_ms <= b.time_ms for a, b in itertools.pairwise(phrases))
+        assert done.time_to_first_phrase_ms > 0 and reply.time_to_first_phrase_ms is not None
+
+        long = voice.say("Tell me a very long story.", max_new_tokens=200)
+        async for event in long.events():  # wait until it streams, then the user speaks
+            if not isinstance(event, TurnSummary) and event.text:
+                break
+        summary = await voice.barge_in()
+        assert summary is not None
+        # cancelled, unless the reply hit the conversation's stop string before the barge-in landed
+        assert summary.generation.finish_reason is FinishReason.CANCELLED or summary.generation.stop_sequence
+        assert 0 < summary.generation.completion_tokens < 200
+        assert [p async for p in long] == []  # nothing more to speak after a barge-in
+
+        rewound = await voice.rewind(spoken_chars=3)
+        assert rewound.kept_chars == min(3, len(summary.reply_text))
+        assert rewound.history_tokens > 0
+
+
+async def test_sync_conversation_skips_a_reply_left_unread(server: Running, long_streams: float) -> None:
+    def run() -> tuple[TurnSummary, int]:
+        with Client(f"127.0.0.1:{server.port}", timeout=30) as c, c.conversation(max_new_tokens=100) as conv:
+            next(iter(conv.say("Tell me a long story.")))  # read one event, then move on (the user spoke again)
+            events = list(conv.say("Short answer, please.", max_new_tokens=4))
+            last = events[-1]
+            assert isinstance(last, TurnSummary)
+            return last, conv.rewind(1).kept_chars
+
+    summary, kept = await asyncio.to_thread(run)
+    assert summary.turn_index == 1 and summary.generation.completion_tokens <= 4  # the second turn's own events
+    assert kept == min(1, len(summary.reply_text))
+
+
+# ---- connection behaviour ---------------------------------------------------------------------------------------
+
+async def test_retries_unavailable_until_a_late_server_starts(server: Running, extra_server: StartServer) -> None:
+    port = free_port()
+    async with AsyncClient(f"127.0.0.1:{port}", retry=FAST_RETRY, timeout=20) as c:
+        gen = c.generate("hello", max_new_tokens=4)
+        late = asyncio.create_task(_start_later(extra_server, port, 0.4))
+        summary = await gen.result()
+        await late
+    assert summary is not None and summary.finish_reason is not FinishReason.CANCELLED
+    assert gen._attempts > 1
+
+
+async def _start_later(extra_server: StartServer, port: int, delay: float) -> None:
+    await asyncio.sleep(delay)
+    await extra_server(port=port)
+
+
+async def test_unavailable_without_retries_is_immediate() -> None:
+    async with AsyncClient(f"127.0.0.1:{free_port()}", retry=NO_RETRY, timeout=10) as c:
+        t0 = time.perf_counter()
+        with pytest.raises(Unavailable) as err:
+            await c.model_info()
+    assert isinstance(err.value, ConnectionError) and time.perf_counter() - t0 < 5
+
+
+class FlakyGenerator(pb_grpc.GeneratorServicer):  # type: ignore[misc]
+    """UNAVAILABLE for the first `failures` calls; then one chunk, then UNAVAILABLE mid-stream if `break_after`."""
+
+    def __init__(self, failures: int, break_after: bool) -> None:
+        self.calls = 0
+        self.failures = failures
+        self.break_after = break_after
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        self.calls += 1
+        if self.calls <= self.failures:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
+        yield pb.GenerateResponse(chunk=pb.TokenChunk(text="a", token_ids=[1]))
+        if self.break_after:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "gone mid-stream")
+        yield pb.GenerateResponse(summary=pb.GenerationSummary(finish_reason=pb.FINISH_REASON_LENGTH,
+                                                               completion_tokens=1))
+
+
+async def test_retry_only_before_the_first_response(extra_server: StartServer) -> None:
+    flaky = FlakyGenerator(failures=2, break_after=False)
+    port = await extra_server(servicer=flaky)
+    async with AsyncClient(f"127.0.0.1:{port}", retry=FAST_RETRY, timeout=10) as c:
+        assert (await c.generate("x").result()) is not None
+        assert flaky.calls == 3  # two UNAVAILABLE answers retried
+
+        broken = FlakyGenerator(failures=0, break_after=True)
+        c2 = AsyncClient(f"127.0.0.1:{await extra_server(servicer=broken)}", retry=FAST_RETRY, timeout=10)
+        gen = c2.generate("x")
+        with pytest.raises(Unavailable):
+            await gen.result()
+        await c2.close()
+    assert broken.calls == 1 and gen.text == "a"  # a stream that has answered is never replayed
+
+
+class StallingGenerator(pb_grpc.GeneratorServicer):  # type: ignore[misc]
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await asyncio.sleep(30)
+        yield pb.GenerateResponse()
+
+
+async def test_deadline_exceeded_is_a_clear_timeout(extra_server: StartServer) -> None:
+    port = await extra_server(servicer=StallingGenerator())
+    async with AsyncClient(f"127.0.0.1:{port}", timeout=5) as c:
+        t0 = time.perf_counter()
+        with pytest.raises(DeadlineExceeded) as err:
+            await c.generate("x", timeout=0.2).result()
+    assert time.perf_counter() - t0 < 3
+    assert isinstance(err.value, TimeoutError)
+    assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED and "0.2 s deadline" in str(err.value)
+
+
+async def test_session_id_and_token_travel_as_metadata(server: Running, extra_server: StartServer) -> None:
+    recorder = Recorder()
+    port = await extra_server(interceptors=[recorder])
+    async with AsyncClient(f"127.0.0.1:{port}", token="s3cret", timeout=30) as c:
+        session = c.completion_session(max_new_tokens=2)
+        await session.complete("x = ").result()
+        await c.model_info()
+        async with c.voice_session(max_new_tokens=2) as voice:
+            await voice.say("hi").done()
+    by_method = {method.rsplit("/", 1)[1]: md for method, md in recorder.calls}
+    assert by_method["Generate"]["x-session-id"] == session.session_id
+    assert by_method["Converse"]["x-session-id"] == voice.session_id
+    assert "x-session-id" not in by_method["GetModelInfo"]
+    assert all(md["authorization"] == "Bearer s3cret" for md in by_method.values())
+
+
+async def test_round_robin_over_endpoints_and_session_affinity(server: Running, extra_server: StartServer) -> None:
+    recorders = [Recorder(), Recorder()]
+    ports = [await extra_server(interceptors=[r]) for r in recorders]
+    async with AsyncClient([f"127.0.0.1:{p}" for p in ports], timeout=30) as c:
+        assert c.connection.target == f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}"
+        for _ in range(40):  # round_robin spreads calls once both subchannels are connected
+            await c.model_info()
+            if all(r.calls for r in recorders):
+                break
+        assert all(r.calls for r in recorders)
+        for r in recorders:
+            r.calls.clear()
+        session = c.completion_session(max_new_tokens=2)
+        for word in ("a", "ab", "abc"):
+            await session.complete(word).result()
+    assert sorted(len(r.calls) for r in recorders) == [0, 3]  # one session, one server (its KV cache)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _make_certs(d: Path) -> None:
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca", cwd=d)
+    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "1", *ext, cwd=d)
+
+
+@pytest.mark.skipif(not any((Path(p) / "openssl").exists() for p in os.get_exec_path()), reason="no openssl")
+async def test_mutual_tls(server: Running, extra_server: StartServer, tmp_path: Path) -> None:
+    await asyncio.to_thread(_make_certs, tmp_path)
+    key, cert, ca = ((tmp_path / name).read_bytes() for name in ("server.key", "server.pem", "ca.pem"))
+    creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    port = await extra_server(credentials=creds)
+    async with AsyncClient(f"127.0.0.1:{port}", root_certificates=tmp_path / "ca.pem",
+                           client_cert=tmp_path / "client.pem", client_key=tmp_path / "client.key",
+                           timeout=30) as c:
+        assert (await c.generate("hi", max_new_tokens=2).result()) is not None
+    async with AsyncClient(f"127.0.0.1:{port}", root_certificates=tmp_path / "ca.pem", retry=NO_RETRY,
+                           timeout=10) as c:
+        with pytest.raises(Unavailable):  # no client certificate: the handshake fails
+            await c.model_info()
+
+
+# ---- the CLI and the client without the server package ----------------------------------------------------------
+
+async def _run(*args: str, stdin: bytes = b"", timeout: float = 60) -> tuple[int, str, str]:
+    """Run a command without blocking the event loop the in-process server runs on."""
+    proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_cli_complete_streams_and_prints_stats(server: Running) -> None:
+    rc, out, err = await _run(str(BIN / "specrpc"), "complete", "def fibonacci(n):", "--port", str(server.port),
+                              "--max-new-tokens", "8", "--num-draft-tokens", "2", "--proposer", "draft",
+                              "--temperature", "0.7", "--seed", "3", "--timeout", "30")
+    assert rc == 0, err
+    stats = err.strip().splitlines()[-1]
+    for word in ("tokens ·", "TTFT", "tokens/s", "acceptance"):
+        assert word in stats
+    assert out.endswith("\n")
+
+
+async def test_cli_complete_reports_errors(server: Running) -> None:
+    rc, _, err = await _run(str(BIN / "specrpc"), "complete", "x", "--port", str(server.port), "--temperature", "-1")
+    assert rc == 1 and "INVALID_ARGUMENT" in err and "temperature" in err
+
+
+async def test_cli_chat_reads_turns_from_stdin(server: Running) -> None:
+    rc, _, err = await _run(str(BIN / "specrpc"), "chat", "--port", str(server.port), "--max-new-tokens", "6",
+                            "--phrases", stdin=b"Hello there\n/rewind 2\nAnd again\n")
+    assert rc == 0, err
+    assert err.count("TTFT") == 2 and "[rewound: kept" in err and "[session: 2 turns" in err
+
+
+async def test_client_runs_without_the_server_package(server: Running) -> None:
+    """With `specrpc` unimportable the client falls back to its own stub copy (specrpc_client._gen)."""
+    code = ("import sys; sys.modules['specrpc'] = None\n"
+            "from specrpc_client import Client\n"
+            "import specrpc_client._stubs as s; assert s.pb.__name__.startswith('specrpc_client._gen')\n"
+            f"c = Client('127.0.0.1:{server.port}', timeout=30)\n"
+            "print(c.generate('hi', max_new_tokens=2).result().completion_tokens)\n")
+    rc, out, err = await _run(sys.executable, "-c", code)
+    assert rc == 0, err
+    assert int(out) >= 0
