@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -19,6 +19,7 @@ class Proposal:
     token_ids: list[int]
     probs: torch.Tensor | None
     source: str
+    slot: int = -1
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -141,21 +142,29 @@ class CombinedProposer:
         self.draft = draft
         self.lookup = lookup
         self.draft_cost = draft_cost
-        self.alpha = {draft.name: AcceptanceEstimate(), lookup.name: AcceptanceEstimate(accepted=1.0, trials=2.0)}
+        self.alpha: dict[int, dict[str, AcceptanceEstimate]] = {}  # per slot: sessions differ in predictability
+
+    def _alpha(self, slot: int) -> dict[str, AcceptanceEstimate]:
+        if slot not in self.alpha:
+            self.alpha[slot] = {self.draft.name: AcceptanceEstimate(),
+                                self.lookup.name: AcceptanceEstimate(accepted=1.0, trials=2.0)}
+        return self.alpha[slot]
 
     def propose(
         self, tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
         """Lookup when its expected tokens per verify beat the draft's per (verify + drafting) cost."""
         found = self.lookup.propose(tokens, slot, k, params, generator)
+        alpha = self._alpha(slot)
         if found.token_ids:
-            gain_lookup = expected_tokens(self.alpha[self.lookup.name].alpha, len(found))
-            gain_draft = expected_tokens(self.alpha[self.draft.name].alpha, k) / (1.0 + k * self.draft_cost)
+            gain_lookup = expected_tokens(alpha[self.lookup.name].alpha, len(found))
+            gain_draft = expected_tokens(alpha[self.draft.name].alpha, k) / (1.0 + k * self.draft_cost)
             if gain_lookup >= gain_draft:
-                return found
-        return self.draft.propose(tokens, slot, k, params, generator)
+                return replace(found, slot=slot)
+        return replace(self.draft.propose(tokens, slot, k, params, generator), slot=slot)
 
     def observe(self, proposal: Proposal, accepted: int) -> None:
-        """Update the acceptance estimate of whichever proposer made `proposal`."""
-        if proposal.source in self.alpha:
-            self.alpha[proposal.source].observe(len(proposal), accepted)
+        """Update the acceptance estimate of whichever proposer made `proposal`, for its slot."""
+        estimates = self._alpha(proposal.slot)
+        if proposal.source in estimates:
+            estimates[proposal.source].observe(len(proposal), accepted)
