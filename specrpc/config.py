@@ -26,7 +26,7 @@ class EngineConfig:
     max_context: int = 2048
     max_draft_tokens: int = 8
     speculation: str = "adaptive"
-    proposer: str = "draft"
+    proposer: str = "combined"
     prefill_chunk: int = 512
     lean: bool = True
     threads: int = 0
@@ -85,7 +85,7 @@ HELP: dict[str, str] = {
     "max_context": "positions per slot (prompt + generated tokens)",
     "max_draft_tokens": "largest k, draft tokens per verify step",
     "speculation": "adaptive (choose k from measured acceptance and costs), fixed (always max_draft_tokens), off",
-    "proposer": "default proposer: draft, lookup (prompt n-grams) or combined",
+    "proposer": "default proposer: combined (prompt lookup when it matches, else the draft model), draft or lookup",
     "prefill_chunk": "prompt tokens per prefill forward (long prompts are prefilled in chunks)",
     "lean": "use specrpc's lean Llama-family forward when the architecture allows (else transformers)",
     "threads": "CPU threads for torch (0: torch's default)",

@@ -17,15 +17,7 @@ import torch
 from specrpc.config import EngineConfig
 from specrpc.models import CausalLM
 from specrpc.policy import AdaptivePolicy, CostModel
-from specrpc.proposers import (
-    EMPTY,
-    CombinedProposer,
-    DraftModelProposer,
-    PromptLookupProposer,
-    Proposal,
-    Proposer,
-    feed,
-)
+from specrpc.proposers import EMPTY, DraftModelProposer, PromptLookupProposer, Proposal, feed
 from specrpc.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specrpc.verify import verify
 
@@ -107,11 +99,9 @@ class Engine:
         self.max_k = 0 if config.speculation == "off" else config.max_draft_tokens
         self.costs = CostModel()
         self.lookup = PromptLookupProposer()
-        self.proposers: dict[str, Proposer] = {"lookup": self.lookup}
-        if draft is not None:
-            draft_proposer = DraftModelProposer(draft, config.prefill_chunk)
-            self.proposers["draft"] = draft_proposer
-            self.proposers["combined"] = CombinedProposer(draft_proposer, self.lookup)
+        self.drafter = DraftModelProposer(draft, config.prefill_chunk) if draft is not None else None
+        # "combined": each step, prompt lookup when it finds a match worth verifying, else the draft model
+        self.proposers = frozenset({"lookup", "draft", "combined"} if draft is not None else {"lookup"})
         self.default_proposer = config.proposer if config.proposer in self.proposers else "lookup"
         self.vocab = max(target.vocab_size, draft.vocab_size if draft else 0)
 
@@ -195,7 +185,7 @@ class Generation:
         name = request.proposer or engine.default_proposer
         if name not in engine.proposers:
             raise ValueError(f"proposer {name!r} is not available; loaded: {sorted(engine.proposers)}")
-        self.proposer = engine.proposers[name]
+        self.proposer = name
         self.fixed_k = request.num_draft_tokens
         if engine.config.speculation == "fixed" and self.fixed_k is None:
             self.fixed_k = engine.max_k
@@ -255,25 +245,34 @@ class Generation:
             token = int(sample(logits_to_probs(logits, self.params), self.generator)[0])
         return self._commit([token], accepted=0, proposed=0)
 
-    def _choose_k(self) -> int:
-        policy = self.slot.policy
+    def _k(self, source: str) -> int:
+        """Draft tokens for `source` this step: the request's fixed k or the policy's, within the room left."""
         room = min(self.request.max_new_tokens - self.generated - 1, self.engine.capacity - len(self.slot.tokens))
-        free = self.proposer.name == "lookup"
-        k = self.fixed_k if self.fixed_k is not None else policy.choose(draft_cost=0.0 if free else None)
+        k = self.fixed_k if self.fixed_k is not None else self.slot.policy.choose(source)
         return max(0, min(k, room, self.engine.config.max_draft_tokens))
+
+    def _propose(self) -> Proposal:
+        """Prompt lookup first when allowed (free to draft), else the draft model; EMPTY for plain decoding."""
+        engine, slot = self.engine, self.slot
+        if self.proposer in ("lookup", "combined"):
+            k = self._k("lookup")
+            found = engine.lookup.propose(slot.tokens, slot.index, k, self.params, self.generator) if k else EMPTY
+            if found.token_ids or self.proposer == "lookup":
+                return found
+        if engine.drafter is None:
+            return EMPTY
+        k = self._k("draft")
+        if k == 0:
+            return EMPTY
+        t0 = time.perf_counter()
+        proposal = engine.drafter.propose(slot.tokens, slot.index, k, self.params, self.generator)
+        slot.policy.costs.observe_draft((time.perf_counter() - t0) / k)
+        return proposal
 
     def _speculate(self) -> StepResult:
         engine, slot = self.engine, self.slot
         target = engine.target
-        k = self._choose_k()
-        proposal: Proposal = EMPTY
-        if k > 0:
-            if isinstance(self.proposer, CombinedProposer):
-                self.proposer.draft_cost = slot.policy.costs.c
-            t0 = time.perf_counter()
-            proposal = self.proposer.propose(slot.tokens, slot.index, k, self.params, self.generator)
-            if proposal.source == "draft" and len(proposal):
-                slot.policy.costs.observe_draft((time.perf_counter() - t0) / len(proposal))
+        proposal = self._propose()
         n = len(slot.tokens)
         ids = torch.tensor([slot.tokens[-1], *proposal.token_ids], dtype=torch.long, device=target.device)  # [k+1]
         t0 = time.perf_counter()
@@ -287,8 +286,7 @@ class Generation:
         )
         slot.policy.costs.observe_target(len(ids), time.perf_counter() - t0)
         if len(proposal):
-            slot.policy.observe(len(proposal), result.accepted)
-            self.proposer.observe(proposal, result.accepted)
+            slot.policy.observe(proposal.source, len(proposal), result.accepted)
         self.stats.verify_steps += 1
         self.stats.last_k = len(proposal)
         self.stats.accepted_lengths.append(result.accepted + 1)

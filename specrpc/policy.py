@@ -88,47 +88,51 @@ class AcceptanceEstimate:
         return min(0.999, self.accepted / max(self.trials, 1e-9))
 
 
+def default_acceptance() -> dict[str, AcceptanceEstimate]:
+    """Optimistic priors, so a new session tries speculating: the draft at α 0.75, prompt lookup at 0.5."""
+    return {"draft": AcceptanceEstimate(), "lookup": AcceptanceEstimate(accepted=1.0, trials=2.0)}
+
+
 @dataclass
 class AdaptivePolicy:
-    """Per-session choice of k: argmax over k of S(k); 0 while S ≤ `min_speedup`; periodic probes when off."""
+    """Per-session choice of k for each proposer: argmax over k of S(k); 0 while S ≤ `min_speedup`, with periodic
+    probes to come back. Prompt lookup drafts for free (c = 0); the draft model costs c per token."""
 
     max_k: int
     costs: CostModel
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    acceptance: dict[str, AcceptanceEstimate] = field(default_factory=default_acceptance)
     min_speedup: float = 1.05
     probe_every: int = 16
     probe_k: int = 2
-    _steps_off: int = 0
-    last_k: int = 0
+    _steps_off: dict[str, int] = field(default_factory=dict)
 
-    def speedup(self, k: int, alpha: float | None = None, draft_cost: float | None = None) -> float:
-        """Expected speed-up over target-only decoding with k drafts (`draft_cost` overrides c, e.g. 0 for
-        prompt lookup)."""
-        a = self.acceptance.alpha if alpha is None else alpha
-        c = self.costs.c if draft_cost is None else draft_cost
+    def _alpha(self, source: str) -> AcceptanceEstimate:
+        return self.acceptance.setdefault(source, AcceptanceEstimate())
+
+    def speedup(self, k: int, source: str = "draft", alpha: float | None = None) -> float:
+        """Expected speed-up over target-only decoding with k drafts from `source`."""
+        a = self._alpha(source).alpha if alpha is None else alpha
+        c = 0.0 if source == "lookup" else self.costs.c
         if k == 0:
             return 1.0
         return expected_tokens(a, k) / (k * c + self.costs.v(k))
 
-    def choose(self, load: int = 1, draft_cost: float | None = None) -> int:
-        """k for the next step. `load` = streams sharing the device: steps are interleaved, not batched, so each
-        stream's S is unchanged by load; only the probe rate drops (probes cost every stream)."""
+    def choose(self, source: str = "draft", load: int = 1) -> int:
+        """k for the next step with `source`. `load` = streams sharing the device: steps are interleaved, not
+        batched, so each stream's S is unchanged by load; only the probe rate drops (probes cost every stream)."""
         if self.max_k == 0:
-            self.last_k = 0
             return 0
-        best_k = max(range(self.max_k + 1), key=lambda k: self.speedup(k, draft_cost=draft_cost))
-        if self.speedup(best_k, draft_cost=draft_cost) <= self.min_speedup:
-            self._steps_off += 1
-            if self._steps_off >= self.probe_every * max(1, load):
-                self._steps_off = 0
-                self.last_k = min(self.probe_k, self.max_k)
-                return self.last_k
-            self.last_k = 0
+        best_k = max(range(self.max_k + 1), key=lambda k: self.speedup(k, source))
+        if self.speedup(best_k, source) <= self.min_speedup:
+            off = self._steps_off.get(source, 0) + 1
+            if off >= self.probe_every * max(1, load):
+                self._steps_off[source] = 0
+                return min(self.probe_k, self.max_k)
+            self._steps_off[source] = off
             return 0
-        self._steps_off = 0
-        self.last_k = best_k
+        self._steps_off[source] = 0
         return best_k
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        """Record a verify step's outcome."""
-        self.acceptance.observe(proposed, accepted)
+    def observe(self, source: str, proposed: int, accepted: int) -> None:
+        """Record a verify step's outcome for the proposer that drafted."""
+        self._alpha(source).observe(proposed, accepted)

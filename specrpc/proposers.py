@@ -1,14 +1,13 @@
-"""Proposers draft tokens for the target to verify: the draft model, prompt lookup, or the better of both."""
+"""Proposers draft tokens for the target to verify: the draft model and prompt lookup (the engine combines them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from specrpc.models import CausalLM
-from specrpc.policy import AcceptanceEstimate, expected_tokens
 from specrpc.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -19,7 +18,6 @@ class Proposal:
     token_ids: list[int]
     probs: torch.Tensor | None
     source: str
-    slot: int = -1
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -37,10 +35,6 @@ class Proposer(Protocol):
         self, tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
         """Up to k tokens continuing `tokens` (the committed context of `slot`)."""
-        ...
-
-    def observe(self, proposal: Proposal, accepted: int) -> None:
-        """The target accepted the first `accepted` tokens of `proposal`."""
         ...
 
 
@@ -92,9 +86,6 @@ class DraftModelProposer:
         probs_out = None if params.greedy else torch.stack(rows)  # [k, V]
         return Proposal(ids, probs_out, self.name)
 
-    def observe(self, proposal: Proposal, accepted: int) -> None:
-        """Nothing to learn: the engine rolls the draft cache back."""
-
 
 class PromptLookupProposer:
     """Copy what followed the most recent earlier occurrence of the context's last n-gram (n = max_ngram..1).
@@ -125,46 +116,3 @@ class PromptLookupProposer:
                 if ids:
                     return Proposal(ids, None, self.name)
         return EMPTY
-
-    def observe(self, proposal: Proposal, accepted: int) -> None:
-        """Stateless."""
-
-
-class CombinedProposer:
-    """Each step, the proposal expected to yield more accepted tokens per unit of cost.
-
-    Prompt lookup costs nothing to draft; the draft model costs k·c. Both acceptance rates are tracked.
-    """
-
-    name = "combined"
-
-    def __init__(self, draft: DraftModelProposer, lookup: PromptLookupProposer, draft_cost: float = 0.1) -> None:
-        self.draft = draft
-        self.lookup = lookup
-        self.draft_cost = draft_cost
-        self.alpha: dict[int, dict[str, AcceptanceEstimate]] = {}  # per slot: sessions differ in predictability
-
-    def _alpha(self, slot: int) -> dict[str, AcceptanceEstimate]:
-        if slot not in self.alpha:
-            self.alpha[slot] = {self.draft.name: AcceptanceEstimate(),
-                                self.lookup.name: AcceptanceEstimate(accepted=1.0, trials=2.0)}
-        return self.alpha[slot]
-
-    def propose(
-        self, tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Proposal:
-        """Lookup when its expected tokens per verify beat the draft's per (verify + drafting) cost."""
-        found = self.lookup.propose(tokens, slot, k, params, generator)
-        alpha = self._alpha(slot)
-        if found.token_ids:
-            gain_lookup = expected_tokens(alpha[self.lookup.name].alpha, len(found))
-            gain_draft = expected_tokens(alpha[self.draft.name].alpha, k) / (1.0 + k * self.draft_cost)
-            if gain_lookup >= gain_draft:
-                return replace(found, slot=slot)
-        return replace(self.draft.propose(tokens, slot, k, params, generator), slot=slot)
-
-    def observe(self, proposal: Proposal, accepted: int) -> None:
-        """Update the acceptance estimate of whichever proposer made `proposal`, for its slot."""
-        estimates = self._alpha(proposal.slot)
-        if proposal.source in estimates:
-            estimates[proposal.source].observe(len(proposal), accepted)

@@ -22,7 +22,7 @@ def test_expected_tokens_matches_closed_form() -> None:
 
 def test_high_acceptance_cheap_draft_speculates_deeply() -> None:
     policy = AdaptivePolicy(max_k=8, costs=costs(c=0.05, v_per_token=0.02),
-                            acceptance=AcceptanceEstimate(accepted=95, trials=100))
+                            acceptance={"draft": AcceptanceEstimate(accepted=95, trials=100)})
     k = policy.choose()
     assert k >= 5
     assert policy.speedup(k) > 2.5
@@ -30,7 +30,7 @@ def test_high_acceptance_cheap_draft_speculates_deeply() -> None:
 
 def test_low_acceptance_switches_off_and_probes_back() -> None:
     policy = AdaptivePolicy(max_k=8, costs=costs(c=0.3, v_per_token=0.1), probe_every=4,
-                            acceptance=AcceptanceEstimate(accepted=2, trials=10))
+                            acceptance={"draft": AcceptanceEstimate(accepted=2, trials=10)})
     choices = [policy.choose() for _ in range(8)]
     assert choices.count(0) == 6
     assert [k for k in choices if k] == [policy.probe_k, policy.probe_k]
@@ -39,8 +39,8 @@ def test_low_acceptance_switches_off_and_probes_back() -> None:
 def test_break_even_is_exact() -> None:
     """k = 1 with c = 0.5, V = 1: S = (1 + α) / 1.5 > 1 iff α > 0.5."""
     model = costs(c=0.5, v_per_token=0.0, max_k=1)
-    below = AdaptivePolicy(max_k=1, costs=model, min_speedup=1.0, acceptance=AcceptanceEstimate(49, 100))
-    above = AdaptivePolicy(max_k=1, costs=model, min_speedup=1.0, acceptance=AcceptanceEstimate(60, 100))
+    below = AdaptivePolicy(max_k=1, costs=model, min_speedup=1.0, acceptance={"draft": AcceptanceEstimate(49, 100)})
+    above = AdaptivePolicy(max_k=1, costs=model, min_speedup=1.0, acceptance={"draft": AcceptanceEstimate(60, 100)})
     assert below.choose() == 0
     assert above.choose() == 1
 
@@ -58,3 +58,11 @@ def test_cost_model_interpolates_unmeasured_widths() -> None:
     model.observe_target(5, 2.0)
     assert model.v(2) == pytest.approx(1.5)
     assert model.v(4) == pytest.approx(2.0)
+
+
+def test_prompt_lookup_is_costed_as_free() -> None:
+    """The same α pays with prompt lookup (c = 0) but not with an expensive draft model."""
+    alpha = {"draft": AcceptanceEstimate(40, 100), "lookup": AcceptanceEstimate(40, 100)}
+    policy = AdaptivePolicy(max_k=4, costs=costs(c=0.5, v_per_token=0.05), acceptance=alpha)
+    assert policy.choose("draft") == 0
+    assert policy.choose("lookup") >= 1

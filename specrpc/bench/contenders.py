@@ -29,6 +29,7 @@ class Run:
     steps: int = 0
     ks: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
+    trials: int = 0  # draft tokens tested: accepted ones plus the first rejection of each step
 
 
 Runner = Callable[[list[int], int, SamplingParams], Run]
@@ -45,6 +46,7 @@ def engine_runner(engine: Engine, k: int | None, proposer: str) -> Runner:
         times: list[float] = []
         sizes: list[int] = []
         ks: list[int] = []
+        trials = 0
         while not gen.finished:
             result = gen.step()
             if result.token_ids:
@@ -52,9 +54,10 @@ def engine_runner(engine: Engine, k: int | None, proposer: str) -> Runner:
                 times.append(time.perf_counter() - t0)
                 sizes.append(len(result.token_ids))
                 ks.append(result.proposed)
+                trials += result.accepted + (1 if result.accepted < result.proposed else 0)
         s = gen.stats
         return Run(out, times[0], times[-1], times, sizes, s.proposed, s.accepted, s.verify_steps, ks[1:],
-                   s.accepted_lengths)
+                   s.accepted_lengths, trials)
 
     return run
 

@@ -52,6 +52,7 @@ def summarize(runs: list[Run]) -> dict[str, float]:
         "tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
         "e2e_tokens_per_s": sum(len(r.tokens) for r in runs) / sum(r.total_s for r in runs),
         "acceptance": accepted / proposed if proposed else 0.0,
+        "alpha": accepted / trials if (trials := sum(r.trials for r in runs)) else 0.0,
         "mean_accepted_length": decode_tokens / steps if steps else 0.0,
         "mean_k": statistics.fmean([k for r in runs for k in r.ks]) if any(r.ks for r in runs) else 0.0,
     }
@@ -78,7 +79,8 @@ def run_contenders(runtime: Runtime, contenders: dict[str, Runner], cases: list[
 
 
 def predicted_speedup(alpha: float, k: int, runtime: Runtime) -> float:
-    """S = E(α, k) / (k·c + V(k)) from the calibrated costs."""
+    """S = E(α, k) / (k·c + V(k)) from the calibrated costs and α per tested draft token (as the policy
+    estimates it: accepted ÷ (accepted + first rejections))."""
     costs = runtime.engine.costs
     return expected_tokens(alpha, k) / (k * costs.c + costs.v(k))
 
@@ -170,7 +172,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"Machine: {results['machine']}  ", f"Command: `{results['command']}`  ",
              f"Cases: {results['cases']} ({results['workloads']}), sampling {results['params']}", ""]
     lines += ["| contender | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p99 ms | tokens/s | speed-up | "
-              "acceptance | mean accepted len | mean k | efficiency | identical |",
+              "acceptance / α | mean accepted len | mean k | efficiency | identical |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results["contenders"].items():
         s = r["summary"]
@@ -178,7 +180,7 @@ def markdown(results: dict[str, Any]) -> str:
         ident = f"{r['identical']:.2f}" if r.get("identical") is not None else ""
         lines.append(f"| {name} | {s['ttft_p50_ms']:.1f} | {s['ttft_p95_ms']:.1f} | {s['itl_p50_ms']:.2f} | "
                      f"{s['itl_p99_ms']:.2f} | {s['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
-                     f"{s['acceptance']:.2f} | {s['mean_accepted_length']:.2f} | {s['mean_k']:.1f} | {eff} | {ident} |")
+                     f"{s['acceptance']:.2f} / {s['alpha']:.2f} | {s['mean_accepted_length']:.2f} | {s['mean_k']:.1f} | {eff} | {ident} |")
     if "grpc" in results:
         g = results["grpc"]
         lines += ["", "| through gRPC | TTFT p50 ms | ITL p50 ms | tokens/s | messages |",
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["identical"] = sum(r.tokens == ref for r, ref in zip(rs, reference, strict=True)) / len(rs)
         if name.startswith("k="):
             k = int(name.split("=")[1])
-            entry["predicted_speedup"] = predicted_speedup(s["acceptance"], k, runtime)
+            entry["predicted_speedup"] = predicted_speedup(s["alpha"], k, runtime)
             entry["efficiency"] = entry["speedup"] / entry["predicted_speedup"]
         results["contenders"][name] = entry
     results["memory"] = {
