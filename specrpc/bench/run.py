@@ -180,7 +180,8 @@ def markdown(results: dict[str, Any]) -> str:
         ident = f"{r['identical']:.2f}" if r.get("identical") is not None else ""
         lines.append(f"| {name} | {s['ttft_p50_ms']:.1f} | {s['ttft_p95_ms']:.1f} | {s['itl_p50_ms']:.2f} | "
                      f"{s['itl_p99_ms']:.2f} | {s['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
-                     f"{s['acceptance']:.2f} / {s['alpha']:.2f} | {s['mean_accepted_length']:.2f} | {s['mean_k']:.1f} | {eff} | {ident} |")
+                     f"{s['acceptance']:.2f} / {s['alpha']:.2f} | {s['mean_accepted_length']:.2f} | "
+                     f"{s['mean_k']:.1f} | {eff} | {ident} |")
     if "grpc" in results:
         g = results["grpc"]
         lines += ["", "| through gRPC | TTFT p50 ms | ITL p50 ms | tokens/s | messages |",
