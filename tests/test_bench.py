@@ -18,9 +18,10 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
                  "--concurrency", "1,2", "--threads", "1", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     contenders = results["contenders"]
-    expected = {"target-only", "adaptive", "k=2", "prompt lookup", "combined", "hf generate", "hf assisted"}
+    expected = {"target-only", "adaptive", "adaptive draft only", "k=2", "prompt lookup only", "hf generate",
+                "hf assisted"}
     assert expected <= set(contenders)
-    for name in ("adaptive", "k=2", "prompt lookup", "combined"):
+    for name in ("adaptive", "adaptive draft only", "k=2", "prompt lookup only"):
         assert contenders[name]["identical"] == 1.0, name  # greedy: token-for-token the target-only output
     assert results["grpc"]["concurrency"]["2:adaptive"]["aggregate_tokens_per_s"] > 0
     for chart in ("tokens_per_s.png", "accepted_length.png", "speedup_vs_k.png"):

@@ -284,10 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=args.temperature)
     engine = runtime.engine
     contenders: dict[str, Runner] = {"target-only": engine_runner(engine, 0, "draft"),
-                                     "adaptive": engine_runner(engine, None, "draft")}
+                                     "adaptive": engine_runner(engine, None, engine.default_proposer),
+                                     "adaptive draft only": engine_runner(engine, None, "draft")}
     contenders.update({f"k={k}": engine_runner(engine, k, "draft") for k in ks})
-    contenders["prompt lookup"] = engine_runner(engine, None, "lookup")
-    contenders["combined"] = engine_runner(engine, None, "combined")
+    contenders["prompt lookup only"] = engine_runner(engine, None, "lookup")
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
