@@ -12,13 +12,17 @@ from specrpc.logs import configure
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from specrpc.server import serve
+    from specrpc.auth import read_tokens
 
     try:
         cfg = config_mod.build_config(args)
+        if cfg.server.auth_tokens_file and not read_tokens(cfg.server.auth_tokens_file):
+            raise ValueError(f"--auth-tokens-file {cfg.server.auth_tokens_file} has no tokens (one per line)")
     except (ValueError, OSError) as exc:
         print(f"specrpc serve: {exc}", file=sys.stderr)
         return 2
+    from specrpc.server import serve  # torch and the models: only once the configuration is known to be good
+
     configure(cfg.server.log_format, cfg.server.log_level)
     asyncio.run(serve(cfg))
     return 0

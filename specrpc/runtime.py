@@ -268,6 +268,7 @@ class Runtime:
                   arrival=arrival)
         job.on_done = lambda: self.registry.release(lease)
         job.on_final = on_done
+        lease.job = job
         if lease.session is not None:
             lease.session.job = job
         try:

@@ -72,6 +72,7 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     started_at: float | None = None
+    done_posted: bool = False  # device thread only: the final event has been handed to the loop
 
     def cancel(self) -> None:
         """Ask the device thread to stop this job before its next step."""
@@ -154,11 +155,25 @@ class Scheduler:
                 self._incoming.clear()
                 jobs = list(self._jobs)
             for job in jobs:
+                self._reap_cancelled()
+                if job.done_posted:
+                    continue
                 final = self._advance(job)
                 if final is not None:
-                    with self._wake:
-                        self._jobs.remove(job)
-                    job.finish(final)
+                    self._finish(job, final)
+
+    def _finish(self, job: Job, final: Done | Failed) -> None:
+        with self._wake:
+            self._jobs.remove(job)
+        job.done_posted = True
+        job.finish(final)
+
+    def _reap_cancelled(self) -> None:
+        """End every cancelled job now, before the next step of any job: a cancelled stream's slot is free within
+        one engine step, not after a whole round of the other streams' steps (a client that cancels and asks again
+        at once, as editors do on each keystroke, would otherwise find every slot still held)."""
+        for job in [j for j in self._jobs if j.cancelled.is_set() and not j.done_posted]:
+            self._finish(job, self._done(job, FINISH_CANCELLED, ""))
 
     def _advance(self, job: Job) -> Done | Failed | None:
         """One step of `job`; its final event once it has ended."""

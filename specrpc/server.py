@@ -8,19 +8,21 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specrpc.auth import TokenAuth
 from specrpc.config import Config
 from specrpc.metrics import Metrics
 from specrpc.runtime import Runtime
 from specrpc.service import GeneratorService
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
+from specrpc.wire import DecodeGuard
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +58,7 @@ class Running:
     service: GeneratorService
     metrics: Metrics
     janitor: asyncio.Task[None]
+    auth: TokenAuth | None = None
 
     async def set_serving(self, serving: bool) -> None:
         """Health status for the overall server and the Generator service."""
@@ -103,17 +106,29 @@ def _credentials(config: Config) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
+def _auth(config: Config) -> TokenAuth | None:
+    s = config.server
+    return TokenAuth(s.auth_tokens_file, exempt_health=s.auth_exempt_health) if s.auth_tokens_file else None
+
+
 async def start_server(config: Config, runtime: Runtime | None = None,
-                       on_listening: Callable[[int], object] | None = None) -> Running:
+                       on_listening: Callable[[int], object] | None = None,
+                       auth: TokenAuth | None = None) -> Running:
     """Bind and start listening with health NOT_SERVING (health checks and reflection answer at once, Generator
     calls get UNAVAILABLE), then load and warm the models and report SERVING. `on_listening(port)` is called as soon
-    as the port is bound, before the models are loaded."""
+    as the port is bound, before the models are loaded. With --auth-tokens-file every call needs a bearer token
+    (`auth`, or one built from the config)."""
     s = config.server
+    if auth is None:
+        auth = _auth(config)
+    credentials = _credentials(config)
     # The device thread runs many short torch calls holding the GIL; with the default 5 ms switch interval the
     # event loop waits that long to forward each chunk. 0.2 ms keeps streaming latency well under a model step.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     limit = config.limits.max_message_bytes
-    server = grpc.aio.server(options=[
+    # auth first: an unauthenticated caller learns nothing, not even whether its message decodes
+    interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = [*([auth] if auth is not None else []), DecodeGuard()]
+    server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", 0),
@@ -122,7 +137,6 @@ async def start_server(config: Config, runtime: Runtime | None = None,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await _set_health(health_servicer, False)
     address = f"{s.host}:{s.port}"
-    credentials = _credentials(config)
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if s.reflection:
         reflection.enable_server_reflection([SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME], server)
@@ -130,7 +144,9 @@ async def start_server(config: Config, runtime: Runtime | None = None,
     service = GeneratorService(config, metrics)
     pb_grpc.add_GeneratorServicer_to_server(service, server)
     await server.start()
-    log.info("listening", address=f"{s.host}:{port}", tls=credentials is not None)
+    log.info("listening", address=f"{s.host}:{port}", tls=credentials is not None,
+             mutual_tls=bool(credentials is not None and s.tls_client_ca),
+             auth="bearer" if auth is not None else "off", auth_tokens=auth.token_count if auth else 0)
     if on_listening is not None:
         on_listening(port)
     try:
@@ -147,21 +163,31 @@ async def start_server(config: Config, runtime: Runtime | None = None,
         metrics.close()
         raise
     janitor = asyncio.create_task(_janitor(runtime, metrics, min(5.0, s.session_ttl_s / 4)))
-    running = Running(server, port, metrics_port, health_servicer, runtime, service, metrics, janitor)
+    running = Running(server, port, metrics_port, health_servicer, runtime, service, metrics, janitor, auth)
     await running.set_serving(True)
     log.info("serving", port=port, metrics_port=metrics_port, device=str(runtime.device), dtype=str(runtime.dtype),
              draft=runtime.draft is not None)
     return running
 
 
+def _on_sighup(auth: TokenAuth | None) -> None:
+    if auth is None:
+        log.info("SIGHUP ignored: no --auth-tokens-file to reload")
+        return
+    auth.reload()
+
+
 async def serve(config: Config) -> None:
     """Run until SIGTERM/SIGINT, then drain for --grace-s and return (exit status 0). A signal that arrives while
-    the models are still loading stops the start-up."""
+    the models are still loading stops the start-up. SIGHUP reloads --auth-tokens-file (and is ignored without
+    one, instead of killing the process)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    starting = asyncio.create_task(start_server(config))
+    auth = _auth(config)
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, auth)
+    starting = asyncio.create_task(start_server(config, auth=auth))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():

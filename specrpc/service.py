@@ -7,12 +7,14 @@ import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 import structlog
 import torch
 
+from specrpc.auth import StreamQuota, TooManyStreams
 from specrpc.config import Config
 from specrpc.engine import FINISH_LENGTH, FINISH_STOP
 from specrpc.metrics import Metrics
@@ -23,6 +25,7 @@ from specrpc.sessions import SlotsExhausted, UnknownSession
 from specrpc.text import PhraseSegmenter
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
+from specrpc.wire import MalformedRequest
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +51,10 @@ class EngineFailure(RuntimeError):
     """The engine raised while serving this stream: INTERNAL for this stream only."""
 
 
+class DeviceOutOfMemory(RuntimeError):
+    """The device ran out of memory while serving this stream: RESOURCE_EXHAUSTED for this stream only."""
+
+
 class NotReady(RuntimeError):
     """The models are still loading or warming up: UNAVAILABLE (retry once health reports SERVING)."""
 
@@ -58,8 +65,11 @@ class ShuttingDown(RuntimeError):
 
 ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (MalformedRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownSession, grpc.StatusCode.INVALID_ARGUMENT),
     (SlotsExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TooManyStreams, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeviceOutOfMemory, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (torch.OutOfMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NoInfillSupport, grpc.StatusCode.FAILED_PRECONDITION),
     (EngineFailure, grpc.StatusCode.INTERNAL),
@@ -69,6 +79,12 @@ ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A device allocation failure: torch's OutOfMemoryError (CUDA and others) or the CPU allocator's error."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode | None:
@@ -87,31 +103,55 @@ def stream_errors(
     def wrap(handler: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
         @functools.wraps(handler)
         async def run(self: GeneratorService, request: Any, context: Context) -> AsyncIterator[T]:
-            code = grpc.StatusCode.OK
-            entered = False
             try:
-                self._enter()
-                entered = True
+                client = self._enter(context)
+            except Exception as exc:
+                refused = status_for(exc) or grpc.StatusCode.INTERNAL
+                self.metrics.requests.labels(rpc, refused.name).inc()
+                await context.abort(refused, str(exc))
+            end = StreamEnd()
+            # the bookkeeping runs when gRPC ends the call, not when this generator is closed: a client that goes
+            # away while a response is being written leaves the generator suspended until it is garbage-collected
+            on_end(context, functools.partial(self._ended, rpc, client, end))
+            try:
                 async for item in handler(self, request, context):
                     yield item
+                end.finished = True
             except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
+                end.code = grpc.StatusCode.CANCELLED
                 raise
             except Exception as exc:
                 mapped = status_for(exc)
                 if mapped is None:
                     log.exception("unhandled error", rpc=rpc)
                     mapped = grpc.StatusCode.INTERNAL
-                code = mapped
+                end.code = mapped
                 await context.abort(mapped, str(exc))
-            finally:
-                if entered:
-                    self._leave()
-                self.metrics.requests.labels(rpc, code.name).inc()
 
         return run
 
     return wrap
+
+
+@dataclass
+class StreamEnd:
+    """How a stream ended, as far as its handler knows (OK and not finished: the client went away)."""
+
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    finished: bool = False
+
+
+def rpc_gone(context: Context) -> asyncio.Event:
+    """An event set as soon as gRPC ends the call (client cancel, disconnect, deadline, or the end of the stream),
+    to cancel the work the call started without waiting for its generator to be closed."""
+    gone = asyncio.Event()
+    on_end(context, lambda _context: gone.set())
+    return gone
+
+
+def on_end(context: Context, callback: Callable[[Context], None]) -> None:
+    """Call `callback(context)` once gRPC has ended the call, however it ended."""
+    context.add_done_callback(callback)  # type: ignore[arg-type]  # grpc-stubs types it as a generic class
 
 
 def unary_errors(rpc: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
@@ -150,17 +190,29 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
+        self.quota = StreamQuota(self.limits.max_streams_per_client, by_token=bool(config.server.auth_tokens_file))
 
-    def _enter(self) -> None:
+    def _enter(self, context: Context) -> str:
+        """Admit a Generate/Infill/Converse stream; returns the client it counts against."""
         if self._draining:
             raise ShuttingDown("the server is shutting down; retry on another replica")
+        client = self.quota.client_id(context.peer(), context.invocation_metadata())
+        self.quota.acquire(client)
         self._streams += 1
         self._idle.clear()
+        return client
 
-    def _leave(self) -> None:
+    def _leave(self, client: str) -> None:
+        self.quota.release(client)
         self._streams -= 1
         if not self._streams:
             self._idle.set()
+
+    def _ended(self, rpc: str, client: str, end: StreamEnd, context: Context) -> None:
+        """gRPC has ended a Generate/Infill/Converse call: uncount it and count its final status."""
+        self._leave(client)
+        code = end.code if end.code != grpc.StatusCode.OK or end.finished else grpc.StatusCode.CANCELLED
+        self.metrics.requests.labels(rpc, code.name).inc()
 
     def refuse_new_streams(self) -> None:
         """From now on new Generate/Infill/Converse calls end UNAVAILABLE at once (the server is draining)."""
@@ -190,7 +242,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         t, p, k = msg.temperature, msg.top_p, msg.top_k
         if not math.isfinite(t) or t < 0 or t > self.limits.max_temperature:
             raise InvalidRequest(f"sampling.temperature must be in [0, {self.limits.max_temperature}] "
-                                 f"(0 = greedy); got {t}")
+                                 f"(0 = greedy; server --max-temperature); got {t}")
         if not math.isfinite(p) or p < 0 or p > 1:
             raise InvalidRequest(f"sampling.top_p must be in (0, 1] (0 or 1 = off); got {p}")
         if k < 0:
@@ -278,6 +330,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         account = functools.partial(self._account, rpc, session_id)
         async for event in self.runtime.generate(prompt, params, session_id, cancel, account):
             if isinstance(event, Failed):
+                if is_out_of_memory(event.error):
+                    raise DeviceOutOfMemory(f"the device ran out of memory on this stream ({event.error}); retry "
+                                            f"later, with a shorter prompt or fewer tokens") from event.error
                 raise EngineFailure(f"the engine failed on this stream: {type(event.error).__name__}: "
                                     f"{event.error}") from event.error
             if isinstance(event, Chunk) and event.token_ids:
@@ -336,8 +391,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         )
 
     async def _generate_responses(self, prompt: list[int], params: DecodeParams, session_id: str,
-                                  rpc: str) -> AsyncIterator[pb.GenerateResponse]:
-        async for event in self._stream(prompt, params, session_id, rpc):
+                                  rpc: str, context: Context) -> AsyncIterator[pb.GenerateResponse]:
+        async for event in self._stream(prompt, params, session_id, rpc, rpc_gone(context)):
             if isinstance(event, Chunk):
                 yield pb.GenerateResponse(chunk=pb.TokenChunk(text=event.text, token_ids=event.token_ids,
                                                               accepted_draft_tokens=event.accepted))
@@ -352,7 +407,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                                      else None, list(request.stop),
                                      request.speculation if request.HasField("speculation") else None)
         prompt = self._prompt_ids(request)
-        async for response in self._generate_responses(prompt, params, request.session_id, "Generate"):
+        async for response in self._generate_responses(prompt, params, request.session_id, "Generate", context):
             yield response
 
     @stream_errors("Infill")
@@ -369,7 +424,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         prompt = self.runtime.infill_prompt(request.prefix, request.suffix, extra, request.path)
         prompt = self._fit_prompt(prompt, truncate=False, too_long="send fewer or shorter extra files, or a "
                                   "shorter prefix and suffix")
-        async for response in self._generate_responses(prompt, params, request.session_id, "Infill"):
+        async for response in self._generate_responses(prompt, params, request.session_id, "Infill", context):
             yield response
 
     @unary_errors("GetModelInfo")
@@ -407,6 +462,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Converse(self, request_iterator: AsyncIterator[pb.ConverseRequest],
                        context: Context) -> AsyncIterator[pb.ConverseResponse]:
         conversation = Conversation(self, self.runtime)
+        on_end(context, lambda _context: conversation.abandon())
         try:
             async for response in conversation.run(request_iterator):
                 yield response
@@ -449,10 +505,20 @@ class Conversation:
         self.turn_cancel = asyncio.Event()
         self.turn_index = 0
         self.last_reply = ""
+        self.reader: asyncio.Task[None] | None = None
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        """gRPC has ended the call: stop the reply in flight and reading requests, whether or not this stream's
+        generator is ever resumed or closed."""
+        self.abandoned = True
+        self.turn_cancel.set()
+        if self.reader is not None:
+            self.reader.cancel()
 
     async def run(self, requests: AsyncIterator[pb.ConverseRequest]) -> AsyncIterator[pb.ConverseResponse]:
         """Read requests in a task; yield responses as turns produce them."""
-        reader = asyncio.create_task(self._read(requests))
+        reader = self.reader = asyncio.create_task(self._read(requests))
         try:
             while True:
                 item = await self.out.get()
@@ -482,11 +548,14 @@ class Conversation:
     async def _handle(self, request: pb.ConverseRequest) -> None:
         kind = request.WhichOneof("action")
         if kind == "start":
+            await self.runtime.registry.wait_for_release(request.start.session_id)
             self._start(request.start)
         elif not self.session_id:
             raise InvalidRequest(f"the first Converse message must be `start`; got `{kind}`")
         elif kind == "turn":
             await self._wait_turn(cancel=True)
+            if self.abandoned:
+                return
             self.turn_cancel = asyncio.Event()
             self.turn = asyncio.create_task(self._run_turn(request.turn, self.turn_cancel))
         elif kind == "cancel":

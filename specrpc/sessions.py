@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from specrpc.engine import Engine, Slot, common_prefix
 from specrpc.scheduler import Job
 
+RELEASE_WAIT_S = 2.0
+"""Longest wait for the slot of a cancelled stream that the device thread has not let go of yet (within one
+engine step, normally milliseconds) before a request is refused with RESOURCE_EXHAUSTED."""
+
 
 class SlotsExhausted(Exception):
     """Every KV slot has a stream in flight."""
@@ -38,10 +42,11 @@ class Session:
 
 @dataclass
 class Lease:
-    """A slot held for one request; `session` is None for anonymous requests."""
+    """A slot held for one request; `session` is None for anonymous requests; `job` once submitted."""
 
     slot: Slot
     session: Session | None
+    job: Job | None = None
 
 
 class SessionRegistry:
@@ -56,6 +61,8 @@ class SessionRegistry:
         self.free: set[int] = set(range(num_slots))
         self.sessions: dict[str, Session] = {}
         self.busy: set[int] = set()
+        self.leases: dict[int, Lease] = {}
+        self._released = asyncio.Event()
 
     @property
     def in_use(self) -> int:
@@ -121,15 +128,41 @@ class SessionRegistry:
         if session is not None:
             self._drop(session)
 
+    def _releasing(self) -> bool:
+        """Some slot is held only by a stream that was cancelled: the device thread lets go of it within a step."""
+        return any(lease.job is not None and lease.job.cancelled.is_set() for lease in self.leases.values())
+
+    async def wait_for_release(self, session_id: str = "") -> None:
+        """Before taking a slot for a new session or an anonymous request: when no slot is free or evictable but a
+        cancelled stream still holds one, wait (at most RELEASE_WAIT_S) for it, so that a client that cancels and
+        asks again at once (an editor on each keystroke, a barge-in) is served instead of refused."""
+        if session_id in self.sessions:
+            return
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while len(self.busy) == self.total and self._releasing():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._released.clear()
+            try:
+                await asyncio.wait_for(self._released.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _hold(self, slot: Slot, session: Session | None) -> Lease:
+        lease = Lease(slot, session)
+        self.busy.add(slot.index)
+        self.leases[slot.index] = lease
+        return lease
+
     async def acquire(self, session_id: str, prompt: list[int]) -> Lease:
         """Hold a slot for one request. On a named session, first cancel the request still in flight there
         (cancel-previous) and wait until the device thread has let go of the slot; a request still waiting when a
         newer one arrives on the session raises Superseded (on each keystroke only the latest counts). Pair with
         `release`."""
+        await self.wait_for_release(session_id)
         if not session_id:
-            slot = self._take_slot(prompt)
-            self.busy.add(slot.index)
-            return Lease(slot, None)
+            return self._hold(self._take_slot(prompt), None)
         session = self.open(session_id, prompt)
         session.latest += 1
         ticket = session.latest
@@ -142,12 +175,13 @@ class SessionRegistry:
         if self.sessions.get(session.id) is not session:  # evicted while waiting: start it again, cold
             session.lock.release()
             return await self.acquire(session_id, prompt)
-        self.busy.add(session.slot.index)
-        return Lease(session.slot, session)
+        return self._hold(session.slot, session)
 
     def release(self, lease: Lease) -> None:
         """Give the slot back (called once the device thread is done with it)."""
         self.busy.discard(lease.slot.index)
+        self.leases.pop(lease.slot.index, None)
+        self._released.set()
         session = lease.session
         if session is None:
             self.free.add(lease.slot.index)

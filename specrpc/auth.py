@@ -1,0 +1,181 @@
+"""Who may call, and how many streams each caller may hold: bearer-token authentication (a grpc.aio server
+interceptor, tokens reloaded on SIGHUP) and the per-client concurrent-stream quota.
+
+A token never reaches a log line, an error message or a metric: clients are identified by a short hash of their
+token (or by their address when authentication is off).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+log = structlog.get_logger(__name__)
+
+AUTH_HEADER = "authorization"
+BEARER = "bearer "
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                   "/grpc.reflection.v1.ServerReflection/")
+"""Methods that stay open with --auth-exempt-health, so load balancers, probes and grpcurl `list` work."""
+
+
+class TooManyStreams(Exception):
+    """A client already holds --max-streams-per-client streams: RESOURCE_EXHAUSTED."""
+
+
+def read_tokens(path: str | Path) -> tuple[bytes, ...]:
+    """Accepted tokens from a file: one per line, surrounding whitespace stripped, blank lines and `#` comments
+    ignored. Raises OSError when the file cannot be read and ValueError when a line is not a usable token."""
+    tokens: list[bytes] = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        if any(c.isspace() for c in token) or not token.isprintable() or not token.isascii():
+            raise ValueError(f"{path}:{number}: a token must be printable ASCII without spaces")
+        tokens.append(token.encode())
+    return tuple(tokens)
+
+
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | None:
+    """The token of an `authorization: Bearer <token>` header (scheme case-insensitive), or None."""
+    for key, value in metadata or ():
+        if key.lower() != AUTH_HEADER:
+            continue
+        text = value.decode("latin-1") if isinstance(value, bytes) else value
+        if text[: len(BEARER)].lower() == BEARER:
+            return text[len(BEARER):].strip().encode("utf-8", "surrogateescape")
+        return None
+    return None
+
+
+def client_id_of_token(token: bytes) -> str:
+    """A stable, non-reversible name for a token (for quotas and logs): `token:` + 12 hex digits of SHA-256."""
+    return "token:" + hashlib.sha256(token).hexdigest()[:12]
+
+
+def peer_host(peer: str) -> str:
+    """`ipv4:127.0.0.1:5555` → `ipv4:127.0.0.1`, `ipv6:[::1]:5555` → `ipv6:[::1]`; other forms unchanged."""
+    if peer.startswith(("ipv4:", "ipv6:")) and peer.count(":") >= 2:
+        return peer.rsplit(":", 1)[0]
+    return peer
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # generic only in grpc-stubs
+    """Refuse calls without a valid `authorization: Bearer <token>` with UNAUTHENTICATED. Every accepted token
+    is compared in constant time (no early exit), so the answer's timing does not tell which prefix matched."""
+
+    def __init__(self, path: str | Path, exempt_health: bool = True) -> None:
+        self.path = Path(path)
+        self.exempt_health = exempt_health
+        self._tokens = read_tokens(self.path)
+        if not self._tokens:
+            raise ValueError(f"--auth-tokens-file {self.path} has no tokens (one per line; # starts a comment)")
+
+    @property
+    def token_count(self) -> int:
+        """How many tokens are accepted now."""
+        return len(self._tokens)
+
+    def reload(self) -> bool:
+        """Read the tokens file again (SIGHUP). On an unreadable or invalid file the old tokens stay and False is
+        returned; an empty file revokes every token."""
+        try:
+            tokens = read_tokens(self.path)
+        except (OSError, ValueError) as exc:
+            log.error("auth tokens not reloaded; keeping the previous ones", file=str(self.path), error=str(exc))
+            return False
+        self._tokens = tokens
+        log.info("auth tokens reloaded", file=str(self.path), tokens=len(tokens))
+        if not tokens:
+            log.warning("the auth tokens file is empty: every authenticated call is refused", file=str(self.path))
+        return True
+
+    def valid(self, token: bytes | None) -> bool:
+        """True when `token` is one of the accepted tokens; compares against every one of them."""
+        if token is None:
+            return False
+        match = False
+        for accepted in self._tokens:
+            match |= hmac.compare_digest(token, accepted)
+        return match
+
+    def exempt(self, method: str) -> bool:
+        """Health checks and reflection, when --auth-exempt-health."""
+        return self.exempt_health and method.startswith(EXEMPT_PREFIXES)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        method = handler_call_details.method
+        handler = await continuation(handler_call_details)
+        if handler is None or self.exempt(method):
+            return handler
+        token = bearer_token(handler_call_details.invocation_metadata)
+        if self.valid(token):
+            return handler
+        if token is None:
+            message = ("missing credentials: send the metadata `authorization: Bearer <token>` with a token from "
+                       "the server's --auth-tokens-file")
+        else:
+            message = "invalid or revoked bearer token"
+        log.warning("unauthenticated call refused", method=method, reason="missing" if token is None else "invalid")
+        return _refusal(handler, message)
+
+
+def _refusal(handler: grpc.RpcMethodHandler[Any, Any], message: str) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED without running it."""
+
+    async def abort(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    return make(abort, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+class StreamQuota:
+    """Concurrent streams per client: by token hash when authentication is on, else by peer address without the
+    port (so one host's many connections share one quota)."""
+
+    def __init__(self, limit: int, by_token: bool) -> None:
+        self.limit = limit
+        self.by_token = by_token
+        self.open: Counter[str] = Counter()
+
+    def client_id(self, peer: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+        """Who is calling, as counted here."""
+        if self.by_token:
+            token = bearer_token(metadata)
+            if token is not None:
+                return client_id_of_token(token)
+        return peer_host(peer)
+
+    def acquire(self, client: str) -> None:
+        """Count one more stream for `client`, or TooManyStreams (limit 0: unlimited)."""
+        if self.limit and self.open[client] >= self.limit:
+            raise TooManyStreams(f"this client already has {self.open[client]} streams open; at most "
+                                 f"{self.limit} are allowed per client (server --max-streams-per-client); "
+                                 f"wait for one to end or cancel one")
+        self.open[client] += 1
+
+    def release(self, client: str) -> None:
+        """One stream of `client` ended."""
+        self.open[client] -= 1
+        if self.open[client] <= 0:
+            del self.open[client]
