@@ -96,7 +96,8 @@ HELP: dict[str, str] = {
     "max_stop_strings": "most stop strings per request",
     "max_stop_chars": "longest stop string in characters",
     "max_extra_files": "most extra files per Infill request",
-    "max_streams_per_client": "most concurrent streams per client (peer address or token)",
+    "max_streams_per_client": "most concurrent Generate/Infill/Converse streams per client (its bearer token with "
+                              "--auth-tokens-file, else its address); 0: unlimited",
     "max_temperature": "largest temperature accepted",
     "host": "address to listen on",
     "port": "gRPC port (0 picks a free one)",
@@ -197,6 +198,13 @@ def validate(config: Config) -> None:
         (not s.tls_client_ca or bool(s.tls_cert), "--tls-client-ca needs --tls-cert and --tls-key"),
         (config.limits.default_max_new_tokens <= config.limits.max_new_tokens,
          "--default-max-new-tokens must be <= --max-new-tokens"),
+        (config.limits.max_message_bytes >= 1024, "--max-message-bytes must be >= 1024"),
+        (config.limits.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (min(config.limits.max_prompt_tokens, config.limits.max_stop_strings, config.limits.max_stop_chars,
+             config.limits.max_extra_files, config.limits.max_streams_per_client) >= 0,
+         "--max-prompt-tokens, --max-stop-strings, --max-stop-chars, --max-extra-files and "
+         "--max-streams-per-client must be >= 0"),
+        (config.limits.max_temperature >= 0, "--max-temperature must be >= 0"),
     ]
     for ok, message in checks:
         if not ok:

@@ -457,8 +457,7 @@ async def test_cancellation_storm_leaves_nothing_behind(storm_server: Running) -
 # ---- SIGTERM with streams of every kind in flight ----------------------------------------------------------------
 
 
-async def test_sigterm_with_many_streams_in_flight_ends_every_one_and_exits_0(server: Running,
-                                                                                tmp_path: Path) -> None:
+async def test_sigterm_with_many_streams_in_flight_ends_every_one_and_exits_0(tmp_path: Path) -> None:
     """tests/test_operations.py drains one stream that finishes within the grace period; here four streams of
     every kind outlast a short grace: each completes or ends UNAVAILABLE/CANCELLED, none hangs, exit 0. A SIGHUP
     first (no tokens file) must not kill the server."""

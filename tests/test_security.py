@@ -424,7 +424,8 @@ async def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @needs_openssl
-async def test_tls_server_from_config(certs: Path, extra_server: Callable[..., Awaitable[int]]) -> None:
+async def test_tls_server_from_config(server: Running, certs: Path,
+                                      extra_server: Callable[..., Awaitable[int]]) -> None:
     port = await extra_server(credentials=_credentials(_tls_config(certs, mutual=False)))
     channel = _tls_channel(port, certs)
     _, summary = await collect(pb_grpc.GeneratorStub(channel).Generate(
@@ -438,7 +439,7 @@ async def test_tls_server_from_config(certs: Path, extra_server: Callable[..., A
 
 @needs_openssl
 async def test_mutual_tls_refuses_clients_without_a_trusted_certificate(
-    certs: Path, extra_server: Callable[..., Awaitable[int]]
+    server: Running, certs: Path, extra_server: Callable[..., Awaitable[int]]
 ) -> None:
     port = await extra_server(credentials=_credentials(_tls_config(certs, mutual=True)))
     assert await _model_info_code(_tls_channel(port, certs, "client")) == grpc.StatusCode.OK
