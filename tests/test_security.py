@@ -27,6 +27,7 @@ from service_helpers import collect, first_tokens, long_request, rpc_error, wait
 from specrpc import auth as auth_mod
 from specrpc.auth import StreamQuota, TokenAuth, bearer_token, peer_host, read_tokens
 from specrpc.config import Config, ServerConfig, build_config, validate
+from specrpc.logs import configure
 from specrpc.server import HEALTH_NAME, SERVICE_NAME, Running, _credentials
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
@@ -293,6 +294,7 @@ async def test_python_client_token_is_accepted(auth_server: AuthServer) -> None:
 
 async def test_logs_carry_neither_tokens_nor_prompt_text(auth_server: AuthServer, server: Running) -> None:
     assert not server.service.config.server.log_prompts
+    configure("json", "info")  # another test (the bench smoke test) may have left the level at warning
     port, _ = await auth_server()
     with structlog.testing.capture_logs() as events:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
