@@ -27,7 +27,6 @@ from specrpc.wire import DecodeGuard
 log = structlog.get_logger(__name__)
 
 SWITCH_INTERVAL_S = 0.0002
-FLUSH_S = 1.0
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
@@ -75,9 +74,7 @@ class Running:
         await self.health.enter_graceful_shutdown()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.service.drained(), grace_s)
-        # drained() fires when the last handler returns, before its final message and status are on the wire:
-        # a short grace lets them leave (stop(0) cut them off: a proxy then saw "upstream prematurely closed")
-        await self.server.stop(min(FLUSH_S, grace_s) if grace_s > 0 else 0)
+        await self.server.stop(0)
         self.janitor.cancel()
         await asyncio.to_thread(self.runtime.stop)
         self.metrics.close()
