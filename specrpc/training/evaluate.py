@@ -129,6 +129,12 @@ def shape_row(name: str, shape: dict[str, int], parameters: int) -> str:
             f"{shape['ffn']} | {parameters:,} |")
 
 
+def provenance(training: dict[str, Any]) -> str:
+    """The training run's own notes (where the shipped pair came from), as a list; empty when there are none."""
+    notes = training.get("notes", [])
+    return "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")
+
+
 def render(card: dict[str, Any]) -> str:
     """The Markdown model card."""
     r: dict[str, dict[str, float]] = card["results"]
@@ -166,8 +172,8 @@ Target: next-token cross-entropy, AdamW, cosine schedule, {t['tokens_seen_target
 ({plan['joint_steps']} steps × {plan['batch']} × {plan['seq_len']}). Draft: distilled from the target (cross-entropy
 against the target's full distribution), jointly during the target's training and then for {plan['draft_steps']}
 steps against the final target; {t['tokens_seen_draft']:,} tokens. Wall time {t['training_seconds'] / 60:.0f} min on
-{t['device']} with {t['threads']} threads (the machine was shared with other work while this run trained).
-
+{t.get('hardware', t['device'])} ({t['device']}, {t['threads']} threads).
+{provenance(t)}
 ## Results
 Held-out, teacher-forced, windows of 512 tokens (`python -m specrpc.training.evaluate`):
 
