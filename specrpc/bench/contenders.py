@@ -84,7 +84,7 @@ def hf_runner(target: torch.nn.Module, assistant: torch.nn.Module | None, eos: i
     """transformers `generate` on the target alone, or with `assistant_model=` the draft."""
 
     def run(prompt: list[int], n: int, params: SamplingParams) -> Run:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=target.device)  # type: ignore[arg-type]
         kwargs: dict[str, Any] = {"max_new_tokens": n, "min_new_tokens": n, "pad_token_id": eos,
                                   "eos_token_id": None}
         if params.greedy:
