@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import urllib.parse
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,10 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 AUTH_HEADER = "authorization"
+FORWARDED_HEADER = "x-forwarded-for"
 BEARER = "bearer "
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                    "/grpc.reflection.v1.ServerReflection/")
@@ -149,13 +154,49 @@ def _refusal(handler: grpc.RpcMethodHandler[Any, Any], message: str) -> grpc.Rpc
                 response_serializer=handler.response_serializer)
 
 
-class StreamQuota:
-    """Concurrent streams per client: by token hash when authentication is on, else by peer address without the
-    port (so one host's many connections share one quota)."""
+def peer_ip(peer: str) -> IPAddress | None:
+    """The IP address in a gRPC peer string (`ipv4:1.2.3.4:5`, `ipv6:[::1]:5`); None for other transports."""
+    host = peer_host(peer)
+    if host.startswith("ipv4:"):
+        host = host[5:]
+    elif host.startswith("ipv6:"):
+        host = urllib.parse.unquote(host[5:]).strip("[]")
+    else:
+        return None
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
 
-    def __init__(self, limit: int, by_token: bool) -> None:
+
+def forwarded_client(metadata: Iterable[tuple[str, str | bytes]] | None, trusted: Sequence[IPNetwork]
+                     ) -> IPAddress | None:
+    """The client a chain of trusted proxies reports: the right-most `x-forwarded-for` address that is not itself
+    a trusted proxy (addresses to its left could be forged by the client)."""
+    hops: list[str] = []
+    for key, value in metadata or ():
+        if key == FORWARDED_HEADER:
+            text = value.decode("latin-1") if isinstance(value, bytes) else value
+            hops += [h.strip() for h in text.split(",") if h.strip()]
+    for hop in reversed(hops):
+        try:
+            address = ipaddress.ip_address(hop.strip("[]"))
+        except ValueError:
+            return None  # garbage in the chain: do not guess
+        if not any(address in net for net in trusted):
+            return address
+    return None
+
+
+class StreamQuota:
+    """Concurrent streams per client: by token hash when authentication is on, else by address without the port
+    (so one host's many connections share one quota). Behind proxies listed in `trusted`, the address is the client
+    that `x-forwarded-for` names; from anyone else the header is ignored."""
+
+    def __init__(self, limit: int, by_token: bool, trusted: Sequence[IPNetwork] = ()) -> None:
         self.limit = limit
         self.by_token = by_token
+        self.trusted = list(trusted)
         self.open: Counter[str] = Counter()
 
     def client_id(self, peer: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
@@ -164,6 +205,11 @@ class StreamQuota:
             token = bearer_token(metadata)
             if token is not None:
                 return client_id_of_token(token)
+        ip = peer_ip(peer)
+        if ip is not None and self.trusted and any(ip in net for net in self.trusted):
+            client = forwarded_client(metadata, self.trusted)
+            if client is not None:
+                return f"ipv{client.version}:{client}"
         return peer_host(peer)
 
     def acquire(self, client: str) -> None:

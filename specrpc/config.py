@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -65,6 +66,7 @@ class ServerConfig:
     tls_client_ca: str = ""
     auth_tokens_file: str = ""
     auth_exempt_health: bool = True
+    trusted_proxies: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ HELP: dict[str, str] = {
     "tls_client_ca": "CA bundle (PEM) to require client certificates (mutual TLS)",
     "auth_tokens_file": "file of accepted bearer tokens, one per line (reloaded on SIGHUP); empty: no auth",
     "auth_exempt_health": "let health checks and reflection through without a token",
+    "trusted_proxies": "comma-separated addresses/CIDRs of proxies (nginx, Envoy) whose x-forwarded-for names the "
+                       "client for --max-streams-per-client; empty: the peer address counts",
 }
 
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "limits": Limits}
@@ -209,3 +213,17 @@ def validate(config: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    parse_networks(s.trusted_proxies)
+
+
+def parse_networks(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """`10.0.0.0/8, ::1` → networks; ValueError naming the flag and the bad entry."""
+    networks = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ValueError(f"--trusted-proxies: {item!r} is not an IP address or CIDR (e.g. 10.0.0.0/8)") from None
+    return networks

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from specrpc.auth import StreamQuota, TooManyStreams
-from specrpc.config import Config
+from specrpc.config import Config, parse_networks
 from specrpc.engine import FINISH_LENGTH, FINISH_STOP
 from specrpc.metrics import Metrics
 from specrpc.runtime import CheckpointInfo, DecodeParams, ExtraFile, NoInfillSupport, Runtime
@@ -41,6 +41,7 @@ PROPOSERS = {
     pb.PROPOSER_COMBINED: "combined",
 }
 MAX_SESSION_ID = 128
+SESSION_HEADER = "x-session-id"  # request metadata that load balancers hash on (deploy/README.md)
 
 
 class InvalidRequest(ValueError):
@@ -141,6 +142,14 @@ class StreamEnd:
     finished: bool = False
 
 
+def session_header(context: Context) -> str:
+    """The `x-session-id` request metadata ('' when absent)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == SESSION_HEADER:
+            return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    return ""
+
+
 def rpc_gone(context: Context) -> asyncio.Event:
     """An event set as soon as gRPC ends the call (client cancel, disconnect, deadline, or the end of the stream),
     to cancel the work the call started without waiting for its generator to be closed."""
@@ -190,7 +199,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
-        self.quota = StreamQuota(self.limits.max_streams_per_client, by_token=bool(config.server.auth_tokens_file))
+        self.quota = StreamQuota(self.limits.max_streams_per_client, by_token=bool(config.server.auth_tokens_file),
+                                 trusted=parse_networks(config.server.trusted_proxies))
 
     def _enter(self, context: Context) -> str:
         """Admit a Generate/Infill/Converse stream; returns the client it counts against."""
@@ -290,10 +300,17 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             proposer=proposer,
         )
 
-    def _check_session_id(self, session_id: str, name: str = "session_id") -> None:
+    def _check_session_id(self, session_id: str, name: str = "session_id", header: str = "") -> str:
+        """The request's session id: the field, or the `x-session-id` metadata when the field is empty. Both set
+        and different is refused: a load balancer routes by the header and this server caches by the id."""
+        if header and session_id and header != session_id:
+            raise InvalidRequest(f"{name} {session_id[:MAX_SESSION_ID]!r} differs from the {SESSION_HEADER} "
+                                 f"metadata {header[:MAX_SESSION_ID]!r}: send the same id in both (or only one)")
+        session_id = session_id or header
         if len(session_id) > MAX_SESSION_ID or not session_id.isprintable():
             raise InvalidRequest(f"{name} must be at most {MAX_SESSION_ID} printable characters; got "
                                  f"{len(session_id)} characters")
+        return session_id
 
     def _fit_prompt(self, ids: list[int], truncate: bool, too_long: str = "shorten it or set truncate_prompt"
                     ) -> list[int]:
@@ -402,18 +419,18 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     @stream_errors("Generate")
     async def Generate(self, request: pb.GenerateRequest,
                        context: Context) -> AsyncIterator[pb.GenerateResponse]:
-        self._check_session_id(request.session_id)
+        session_id = self._check_session_id(request.session_id, header=session_header(context))
         params = self._decode_params(request.max_new_tokens, request.sampling if request.HasField("sampling")
                                      else None, list(request.stop),
                                      request.speculation if request.HasField("speculation") else None)
         prompt = self._prompt_ids(request)
-        async for response in self._generate_responses(prompt, params, request.session_id, "Generate", context):
+        async for response in self._generate_responses(prompt, params, session_id, "Generate", context):
             yield response
 
     @stream_errors("Infill")
     async def Infill(self, request: pb.InfillRequest,
                      context: Context) -> AsyncIterator[pb.GenerateResponse]:
-        self._check_session_id(request.session_id)
+        session_id = self._check_session_id(request.session_id, header=session_header(context))
         if len(request.extra) > self.limits.max_extra_files:
             raise InvalidRequest(f"extra: at most {self.limits.max_extra_files} extra files allowed "
                                  f"(--max-extra-files); got {len(request.extra)}")
@@ -424,7 +441,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         prompt = self.runtime.infill_prompt(request.prefix, request.suffix, extra, request.path)
         prompt = self._fit_prompt(prompt, truncate=False, too_long="send fewer or shorter extra files, or a "
                                   "shorter prefix and suffix")
-        async for response in self._generate_responses(prompt, params, request.session_id, "Infill", context):
+        async for response in self._generate_responses(prompt, params, session_id, "Infill", context):
             yield response
 
     @unary_errors("GetModelInfo")
@@ -461,7 +478,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     @stream_errors("Converse")
     async def Converse(self, request_iterator: AsyncIterator[pb.ConverseRequest],
                        context: Context) -> AsyncIterator[pb.ConverseResponse]:
-        conversation = Conversation(self, self.runtime)
+        conversation = Conversation(self, self.runtime, session_header(context))
         on_end(context, lambda _context: conversation.abandon())
         try:
             async for response in conversation.run(request_iterator):
@@ -494,9 +511,10 @@ class Conversation:
     prompt and reply token for token and the session's KV cache is reused.
     """
 
-    def __init__(self, service: GeneratorService, runtime: Runtime) -> None:
+    def __init__(self, service: GeneratorService, runtime: Runtime, header_session_id: str = "") -> None:
         self.service = service
         self.runtime = runtime
+        self.header_session_id = header_session_id
         self.out: asyncio.Queue[pb.ConverseResponse | BaseException | None] = asyncio.Queue()
         self.session_id = ""
         self.defaults: pb.SessionStart = pb.SessionStart()
@@ -548,7 +566,7 @@ class Conversation:
     async def _handle(self, request: pb.ConverseRequest) -> None:
         kind = request.WhichOneof("action")
         if kind == "start":
-            await self.runtime.registry.wait_for_release(request.start.session_id)
+            await self.runtime.registry.wait_for_release(request.start.session_id or self.header_session_id)
             self._start(request.start)
         elif not self.session_id:
             raise InvalidRequest(f"the first Converse message must be `start`; got `{kind}`")
@@ -568,12 +586,12 @@ class Conversation:
     def _start(self, start: pb.SessionStart) -> None:
         if self.session_id:
             raise InvalidRequest("start: this Converse stream already has a session; open a new stream for another")
-        self.service._check_session_id(start.session_id, "start.session_id")
+        wanted = self.service._check_session_id(start.session_id, "start.session_id", self.header_session_id)
         self.service._decode_params(start.max_new_tokens, start.sampling if start.HasField("sampling") else None,
                                     list(start.stop), start.speculation if start.HasField("speculation") else None)
         registry = self.runtime.registry
-        resumed = bool(start.session_id) and start.session_id in registry.sessions
-        session = registry.open(start.session_id)
+        resumed = bool(wanted) and wanted in registry.sessions
+        session = registry.open(wanted)
         self.session_id = session.id
         self.defaults = start
         state = session.conversation

@@ -26,7 +26,7 @@ from service_helpers import collect, first_tokens, long_request, rpc_error, wait
 
 from specrpc import auth as auth_mod
 from specrpc.auth import StreamQuota, TokenAuth, bearer_token, peer_host, read_tokens
-from specrpc.config import Config, ServerConfig, build_config, validate
+from specrpc.config import Config, ServerConfig, build_config, parse_networks, validate
 from specrpc.logs import configure
 from specrpc.server import HEALTH_NAME, SERVICE_NAME, Running, _credentials
 from specrpc.v1 import generator_pb2 as pb
@@ -111,6 +111,26 @@ def test_stream_quota_counts_per_client() -> None:
     unlimited = StreamQuota(0, by_token=False)
     for _ in range(100):
         unlimited.acquire("x")
+
+
+def test_stream_quota_behind_trusted_proxies_counts_the_forwarded_client() -> None:
+    proxies = parse_networks("10.0.0.0/8, ::1")
+    quota = StreamQuota(1, by_token=False, trusted=proxies)
+    xff = lambda value: (("x-forwarded-for", value),)  # noqa: E731
+    # through a trusted proxy, each forwarded client is its own
+    assert quota.client_id("ipv4:10.1.2.3:4000", xff("203.0.113.7")) == "ipv4:203.0.113.7"
+    assert quota.client_id("ipv6:%5B::1%5D:4000", xff("203.0.113.8")) == "ipv4:203.0.113.8"
+    # the right-most untrusted hop counts: what the client itself wrote to the left can't spoof it
+    assert quota.client_id("ipv4:10.1.2.3:4000", xff("1.1.1.1, 198.51.100.2, 10.9.9.9")) == "ipv4:198.51.100.2"
+    # from an untrusted peer the header is ignored; garbage or only-proxy chains fall back to the peer
+    assert quota.client_id("ipv4:192.0.2.1:4000", xff("203.0.113.7")) == "ipv4:192.0.2.1"
+    assert quota.client_id("ipv4:10.1.2.3:4000", xff("not-an-ip")) == "ipv4:10.1.2.3"
+    assert quota.client_id("ipv4:10.1.2.3:4000", xff("10.0.0.5")) == "ipv4:10.1.2.3"
+    assert quota.client_id("ipv4:10.1.2.3:4000", ()) == "ipv4:10.1.2.3"
+    # without --trusted-proxies nobody's header counts
+    assert StreamQuota(1, by_token=False).client_id("ipv4:10.1.2.3:4000", xff("203.0.113.7")) == "ipv4:10.1.2.3"
+    with pytest.raises(ValueError, match=r"--trusted-proxies: 'nginx'"):
+        validate(build_config(None, env={"SPECRPC_TRUSTED_PROXIES": "10.0.0.0/8,nginx"}))
 
 
 def test_security_features_are_off_by_default_on_loopback() -> None:

@@ -372,6 +372,29 @@ async def test_session_reuses_the_prompt_prefix_across_keystrokes(stub: Stub, to
         assert ids_of(cold) == ids_of(chunks)
 
 
+async def test_session_id_header_and_field_must_agree(stub: Stub) -> None:
+    session = f"hdr-{uuid.uuid4().hex}"
+    header = (("x-session-id", session),)
+    # the header alone names the session (what a load balancer routes by)
+    _, summary = await collect(stub.Generate(greedy("def f(x):\n", 4), metadata=header))
+    assert summary.session_id == session
+    _, summary = await collect(stub.Generate(greedy("def f(x):\n    return", 4), metadata=header))
+    assert summary.session_id == session and summary.cached_prompt_tokens > 0
+    # both, equal: fine; both, different: refused with both values named, for every RPC that takes a session
+    _, summary = await collect(stub.Generate(greedy("def f(x):\n", 4, session_id=session), metadata=header))
+    assert summary.session_id == session
+    error = await rpc_error(stub.Generate(greedy("def f(x):\n", 4, session_id="other"), metadata=header))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "other" in (error.details() or "") and session in (error.details() or "")
+    error = await rpc_error(stub.Infill(pb.InfillRequest(prefix="def f(", suffix=")\n", max_new_tokens=4,
+                                                         session_id="other"), metadata=header))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-session-id" in (error.details() or "")
+    call = stub.Converse(metadata=header)
+    await call.write(pb.ConverseRequest(start=pb.SessionStart(session_id="other")))
+    error = await rpc_error(call)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "start.session_id" in (error.details() or "")
+
+
 async def test_new_request_on_a_session_cancels_the_previous_one(stub: Stub, long_streams: float) -> None:
     session = f"keys-{uuid.uuid4().hex}"
     first = stub.Generate(long_request(session_id=session))
