@@ -31,6 +31,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     lean: bool = True
     threads: int = 0
+    draft_int8: bool = True
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ HELP: dict[str, str] = {
     "prefill_chunk": "prompt tokens per prefill forward (long prompts are prefilled in chunks)",
     "lean": "use specrpc's lean Llama-family forward when the architecture allows (else transformers)",
     "threads": "CPU threads for torch (0: torch's default)",
+    "draft_int8": "on CPU, run the draft's decode steps on int8 weight copies (drafting is bound by reading weights; "
+                  "the output stays the target's, since every token is verified)",
     "max_message_bytes": "largest gRPC message accepted",
     "max_prompt_tokens": "largest prompt in tokens (0: the context length)",
     "max_new_tokens": "largest max_new_tokens a request may ask for",

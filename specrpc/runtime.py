@@ -128,7 +128,7 @@ class Runtime:
             check_tokenizers_match(self.tokenizer, load_tokenizer(ec.draft), self.target.vocab_size,
                                    self._vocab_rows(ec.draft))
             self.draft = load_model(ec.draft, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
-                                    max_context=capacity, lean=ec.lean)
+                                    max_context=capacity, lean=ec.lean, int8_decode=ec.draft_int8)
         self.target_info = checkpoint_info(ec.target, self.target, self.dtype)
         self.draft_info = checkpoint_info(ec.draft, self.draft, self.dtype) if self.draft is not None else None
         self.engine = Engine(self.target, self.draft, ec)

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specrpc.config import EngineConfig
 from specrpc.engine import Engine, GenerationRequest, Slot
 from specrpc.models import load_model
+from specrpc.models.llama import LlamaLM
 from specrpc.sampling import SamplingParams, logits_to_probs
 
 VOCAB = 6
@@ -47,12 +48,14 @@ def one_thread() -> object:
     torch.set_num_threads(old)
 
 
-def make_engine(pair: tuple[Path, Path], **overrides: object) -> Engine:
+def make_engine(pair: tuple[Path, Path], draft_int8: bool = False, **overrides: object) -> Engine:
+    """`draft_int8`: the draft decodes on int8 weight copies, as the server runs it on CPU by default."""
     config = replace(EngineConfig(max_sessions=2, max_context=CAPACITY - 9, max_draft_tokens=8, prefill_chunk=16),
                      **overrides)  # type: ignore[arg-type]
     cpu, f32 = torch.device("cpu"), torch.float32
     target = load_model(pair[0], device=cpu, dtype=f32, num_slots=2, max_context=CAPACITY)
-    draft = load_model(pair[1], device=cpu, dtype=f32, num_slots=2, max_context=CAPACITY)
+    draft = load_model(pair[1], device=cpu, dtype=f32, num_slots=2, max_context=CAPACITY, int8_decode=draft_int8)
+    assert not draft_int8 or (isinstance(draft, LlamaLM) and draft.weights.head.q8 is not None)
     return Engine(target, draft, config)
 
 
@@ -70,9 +73,10 @@ def run(engine: Engine, prompt: list[int], n: int, params: SamplingParams, k: in
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
-def test_greedy_speculation_equals_target_only_and_transformers(pair: tuple[Path, Path], k: int) -> None:
-    engine = make_engine(pair)
+@pytest.mark.parametrize(("k", "draft_int8"), [(1, False), (3, False), (8, False), (3, True), (8, True)])
+def test_greedy_speculation_equals_target_only_and_transformers(pair: tuple[Path, Path], k: int,
+                                                                 draft_int8: bool) -> None:
+    engine = make_engine(pair, draft_int8=draft_int8)
     hf = LlamaForCausalLM.from_pretrained(str(pair[0])).eval()
     for seed in range(6):
         g = torch.Generator().manual_seed(seed)
@@ -133,20 +137,22 @@ def chi_square_pvalue(counts: dict[tuple[int, ...], int], probs: dict[tuple[int,
 
 
 @pytest.mark.parametrize(
-    "params",
+    ("params", "draft_int8"),
     [
-        SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.7, top_p=0.9),
-        SamplingParams(temperature=1.0, top_k=5),
+        (SamplingParams(temperature=1.0), False),
+        (SamplingParams(temperature=0.7, top_p=0.9), False),
+        (SamplingParams(temperature=1.0, top_k=5), False),
+        (SamplingParams(temperature=1.0), True),
     ],
-    ids=["t1", "t0.7-p0.9", "k5"],
+    ids=["t1", "t0.7-p0.9", "k5", "t1-int8-draft"],
 )
-def test_sampled_sequences_follow_the_target_distribution(pair: tuple[Path, Path], params: SamplingParams) -> None:
+def test_sampled_sequences_follow_the_target_distribution(pair: tuple[Path, Path], params: SamplingParams,
+                                                          draft_int8: bool) -> None:
     """3-token continuations (216 cells) sampled with k = 2 speculation vs exact target probabilities.
 
     False-alarm rate: 1e-4 per test (seeds are fixed, so the outcome is deterministic). The same samples must be
     rejected against the draft's own distribution, so the test can fail."""
-    engine = make_engine(pair)
+    engine = make_engine(pair, draft_int8=draft_int8)
     prompt = [3, 1, 4]
     n = 5000
     counts: dict[tuple[int, ...], int] = {}

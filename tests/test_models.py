@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import specrpc
 from specrpc.models import CausalLM, load_model
+from specrpc.models import llama as llama_mod
 from specrpc.models.hf_fallback import HFCausalLM
 from specrpc.models.llama import LlamaArgs, LlamaLM, rope_inv_freq
 
@@ -203,6 +204,23 @@ def test_bfloat16_forward_close_to_float32(tmp_path: Path) -> None:
     logits = torch.cat([lm.forward(ids[:7], 0, 0, num_logits=7), lm.forward(ids[7:8], 7, 0),
                         lm.forward(ids[8:], 8, 0, num_logits=4)])
     close(logits, reference(model, ids), atol=5e-2)
+
+
+def test_int8_decode_serves_small_products_close_to_float32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, int8_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.weights.head.q8 is not None and lm.weights.head.q8.dtype == torch.int8
+    rows: list[int] = []
+    product = llama_mod._int8_product
+    monkeypatch.setattr(llama_mod, "_int8_product", lambda x, p: rows.append(x.shape[0]) or product(x, p))
+    ids = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(4))
+    logits = torch.cat([lm.forward(ids[:9], 0, 0, num_logits=9), lm.forward(ids[9:10], 9, 0),
+                        lm.forward(ids[10:], 10, 0, num_logits=4)])
+    assert rows and set(rows) == {1, 4}, "a 9-row prefill takes the float32 path, decode and verify sizes int8"
+    ref = reference(model, ids)
+    close(logits[:9], ref[:9])  # exact path
+    close(logits[9:], ref[9:], atol=0.05 * max(1.0, ref.abs().max().item()))  # int8 weights: close, not equal
 
 
 ASSET_TARGET = Path(specrpc.__file__).parent / "assets" / "target"

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from specrpc.models.hf_fallback import HFCausalLM
-from specrpc.models.llama import LEAN_MODEL_TYPES, LlamaLM, UnsupportedModelError
+from specrpc.models.llama import LEAN_MODEL_TYPES, LlamaLM, UnsupportedModelError, int8_available
 
 if TYPE_CHECKING:
     from specrpc.models import CausalLM
@@ -27,15 +27,18 @@ def load_model(
     num_slots: int,
     max_context: int,
     lean: bool = True,
+    int8_decode: bool = False,
 ) -> CausalLM:
     """Load `path` with `num_slots` KV slots of `max_context` positions each (include the verify reserve:
     max_context + k_max + 1). Llama / Mistral / Qwen2 take the lean forward unless `lean` is False or the config
-    needs something it lacks; anything else runs through transformers."""
+    needs something it lacks; anything else runs through transformers. `int8_decode` (lean path on CPU only): serve
+    products of a few rows from int8 weight copies, which changes the model's outputs slightly; for drafts."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     if lean and cfg.get("model_type") in LEAN_MODEL_TYPES:
         try:
-            return LlamaLM.load(path, cfg, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context)
+            return LlamaLM.load(path, cfg, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
+                                int8_decode=int8_decode and int8_available(device))
         except UnsupportedModelError as e:
             log.warning("%s: lean forward unavailable (%s); using transformers", path.name, e)
     return HFCausalLM.load(path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context)
