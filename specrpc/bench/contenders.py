@@ -35,13 +35,18 @@ class Run:
 Runner = Callable[[list[int], int, SamplingParams], Run]
 
 
-def engine_runner(engine: Engine, k: int | None, proposer: str) -> Runner:
-    """This engine with a fixed k (None: adaptive policy) and proposer, on slot 0 reset per request."""
+def engine_runner(engine: Engine, k: int | None, proposer: str, stop_token_ids: frozenset[int] = frozenset()
+                  ) -> Runner:
+    """This engine with a fixed k (None: adaptive policy) and proposer, on slot 0 reset per request. Without
+    `stop_token_ids` it decodes all n tokens (like `generate` with min_new_tokens); with the server's, it stops
+    where the server would."""
 
     def run(prompt: list[int], n: int, params: SamplingParams) -> Run:
         slot = engine.new_slot(0)
         t0 = time.perf_counter()
-        gen = engine.start(slot, GenerationRequest(prompt, n, params, num_draft_tokens=k, proposer=proposer))
+        request = GenerationRequest(prompt, n, params, num_draft_tokens=k, proposer=proposer,
+                                    stop_token_ids=stop_token_ids)
+        gen = engine.start(slot, request)
         out: list[int] = []
         times: list[float] = []
         sizes: list[int] = []

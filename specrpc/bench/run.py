@@ -146,7 +146,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             # The overhead: target-only (deterministic, one token per message) in process and through gRPC,
             # alternating case by case so that machine noise hits both alike. In-process runs use slot 0 afresh; a
             # server request reusing slot 0 reuses only a prefix it shares with the prompt written there, so valid.
-            local = engine_runner(runtime.engine, 0, "draft")
+            local = engine_runner(runtime.engine, 0, "draft", runtime.stop_token_ids)  # stops where the server does
             pairs: list[tuple[Run, Run, int]] = []
             for _ in range(overhead_rounds):
                 for i, case in enumerate(cases):
