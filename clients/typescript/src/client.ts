@@ -58,6 +58,41 @@ export interface ClientOptions {
   timeoutMs?: number;
   /** Extra connect interceptors (logging, tracing, ...). */
   interceptors?: Interceptor[];
+  /** Retries of Generate/Infill on UNAVAILABLE before the first response (default `DEFAULT_RETRY`); false: none. */
+  retry?: RetryOptions | false;
+}
+
+/** Exponential backoff on UNAVAILABLE only, and only before a call's first response has arrived (a server still
+ * loading, restarting or draining); the call's deadline bounds all attempts together. Same policy as the Python
+ * client: attempt n waits min(maxBackoffMs, initialBackoffMs · multiplier^(n-2)) ± jitter before it runs. */
+export interface RetryOptions {
+  maxAttempts?: number;
+  initialBackoffMs?: number;
+  maxBackoffMs?: number;
+  multiplier?: number;
+  jitter?: number;
+}
+
+export const DEFAULT_RETRY: Required<RetryOptions> = {
+  maxAttempts: 5, initialBackoffMs: 100, maxBackoffMs: 2000, multiplier: 2, jitter: 0.2,
+};
+
+/** Milliseconds to wait before retry number `retry` (1 = the second attempt). */
+function backoffMs(policy: Required<RetryOptions>, retry: number): number {
+  const base = Math.min(policy.maxBackoffMs, policy.initialBackoffMs * policy.multiplier ** (retry - 1));
+  return base * (1 + (Math.random() * 2 - 1) * policy.jitter);
+}
+
+function sleep(ms: number, signal: AbortSignal): Promise<void> {
+  return new Promise((resolve) => {
+    const timer = setTimeout(done, ms);
+    function done(): void {
+      clearTimeout(timer);
+      signal.removeEventListener("abort", done);
+      resolve();
+    }
+    signal.addEventListener("abort", done, { once: true });
+  });
 }
 
 export type ServingStatus = "UNKNOWN" | "SERVING" | "NOT_SERVING" | "SERVICE_UNKNOWN";
@@ -86,13 +121,40 @@ export class Generation implements AsyncIterable<GenerationEvent> {
   firstTokenAt: number | undefined;
   private readonly controller = new AbortController();
   private readonly signal: AbortSignal;
-  private readonly source: AsyncIterable<GenerateResponse>;
+  private source: AsyncIterable<GenerateResponse>;
   private iterator: AsyncGenerator<GenerationEvent> | undefined;
   private aborted = false;
 
-  constructor(start: (signal: AbortSignal) => AsyncIterable<GenerateResponse>, signal?: AbortSignal) {
+  /** Calls made for this generation (1 + retries). */
+  attempts = 0;
+  private readonly start: (signal: AbortSignal, timeoutMs: number | undefined) => AsyncIterable<GenerateResponse>;
+  private readonly retry: Required<RetryOptions>;
+  private readonly deadline: number | undefined;
+
+  constructor(start: (signal: AbortSignal, timeoutMs: number | undefined) => AsyncIterable<GenerateResponse>,
+    signal?: AbortSignal, retry: Required<RetryOptions> = { ...DEFAULT_RETRY, maxAttempts: 1 }, timeoutMs?: number) {
     this.signal = signal ? AbortSignal.any([signal, this.controller.signal]) : this.controller.signal;
-    this.source = start(this.signal);
+    this.start = start;
+    this.retry = retry;
+    this.deadline = timeoutMs === undefined ? undefined : this.startedAt + timeoutMs;
+    this.source = this.open();
+  }
+
+  private open(): AsyncIterable<GenerateResponse> {
+    this.attempts += 1;
+    // grpc-timeout takes whole milliseconds
+    const left = this.deadline === undefined ? undefined
+      : Math.max(1, Math.floor(this.deadline - performance.now()));
+    return this.start(this.signal, left);
+  }
+
+  /** Milliseconds to wait before another attempt after `err`, or undefined to give up. */
+  private retryDelay(err: unknown, responded: boolean): number | undefined {
+    if (responded || this.signal.aborted || this.attempts >= this.retry.maxAttempts) return undefined;
+    if (!(err instanceof ConnectError) || err.code !== Code.Unavailable) return undefined;
+    const delay = backoffMs(this.retry, this.attempts);
+    if (this.deadline !== undefined && performance.now() + delay >= this.deadline) return undefined;
+    return delay;
   }
 
   /** The text received so far. */
@@ -133,24 +195,36 @@ export class Generation implements AsyncIterable<GenerationEvent> {
   }
 
   private async *run(): AsyncGenerator<GenerationEvent> {
-    try {
-      for await (const res of this.source) {
-        if (res.event.case === "chunk") {
-          const chunk = chunkFrom(res.event.value);
-          if (this.firstTokenAt === undefined && chunk.tokenIds.length > 0) this.firstTokenAt = performance.now();
-          this.chunks.push(chunk);
-          yield chunk;
-        } else if (res.event.case === "summary") {
-          this.summary = summaryFrom(res.event.value);
-          yield this.summary;
+    let responded = false;
+    for (;;) {
+      try {
+        for await (const res of this.source) {
+          responded = true;
+          if (res.event.case === "chunk") {
+            const chunk = chunkFrom(res.event.value);
+            if (this.firstTokenAt === undefined && chunk.tokenIds.length > 0) this.firstTokenAt = performance.now();
+            this.chunks.push(chunk);
+            yield chunk;
+          } else if (res.event.case === "summary") {
+            this.summary = summaryFrom(res.event.value);
+            yield this.summary;
+          }
         }
-      }
-    } catch (err) {
-      if (this.signal.aborted && isAbort(err)) {
-        this.aborted = true;
         return;
+      } catch (err) {
+        if (this.signal.aborted && isAbort(err)) {
+          this.aborted = true;
+          return;
+        }
+        const delay = this.retryDelay(err, responded);
+        if (delay === undefined) throw err;
+        await sleep(delay, this.signal);
+        if (this.signal.aborted) {
+          this.aborted = true;
+          return;
+        }
+        this.source = this.open();
       }
-      throw err;
     }
   }
 }
@@ -358,12 +432,15 @@ export class SpecrpcClient {
   private readonly sessionManager: Http2SessionManager;
   private readonly generator: Client<typeof Generator>;
   private readonly healthClient: Client<typeof Health>;
+  private readonly retry: Required<RetryOptions>;
 
   constructor(options: ClientOptions = {}) {
     const tls = typeof options.tls === "object" ? options.tls : undefined;
     const scheme = options.tls ? "https" : "http";
     this.baseUrl = options.baseUrl ?? `${scheme}://${options.address ?? "127.0.0.1:50051"}`;
     this.timeoutMs = options.timeoutMs;
+    this.retry = options.retry === false ? { ...DEFAULT_RETRY, maxAttempts: 1 }
+      : { ...DEFAULT_RETRY, ...options.retry };
     const nodeOptions = tls ? { ca: tls.ca, cert: tls.cert, key: tls.key, servername: tls.serverName } : {};
     this.sessionManager = new Http2SessionManager(this.baseUrl, { idleConnectionTimeoutMs: 60_000 }, nodeOptions);
     const interceptors: Interceptor[] = [...(options.interceptors ?? [])];
@@ -379,9 +456,6 @@ export class SpecrpcClient {
     this.healthClient = createClient(Health, transport);
   }
 
-  private callOptions(o: RequestOptions): { timeoutMs?: number; headers: Record<string, string> } {
-    return { timeoutMs: o.timeoutMs ?? this.timeoutMs, headers: sessionHeaders(o.sessionId) };
-  }
 
   /** Continue `prompt`: an async iterable of chunks, then one summary. */
   complete(prompt: string, options: GenerateOptions = {}): Generation {
@@ -390,8 +464,9 @@ export class SpecrpcClient {
       stop: options.stop ?? [], speculation: speculationToProto(options.speculation),
       sessionId: options.sessionId ?? "", truncatePrompt: options.truncatePrompt ?? false,
     };
-    return new Generation((signal) => this.generator.generate(request, { ...this.callOptions(options), signal }),
-      options.signal);
+    const headers = sessionHeaders(options.sessionId);
+    return new Generation((signal, timeoutMs) => this.generator.generate(request, { headers, timeoutMs, signal }),
+      options.signal, this.retry, options.timeoutMs ?? this.timeoutMs);
   }
 
   /** Fill in the middle between prefix and suffix (extraFiles: other files as context). */
@@ -401,8 +476,9 @@ export class SpecrpcClient {
       maxNewTokens: options.maxNewTokens ?? 0, sampling: samplingToProto(options.sampling),
       stop: options.stop ?? [], speculation: speculationToProto(options.speculation), sessionId: options.sessionId ?? "",
     };
-    return new Generation((signal) => this.generator.infill(request, { ...this.callOptions(options), signal }),
-      options.signal);
+    const headers = sessionHeaders(options.sessionId);
+    return new Generation((signal, timeoutMs) => this.generator.infill(request, { headers, timeoutMs, signal }),
+      options.signal, this.retry, options.timeoutMs ?? this.timeoutMs);
   }
 
   /** An editor buffer's completion session (see CompletionSession). */

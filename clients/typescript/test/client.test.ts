@@ -190,4 +190,38 @@ describe("SpecrpcClient against specrpc serve", { skip }, () => {
     assert.equal(seen[0]?.get("authorization"), "Bearer s3cret");
     assert.equal(seen[0]?.get("x-session-id"), "editor-1");
   });
+
+  test("UNAVAILABLE before the first response is retried up to maxAttempts; retry: false tries once", async () => {
+    const port = await freePort(); // nothing listens there
+    for (const [retry, attempts] of [[{ maxAttempts: 3, initialBackoffMs: 20 }, 3], [false, 1]] as const) {
+      const nobody = new SpecrpcClient({ address: `127.0.0.1:${port}`, retry, timeoutMs: 10_000 });
+      const gen = nobody.complete("x", { maxNewTokens: 1 });
+      try {
+        await assert.rejects(gen.result(), (err: unknown) => grpcStatus(err) === "UNAVAILABLE");
+      } finally {
+        nobody.close();
+      }
+      assert.equal(gen.attempts, attempts);
+    }
+  });
+
+  test("a client that starts before its server gets through once the server is up", async () => {
+    const port = await freePort();
+    const late = new SpecrpcClient({ address: `127.0.0.1:${port}`, timeoutMs: 120_000,
+      retry: { maxAttempts: 400, initialBackoffMs: 50, maxBackoffMs: 300 } });
+    const gen = late.complete("def f(x):", { maxNewTokens: 4 }); // before the server exists
+    const second = spawn(SPECRPC, ["serve", "--host", "127.0.0.1", "--port", String(port), "--threads", "1",
+      "--max-sessions", "1", "--max-context", "256", "--metrics-port", "0", "--grace-s", "1"],
+    { env: process.env, stdio: "ignore" });
+    try {
+      const summary = await gen.result(); // refused while the port is closed, UNAVAILABLE while loading: retried
+      assert.ok(summary && summary.completionTokens > 0);
+      assert.ok(gen.attempts > 1, `attempts ${gen.attempts}`);
+    } finally {
+      late.close();
+      const gone = new Promise((r) => second.once("exit", r));
+      second.kill("SIGTERM");
+      await gone;
+    }
+  });
 });
