@@ -74,10 +74,17 @@ class Running:
         await self.health.enter_graceful_shutdown()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.service.drained(), grace_s)
+            # The last handler has returned, but its final status may still be on its way to the socket; a hard stop
+            # now could cut it (a proxy then reports "upstream prematurely closed"). New calls are refused meanwhile.
+            await asyncio.sleep(FLUSH_S)
         await self.server.stop(0)
         self.janitor.cancel()
         await asyncio.to_thread(self.runtime.stop)
         self.metrics.close()
+
+
+FLUSH_S = 0.25
+"""Seconds between the last stream's end and the hard stop of a drain, for its final status to reach the wire."""
 
 
 async def _set_health(servicer: HealthStatus, serving: bool) -> None:

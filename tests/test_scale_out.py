@@ -388,12 +388,10 @@ def test_draining_replica_finishes_its_streams_and_sheds_new_calls(cluster: Clus
             break
     assert reply[-1] == "summary", f"the turn should complete on the draining replica: {reply}"
     turns.put(None)
-    try:
-        assert list(events) == []
-    except grpc.RpcError as exc:
-        # Known server race: the drain ends when the last stream's handler returns, before its final status is on
-        # the wire, and the hard stop that follows can cut it (nginx: "upstream prematurely closed connection").
-        print(f"the drained stream's final status was lost: {exc.code()}")
+    # The stream's final status reaches the client through nginx: the drain leaves it time to get on the wire before
+    # the hard stop (without that, nginx logged "upstream prematurely closed connection" in 3 runs of 6).
+    assert list(events) == []
+    assert stream.code() == grpc.StatusCode.OK
     assert drained.process.wait(timeout=10) == 0, "a drained replica exits 0"
 
 
