@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Sequence
 
 from specrpc import config as config_mod
 from specrpc.logs import configure
+
+PRIMITIVE_CACHE_CAPACITY = "256"
+"""Entries in oneDNN's and ideep's per-shape primitive caches for `specrpc serve` (their default is 1024 each)."""
+
+
+def bound_native_caches() -> None:
+    """Cap oneDNN's and ideep's primitive caches unless the environment sets them. Both keep one compiled primitive,
+    with its buffers, per input shape; a server sees a new shape for every prompt length, so with the default
+    capacity of 1024 each its memory kept growing under load (docs/reliability.md). 256 entries still hold every
+    decode and verify shape and many recent prefill shapes. Read at the first oneDNN call, so this runs before
+    torch is used."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, PRIMITIVE_CACHE_CAPACITY)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -21,6 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"specrpc serve: {exc}", file=sys.stderr)
         return 2
+    bound_native_caches()
     from specrpc.server import serve  # torch and the models: only once the configuration is known to be good
 
     configure(cfg.server.log_format, cfg.server.log_level)
