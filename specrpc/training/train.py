@@ -268,6 +268,7 @@ def main() -> None:
     parser.add_argument("--draft-seconds", type=float, default=0, help="likewise for the draft-only phase")
     parser.add_argument("--batch", type=int, default=0, help="override the plan's batch size (0: keep)")
     parser.add_argument("--seq-len", type=int, default=0, help="override the plan's window length (0: keep)")
+    parser.add_argument("--lr-draft", type=float, default=0, help="override the plan's draft learning rate (0: keep)")
     parser.add_argument("--init-from", type=Path, help="a folder with target/ and draft/ exported by an earlier run: "
                         "start from those weights at the draft-only phase (distil the draft further)")
     args = parser.parse_args()
@@ -277,7 +278,7 @@ def main() -> None:
     plan = PLANS[args.plan if args.plan != "auto" else ("gpu" if device.type == "cuda" else "cpu")]
     plan = replace(plan, joint_steps=args.joint_steps or plan.joint_steps,
                    draft_steps=args.draft_steps or plan.draft_steps, batch=args.batch or plan.batch,
-                   seq_len=args.seq_len or plan.seq_len)
+                   seq_len=args.seq_len or plan.seq_len, lr_draft=args.lr_draft or plan.lr_draft)
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cuda":
