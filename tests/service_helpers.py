@@ -85,6 +85,23 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 5.0, what: 
     return time.perf_counter() - start
 
 
+CLIENT_WRITE_RACE = (grpc.StatusCode.INTERNAL, "Internal error from Core")
+"""What grpcio's client reports when it writes to a stream the server has just ended: a client-side race."""
+
+
+async def status_of(call: object) -> tuple[grpc.StatusCode, str]:
+    """Read a call to its end (a stream to its last message); its status code and details."""
+    try:
+        if isinstance(call, AsyncIterable):
+            async for _ in call:
+                pass
+        else:
+            await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as error:
+        return error.code(), error.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
 async def rpc_error(awaitable: object) -> grpc.aio.AioRpcError:
     """The AioRpcError a call ends with (a stream is read to its end)."""
     with pytest.raises(grpc.aio.AioRpcError) as info:

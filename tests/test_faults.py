@@ -25,7 +25,17 @@ from conftest import models_missing
 from conftest import test_config as make_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_helpers import FAST_RECONNECT, serve_process, wait_serving
-from service_helpers import GREEDY_K0, collect, first_tokens, ids_of, long_request, read_rest, rpc_error, wait_until
+from service_helpers import (
+    CLIENT_WRITE_RACE,
+    GREEDY_K0,
+    collect,
+    first_tokens,
+    ids_of,
+    long_request,
+    read_rest,
+    rpc_error,
+    wait_until,
+)
 
 from specrpc.config import Limits
 from specrpc.engine import StepResult
@@ -339,7 +349,6 @@ async def test_a_request_right_after_a_cancel_waits_for_the_released_slot(
 
 STORM_STREAMS = 300
 STORM_CONCURRENCY = 6
-CLIENT_WRITE_RACE = (grpc.StatusCode.INTERNAL, "Internal error from Core")
 STORM_OUTCOMES = {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                   grpc.StatusCode.RESOURCE_EXHAUSTED}
 

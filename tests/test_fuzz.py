@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from service_helpers import collect, wait_until
+from service_helpers import CLIENT_WRITE_RACE, collect, status_of, wait_until
 
 from specrpc.config import Limits
 from specrpc.server import Running, start_server
@@ -216,27 +216,11 @@ def allowed(server: Running, rpc: str) -> set[grpc.StatusCode]:
     return OK_CODES
 
 
-CLIENT_WRITE_RACE = (grpc.StatusCode.INTERNAL, "Internal error from Core")
-
-
 def server_codes(server: Running, rpc: str) -> Counter[grpc.StatusCode]:
     """How many `rpc` calls the server has ended with each status code (its requests counter)."""
     registry = server.metrics.registry
     return Counter({code: int(registry.get_sample_value("specrpc_requests_total", {"rpc": rpc, "code": code.name})
                               or 0) for code in grpc.StatusCode})
-
-
-async def status_of(call: Any) -> tuple[grpc.StatusCode, str]:
-    """Read a call to its end; its status code and details."""
-    try:
-        if hasattr(call, "__aiter__"):
-            async for _ in call:
-                pass
-        else:
-            await call
-    except grpc.aio.AioRpcError as error:
-        return error.code(), error.details() or ""
-    return grpc.StatusCode.OK, ""
 
 
 async def settled(server: Running) -> None:

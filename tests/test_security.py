@@ -22,7 +22,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from process_helpers import FAST_RECONNECT, have_openssl, make_certs, serve_process, wait_serving
-from service_helpers import collect, first_tokens, long_request, rpc_error, wait_until
+from service_helpers import CLIENT_WRITE_RACE, collect, first_tokens, long_request, rpc_error, status_of, wait_until
 
 from specrpc import auth as auth_mod
 from specrpc.auth import StreamQuota, TokenAuth, bearer_token, peer_host, read_tokens
@@ -193,21 +193,13 @@ async def _calls(channel: grpc.aio.Channel, metadata: Any) -> dict[str, grpc.Sta
     codes: dict[str, grpc.StatusCode] = {}
 
     async def status(name: str, call: Any) -> None:
-        try:
-            if hasattr(call, "__aiter__"):
-                async for _ in call:
-                    pass
-            else:
-                await call
-            codes[name] = grpc.StatusCode.OK
-        except grpc.aio.AioRpcError as error:
-            if (error.code(), error.details()) == (grpc.StatusCode.INTERNAL, "Internal error from Core"):
-                raise ClientWriteRace from error
-            codes[name] = error.code()
-            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
-                details = error.details() or ""
-                assert "authorization: Bearer" in details or "invalid or revoked" in details, details
-                assert TOKEN_A not in details and TOKEN_B not in details
+        code, details = await status_of(call)
+        if (code, details) == CLIENT_WRITE_RACE:
+            raise ClientWriteRace
+        codes[name] = code
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            assert "authorization: Bearer" in details or "invalid or revoked" in details, details
+            assert TOKEN_A not in details and TOKEN_B not in details
 
     await status("Generate", stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=2), metadata=metadata,
                                            timeout=30))
