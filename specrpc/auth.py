@@ -49,15 +49,17 @@ def read_tokens(path: str | Path) -> tuple[bytes, ...]:
     return tuple(tokens)
 
 
+def metadata_values(metadata: Iterable[tuple[str, str | bytes]] | None, name: str) -> list[str]:
+    """Every value of request metadata `name` (lower case), in order."""
+    return [value.decode("latin-1") if isinstance(value, bytes) else value
+            for key, value in metadata or () if key.lower() == name]
+
+
 def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | None:
     """The token of an `authorization: Bearer <token>` header (scheme case-insensitive), or None."""
-    for key, value in metadata or ():
-        if key.lower() != AUTH_HEADER:
-            continue
-        text = value.decode("latin-1") if isinstance(value, bytes) else value
-        if text[: len(BEARER)].lower() == BEARER:
-            return text[len(BEARER):].strip().encode("utf-8", "surrogateescape")
-        return None
+    values = metadata_values(metadata, AUTH_HEADER)
+    if values and values[0][: len(BEARER)].lower() == BEARER:
+        return values[0][len(BEARER):].strip().encode("utf-8", "surrogateescape")
     return None
 
 
@@ -173,11 +175,7 @@ def forwarded_client(metadata: Iterable[tuple[str, str | bytes]] | None, trusted
                      ) -> IPAddress | None:
     """The client a chain of trusted proxies reports: the right-most `x-forwarded-for` address that is not itself
     a trusted proxy (addresses to its left could be forged by the client)."""
-    hops: list[str] = []
-    for key, value in metadata or ():
-        if key == FORWARDED_HEADER:
-            text = value.decode("latin-1") if isinstance(value, bytes) else value
-            hops += [h.strip() for h in text.split(",") if h.strip()]
+    hops = [h.strip() for text in metadata_values(metadata, FORWARDED_HEADER) for h in text.split(",") if h.strip()]
     for hop in reversed(hops):
         try:
             address = ipaddress.ip_address(hop.strip("[]"))

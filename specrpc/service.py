@@ -14,7 +14,7 @@ import grpc
 import structlog
 import torch
 
-from specrpc.auth import StreamQuota, TooManyStreams
+from specrpc.auth import StreamQuota, TooManyStreams, metadata_values
 from specrpc.config import Config, parse_networks
 from specrpc.engine import FINISH_LENGTH, FINISH_STOP
 from specrpc.metrics import Metrics
@@ -144,10 +144,8 @@ class StreamEnd:
 
 def session_header(context: Context) -> str:
     """The `x-session-id` request metadata ('' when absent)."""
-    for key, value in context.invocation_metadata() or ():
-        if key == SESSION_HEADER:
-            return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-    return ""
+    values = metadata_values(context.invocation_metadata(), SESSION_HEADER)
+    return values[0] if values else ""
 
 
 def rpc_gone(context: Context) -> asyncio.Event:
