@@ -32,6 +32,7 @@ class EngineConfig:
     lean: bool = True
     threads: int = 0
     draft_int8: bool = True
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ HELP: dict[str, str] = {
     "threads": "CPU threads for torch (0: torch's default)",
     "draft_int8": "on CPU, run the draft's decode steps on int8 weight copies (drafting is bound by reading weights; "
                   "the output stays the target's, since every token is verified)",
+    "cuda_graphs": "on CUDA, replay draft and verify steps (up to max_draft_tokens+1 tokens) from CUDA graphs, "
+                   "captured per slot and width on first use",
     "max_message_bytes": "largest gRPC message accepted",
     "max_prompt_tokens": "largest prompt in tokens (0: the context length)",
     "max_new_tokens": "largest max_new_tokens a request may ask for",

@@ -121,14 +121,16 @@ class Runtime:
         self.dtype = resolve_dtype(ec.dtype, self.device)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(ec.target)
         capacity = ec.max_context + ec.max_draft_tokens + 1
+        graph_tokens = ec.max_draft_tokens + 1 if ec.cuda_graphs else 0  # a verify step's width at most
         self.target: CausalLM = load_model(ec.target, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
-                                           max_context=capacity, lean=ec.lean)
+                                           max_context=capacity, lean=ec.lean, graph_tokens=graph_tokens)
         self.draft: CausalLM | None = None
         if ec.draft and ec.draft.lower() != "none":
             check_tokenizers_match(self.tokenizer, load_tokenizer(ec.draft), self.target.vocab_size,
                                    self._vocab_rows(ec.draft))
             self.draft = load_model(ec.draft, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
-                                    max_context=capacity, lean=ec.lean, int8_decode=ec.draft_int8)
+                                    max_context=capacity, lean=ec.lean, int8_decode=ec.draft_int8,
+                                    graph_tokens=graph_tokens)
         self.target_info = checkpoint_info(ec.target, self.target, self.dtype)
         self.draft_info = checkpoint_info(ec.draft, self.draft, self.dtype) if self.draft is not None else None
         self.engine = Engine(self.target, self.draft, ec)

@@ -139,6 +139,22 @@ def test_lean_matches_transformers(case: str, tmp_path: Path) -> None:
     check_against_reference(lm, model)
 
 
+@pytest.mark.parametrize("case", ["llama-tied-gqa", "llama3-rope", "mistral-window", "qwen2-window"])
+def test_static_forward_matches_transformers(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixed-shape forward that CUDA graphs capture, run eagerly on CPU for every call pattern."""
+    cls, config = CASES[case]
+    path, model = save(tmp_path, cls, config)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY)
+    assert isinstance(lm, LlamaLM)
+
+    def static(w: llama_mod.LlamaWeights, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, start: int,
+               num_logits: int) -> torch.Tensor:
+        return llama_mod.llama_forward_static(w, k, v, ids, w.positions[start : start + ids.shape[0]], num_logits)
+
+    monkeypatch.setattr(llama_mod, "llama_forward", static)
+    check_against_reference(lm, model)
+
+
 def test_sharded_checkpoint(tmp_path: Path) -> None:
     path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY), max_shard_size="40KB")
     assert (path / "model.safetensors.index.json").exists()
@@ -221,6 +237,21 @@ def test_int8_decode_serves_small_products_close_to_float32(tmp_path: Path, monk
     ref = reference(model, ids)
     close(logits[:9], ref[:9])  # exact path
     close(logits[9:], ref[9:], atol=0.05 * max(1.0, ref.abs().max().item()))  # int8 weights: close, not equal
+
+
+def test_decode_kernel_tuning_keeps_the_output(tmp_path: Path) -> None:
+    path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY)
+    assert isinstance(lm, LlamaLM) and lm.length(0) == 0, "tuning at load leaves slot 0 empty"
+    ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(5))
+    ref = reference(model, ids)
+    for packed in (False, True):
+        lm.weights = llama_mod.with_packed_decode(lm.weights, packed)
+        assert lm.weights.head.packed_rows == (1 if packed else 2)
+        lm.truncate(0, 0)
+        lm.forward(ids[:9], 0, 0, num_logits=9)
+        close(lm.forward(ids[9:], 9, 0), ref[9:])
+    assert isinstance(lm.tune_decode(), bool) and lm.length(0) == 0
 
 
 ASSET_TARGET = Path(specrpc.__file__).parent / "assets" / "target"

@@ -2,12 +2,13 @@
 
 RMSNorm, RoPE (default / linear / dynamic / llama3, as transformers computes them), grouped-query attention against a
 preallocated per-slot KV cache, SwiGLU, optional q/k/v/o and MLP biases, tied or untied embeddings, per-layer sliding
-windows. q/k/v and gate/up are fused into one weight each. `llama_forward` is a plain function of tensors so it can be
-compiled or captured in a CUDA graph later.
+windows. q/k/v and gate/up are fused into one weight each. `llama_forward` is a plain function of tensors;
+`llama_forward_static` is its fixed-shape twin that `cuda_graphs.GraphedForward` captures on CUDA.
 
 Matrix products (`_linear`): weights are kept transposed, `wt` [K, N]. On CPU in float32 `wt` is contiguous (MKL
 gemv for one row) and a second, oneDNN-blocked copy `packed` serves every product with more than one row (verify,
-prefill), at twice the weight memory. Measured on the 2-core AVX-512 dev box, one thread, summed over the five product
+prefill), at twice the weight memory; one-row products take whichever of the two `LlamaLM.tune_decode` finds faster
+at load. Measured on the 2-core AVX-512 dev box, one thread, summed over the five product
 shapes of one d=384 layer + the 8192-row head: M=1: `x @ wt` 0.60 ms, F.linear 1.36, oneDNN 1.11; M=5: oneDNN 0.97,
 `x @ wt` 2.26, F.linear 2.58. Whole d=384/8-layer step: decode 6.0 ms, 5-token verify 7.2 ms (F.linear only:
 7.9 / 13.8). Elsewhere (CUDA) `wt` is the transposed view of the row-major weight, so `x @ wt` is exactly `F.linear`.
@@ -18,17 +19,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
 from specrpc.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from specrpc.models.cuda_graphs import GraphedForward
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3"})
@@ -176,6 +182,7 @@ class Linear:
     bias: torch.Tensor | None
     q8: torch.Tensor | None = None
     q8_scale: torch.Tensor | None = None
+    packed_rows: int = 2  # products of at least this many rows take `packed` (1: decode too, see `with_packed_decode`)
 
 
 INT8_MAX_ROWS = 8
@@ -200,12 +207,23 @@ def quantize_int8(p: Linear) -> Linear:
 def with_int8_decode(w: LlamaWeights) -> LlamaWeights:
     """Every projection and the head get an int8 copy for decode-sized products (a draft's proposals: any
     distribution is a valid draft, and verification keeps the output the target's)."""
+    return _map_linears(w, quantize_int8)
+
+
+def _map_linears(w: LlamaWeights, fn: Callable[[Linear], Linear]) -> LlamaWeights:
+    """`w` with `fn` applied to every projection and the head."""
     layers = tuple(
-        dataclasses.replace(layer, qkv=quantize_int8(layer.qkv), o=quantize_int8(layer.o),
-                            gate_up=quantize_int8(layer.gate_up), down=quantize_int8(layer.down))
+        dataclasses.replace(layer, qkv=fn(layer.qkv), o=fn(layer.o), gate_up=fn(layer.gate_up), down=fn(layer.down))
         for layer in w.layers
     )
-    return dataclasses.replace(w, layers=layers, head=quantize_int8(w.head))
+    return dataclasses.replace(w, layers=layers, head=fn(w.head))
+
+
+def with_packed_decode(w: LlamaWeights, on: bool = True) -> LlamaWeights:
+    """One-row products through the oneDNN-blocked copy too (`on`), or through MKL's gemv on `wt` (not `on`).
+    Which is faster depends on the CPU and the thread count: on the dev box, one decode step of the shipped target
+    took 7.7 ms with gemv and 9.2 with oneDNN on one thread, but 8.0 against 6.7 on two."""
+    return _map_linears(w, lambda p: dataclasses.replace(p, packed_rows=1 if on else 2))
 
 
 @dataclass(frozen=True)
@@ -266,7 +284,7 @@ def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
     """x [M, K] → [M, N]."""
     if p.q8 is not None and x.shape[0] <= INT8_MAX_ROWS:
         return _int8_product(x, p)
-    if p.packed is not None and x.shape[0] > 1:
+    if p.packed is not None and x.shape[0] >= p.packed_rows:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, p.packed, p.bias, "none", [], "")
         return out
     if p.bias is None:
@@ -278,7 +296,7 @@ def _linear_add(x: torch.Tensor, p: Linear, residual: torch.Tensor) -> torch.Ten
     """residual [M, N] + x [M, K] W^T (+ b), the residual add fused into the product."""
     if p.q8 is not None and x.shape[0] <= INT8_MAX_ROWS:
         return _int8_product(x, p).add_(residual)
-    if p.packed is not None and x.shape[0] > 1:
+    if p.packed is not None and x.shape[0] >= p.packed_rows:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, p.packed, p.bias, "add")
         return out
     out = torch.addmm(residual, x, p.wt)
@@ -306,32 +324,37 @@ def _attention_spans(
     return spans
 
 
-def llama_forward(
-    w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor, start: int, num_logits: int
-) -> torch.Tensor:
-    """ids [T] at positions start..start+T-1 → logits [num_logits, V] (float32) for the last positions.
+Attended = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # keys, values [1, hkv, S, D], mask [rep·T, S]
 
-    k_cache, v_cache: one slot's [L, H_kv, C, D]; positions start..start+T-1 are written, [0, start) are read.
+
+def _decoder(
+    w: LlamaWeights,
+    ids: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Callable[[int, int | None, torch.Tensor, torch.Tensor], Attended],
+    num_logits: int,
+) -> torch.Tensor:
+    """The layers over ids [T] with RoPE rows cos, sin [T, D] → logits [num_logits, V] (float32).
+
+    attend(layer index, window, k_new [hkv, T, D], v_new [hkv, T, D]) stores the new K/V and returns the keys and
+    values to attend to ([1, hkv, S, D] each) and a bool mask [rep·T, S] (None: all visible).
     Query heads are grouped by their KV head ([H_kv, rep·T, D]) so GQA needs no repeated K/V.
     """
     a = w.args
-    count, end = ids.shape[0], start + ids.shape[0]
+    count = ids.shape[0]
     hq, hkv, dh = a.heads, a.kv_heads, a.head_dim
     rep, nqk = hq // hkv, (hq + hkv) * dh
-    cos = w.cos[start:end].unsqueeze(1)  # [T, 1, D]
-    sin = w.sin[start:end].unsqueeze(1)  # [T, 1, D]
-    spans = _attention_spans(w, start, end)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
     x = F.embedding(ids, w.embed)  # [T, d]
     for i, layer in enumerate(w.layers):
         h = F.rms_norm(x, (a.hidden,), layer.attn_norm, a.eps)  # [T, d]
         qkv = _linear(h, layer.qkv)  # [T, (hq + 2·hkv)·D]
         qk = qkv[:, :nqk].view(count, hq + hkv, dh)  # [T, hq + hkv, D]
         qk = torch.addcmul(qk * cos, qk.roll(dh // 2, -1), sin)  # rotary, [T, hq + hkv, D]
-        k_cache[i, :, start:end] = qk[:, hq:].transpose(0, 1)  # [hkv, T, D]
-        v_cache[i, :, start:end] = qkv[:, nqk:].view(count, hkv, dh).transpose(0, 1)  # [hkv, T, D]
+        k, v, mask = attend(i, layer.window, qk[:, hq:].transpose(0, 1),  # [hkv, T, D]
+                            qkv[:, nqk:].view(count, hkv, dh).transpose(0, 1))  # [hkv, T, D]
         q = qk[:, :hq].reshape(count, hkv, rep, dh).permute(1, 2, 0, 3).reshape(1, hkv, rep * count, dh)
-        lo, mask = spans[layer.window]
-        k, v = k_cache[i, None, :, lo:end], v_cache[i, None, :, lo:end]  # [1, hkv, S, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [1, hkv, rep·T, D] (4-D: fused CPU kernel)
         o = o.view(hkv, rep, count, dh).permute(2, 0, 1, 3).reshape(count, hq * dh)  # [T, hq·D]
         x = _linear_add(o, layer.o, x)  # [T, d]
@@ -340,6 +363,48 @@ def llama_forward(
         x = _linear_add(w.act(gu[:, : a.ffn]).mul_(gu[:, a.ffn :]), layer.down, x)  # [T, d]
     x = F.rms_norm(x[count - num_logits :], (a.hidden,), w.norm, a.eps)  # [num_logits, d]
     return _linear(x, w.head).float()  # [num_logits, V]
+
+
+def llama_forward(
+    w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor, start: int, num_logits: int
+) -> torch.Tensor:
+    """ids [T] at positions start..start+T-1 → logits [num_logits, V] (float32) for the last positions.
+
+    k_cache, v_cache: one slot's [L, H_kv, C, D]; positions start..start+T-1 are written, [0, start) are read
+    (only the span a layer can see, so the cost grows with the context, not the capacity).
+    """
+    end = start + ids.shape[0]
+    spans = _attention_spans(w, start, end)
+
+    def attend(i: int, window: int | None, k_new: torch.Tensor, v_new: torch.Tensor) -> Attended:
+        k_cache[i, :, start:end] = k_new
+        v_cache[i, :, start:end] = v_new
+        lo, mask = spans[window]
+        return k_cache[i, None, :, lo:end], v_cache[i, None, :, lo:end], mask  # [1, hkv, S, D]
+
+    return _decoder(w, ids, w.cos[start:end], w.sin[start:end], attend, num_logits)
+
+
+def llama_forward_static(
+    w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+    num_logits: int
+) -> torch.Tensor:
+    """`llama_forward` with the positions as a tensor pos [T] (consecutive) and attention over the slot's whole
+    capacity under a causal mask, so that every shape depends on T alone: a CUDA graph captured once per T replays
+    at any position. Positions past pos[-1] hold stale or zero K/V and are masked out."""
+    a = w.args
+    q_pos = pos.repeat(a.heads // a.kv_heads)[:, None]  # [rep·T, 1], rows ordered (rep, t)
+    k_pos = w.positions  # [C]
+    causal = k_pos <= q_pos  # [rep·T, C]
+    masks = {window: causal if window is None else causal & (k_pos > q_pos - window)
+             for window in {layer.window for layer in w.layers}}
+
+    def attend(i: int, window: int | None, k_new: torch.Tensor, v_new: torch.Tensor) -> Attended:
+        k_cache[i].index_copy_(1, pos, k_new)  # [hkv, C, D]
+        v_cache[i].index_copy_(1, pos, v_new)
+        return k_cache[i, None], v_cache[i, None], masks[window]  # [1, hkv, C, D]
+
+    return _decoder(w, ids, w.cos[pos], w.sin[pos], attend, num_logits)
 
 
 def _effective_window(window: int | None, capacity: int) -> int | None:
@@ -431,6 +496,7 @@ class LlamaLM:
         max_context: int,
         device: torch.device,
         dtype: torch.dtype,
+        graph_tokens: int = 0,
     ) -> None:
         a = weights.args
         self.name = name
@@ -449,6 +515,11 @@ class LlamaLM:
             device=device,
             dtype=dtype,
         )
+        self.graphs: GraphedForward | None = None
+        if graph_tokens > 0 and device.type == "cuda":
+            from specrpc.models.cuda_graphs import GraphedForward
+
+            self.graphs = GraphedForward(weights, self.cache.slot_k, self.cache.slot_v, graph_tokens)
 
     @classmethod
     def load(
@@ -461,14 +532,39 @@ class LlamaLM:
         device: torch.device,
         dtype: torch.dtype,
         int8_decode: bool = False,
+        graph_tokens: int = 0,
     ) -> LlamaLM:
         """Build from a checkpoint directory and its parsed config.json; each slot holds `max_context` positions.
-        `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target)."""
+        `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target).
+        `graph_tokens`: on CUDA, forwards of up to this many tokens replay CUDA graphs (0: never)."""
         args = LlamaArgs.from_config(cfg)
         weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype)
         if int8_decode:
             weights = with_int8_decode(weights)
-        return cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype)
+        lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
+                 graph_tokens=graph_tokens)
+        if weights.head.packed is not None and weights.head.q8 is None:
+            lm.tune_decode()
+        return lm
+
+    def tune_decode(self, context: int = 32, repeats: int = 5) -> bool:
+        """Time one-token steps through MKL's gemv and through oneDNN (alternating, after a warm-up of each) and
+        keep the faster; returns whether oneDNN won. Uses slot 0, which is left empty."""
+        variants = [with_packed_decode(self.weights, on) for on in (False, True)]
+        ids = (torch.arange(context + 1, device=self.device) * 7919) % self.vocab_size  # [context + 1]
+        self.forward(ids[:context], 0, 0)
+        times: list[list[float]] = [[], []]
+        for i in range(2 * (repeats + 1)):
+            self.weights = variants[i % 2]
+            self.truncate(0, context)
+            t0 = time.perf_counter()
+            self.forward(ids[context:], context, 0)
+            if i >= 2:
+                times[i % 2].append(time.perf_counter() - t0)
+        packed = statistics.median(times[1]) < statistics.median(times[0])
+        self.weights = variants[int(packed)]
+        self.truncate(0, 0)
+        return packed
 
     def forward(self, ids: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
         """ids [T] at positions start..start+T-1 of `slot` → float32 logits [num_logits, V] of the last positions."""
@@ -477,9 +573,12 @@ class LlamaLM:
             raise ValueError(f"num_logits must be in 1..{count}, got {num_logits}")
         self.cache.begin_write(slot, start, count)
         with torch.inference_mode():
-            logits = llama_forward(
-                self.weights, self.cache.slot_k[slot], self.cache.slot_v[slot], ids, start, num_logits
-            )
+            if self.graphs is not None and self.graphs.covers(count, num_logits):
+                logits = self.graphs.forward(ids, start, slot, num_logits)
+            else:
+                logits = llama_forward(
+                    self.weights, self.cache.slot_k[slot], self.cache.slot_v[slot], ids, start, num_logits
+                )
         self.cache.commit(slot, start + count)
         return logits
 
