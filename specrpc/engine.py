@@ -264,9 +264,9 @@ class Generation:
         k = self._k("draft")
         if k == 0:
             return EMPTY
-        t0 = time.perf_counter()
         proposal = engine.drafter.propose(slot.tokens, slot.index, k, self.params, self.generator)
-        slot.policy.costs.observe_draft((time.perf_counter() - t0) / k)
+        if proposal.step_s is not None:
+            slot.policy.costs.observe_draft(proposal.step_s)
         return proposal
 
     def _speculate(self) -> StepResult:

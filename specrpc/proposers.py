@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,11 +14,13 @@ from specrpc.sampling import SamplingParams, logits_to_probs, sample
 
 @dataclass(frozen=True)
 class Proposal:
-    """k proposed tokens; `probs` [k, V] is the proposer's distribution (None: a point mass at each token)."""
+    """k proposed tokens; `probs` [k, V] is the proposer's distribution (None: a point mass at each token);
+    `step_s`: a draft model's measured seconds per forward step (None: nothing measured)."""
 
     token_ids: list[int]
     probs: torch.Tensor | None
     source: str
+    step_s: float | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -59,7 +62,6 @@ class DraftModelProposer:
     def __init__(self, model: CausalLM, prefill_chunk: int) -> None:
         self.model = model
         self.prefill_chunk = prefill_chunk
-        self.last_step_s = 0.0
 
     def propose(
         self, tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None
@@ -68,23 +70,31 @@ class DraftModelProposer:
         if k == 0:
             return EMPTY
         start = self.model.length(slot)
+        t0 = time.perf_counter()
         logits = feed(self.model, slot, tokens[start:], start, self.prefill_chunk)  # [1, V]
+        # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
+        # (the draft sat out steps, or a new prompt) is prefill, not drafting: leave it out of the step time.
+        steady = len(tokens) - start <= 2
+        if not steady:
+            t0 = time.perf_counter()
         position = len(tokens)
-        ids: list[int] = []
+        drafted: list[torch.Tensor] = []
         rows: list[torch.Tensor] = []
-        for i in range(k):
+        for i in range(k):  # tokens stay on the device: on a GPU the k steps queue without waiting on the host
             if params.greedy:  # verify ignores draft probabilities when greedy
-                token = int(logits[0].argmax())
+                token = logits[0].argmax().view(1)  # [1]
             else:
                 probs = logits_to_probs(logits, params)  # [1, V]
-                token = int(sample(probs, generator)[0])
+                token = sample(probs, generator)  # [1]
                 rows.append(probs[0])
-            ids.append(token)
+            drafted.append(token)
             if i + 1 < k:
-                step = torch.tensor([token], dtype=torch.long, device=self.model.device)  # [1]
-                logits = self.model.forward(step, position + i, slot, num_logits=1)  # [1, V]
+                logits = self.model.forward(token, position + i, slot, num_logits=1)  # [1, V]
+        ids: list[int] = torch.cat(drafted).tolist()  # [k]: the one host sync of the proposal
         probs_out = None if params.greedy else torch.stack(rows)  # [k, V]
-        return Proposal(ids, probs_out, self.name)
+        forwards = k if steady else k - 1
+        step_s = (time.perf_counter() - t0) / forwards if forwards else None
+        return Proposal(ids, probs_out, self.name, step_s)
 
 
 class PromptLookupProposer:
