@@ -69,12 +69,15 @@ def run_contenders(runtime: Runtime, contenders: dict[str, Runner], cases: list[
                    rounds: int) -> dict[str, list[Run]]:
     """Each case through every contender in turn (interleaved, so machine noise hits all alike)."""
     results: dict[str, list[Run]] = {name: [] for name in contenders}
-    for _ in range(rounds):
+    for r in range(rounds):
         for i, case in enumerate(cases):
             ids = prompt_ids(runtime, case)
+            t0 = time.perf_counter()
             for name, runner in contenders.items():
                 p = params if params.greedy else replace(params, seed=i)
                 results[name].append(runner(ids, case.max_new_tokens, p))
+            print(f"round {r + 1}/{rounds}, case {i + 1}/{len(cases)} ({case.workload}): every contender in "
+                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return results
 
 
@@ -220,6 +223,9 @@ def markdown(results: dict[str, Any]) -> str:
             a, t = sweep[f"{int(streams)}:adaptive"], sweep[f"{int(streams)}:target-only"]
             lines.append(f"| {int(streams)} | {a['aggregate_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
                          f"{a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} |")
+    c = results["costs"]
+    lines += ["", f"Calibrated costs: draft step c = {c['c']:.3f} target steps; verifying k+1 tokens V(k) = "
+              + ", ".join(f"{k}: {v:.2f}" for k, v in c["V"].items()) + " target steps."]
     m = results["memory"]
     lines += ["", f"Memory: weights {m['weight_bytes'] / 2**20:.1f} MiB (target+draft, computed), KV caches "
               f"{m['kv_cache_bytes'] / 2**20:.1f} MiB (computed); RSS grew {m['rss_load_delta'] / 2**20:.1f} MiB "
@@ -347,12 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_bytes": runtime.target.cache_bytes() + (runtime.draft.cache_bytes() if runtime.draft else 0),
         "rss_load_delta": rss_load,
     }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))  # in-process part first
+    print(markdown(results), file=sys.stderr, flush=True)
     if not args.no_grpc:
         concurrency = [int(c) for c in args.concurrency.split(",") if c]
         grpc_results = asyncio.run(grpc_phase(runtime, config, cases, params, concurrency))
         results["grpc"] = grpc_results
         results["grpc_overhead"] = grpc_results.pop("overhead")
-    args.out.mkdir(parents=True, exist_ok=True)
     adaptive_lengths = [n for r in runs["adaptive"] for n in r.accepted_lengths]
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     table = markdown(results)
