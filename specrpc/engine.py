@@ -272,6 +272,7 @@ class Generation:
     def _speculate(self) -> StepResult:
         engine, slot = self.engine, self.slot
         target = engine.target
+        step_t0 = time.perf_counter()
         proposal = self._propose()
         n = len(slot.tokens)
         ids = torch.tensor([slot.tokens[-1], *proposal.token_ids], dtype=torch.long, device=target.device)  # [k+1]
@@ -290,6 +291,8 @@ class Generation:
         self.stats.verify_steps += 1
         self.stats.last_k = len(proposal)
         self.stats.accepted_lengths.append(result.accepted + 1)
+        slot.policy.observe_step(proposal.source if len(proposal) else "plain", time.perf_counter() - step_t0,
+                                 len(result.tokens))
         return self._commit(result.tokens, accepted=result.accepted, proposed=len(proposal))
 
     def _pad_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@
 and V(k) (verifying k+1 tokens ÷ one target step) start from the device calibration and are refined online from
 measured step times. While speculation is off, a probe every `probe_every` steps re-measures α so that a session
 whose text became predictable comes back.
+
+The model can miss costs it does not see (a draft catching up after sitting out, a GPU stalling on a shape met for
+the first time, host work between kernels), so the policy also keeps the realized seconds per committed token of
+each proposer's whole steps and switches a proposer off when it is not faster than plain decoding in fact.
 """
 
 from __future__ import annotations
@@ -88,6 +92,27 @@ class AcceptanceEstimate:
         return min(0.999, self.accepted / max(self.trials, 1e-9))
 
 
+@dataclass
+class RealizedRate:
+    """Decayed seconds per committed token over whole steps (proposing, verifying, committing)."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    steps: int = 0
+    decay: float = 0.8
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """One step took `seconds` and committed `tokens`."""
+        self.seconds = self.decay * self.seconds + seconds
+        self.tokens = self.decay * self.tokens + tokens
+        self.steps += 1
+
+    @property
+    def per_token(self) -> float:
+        """Seconds per committed token (inf before any token)."""
+        return self.seconds / self.tokens if self.tokens > 0 else float("inf")
+
+
 def default_acceptance() -> dict[str, AcceptanceEstimate]:
     """Optimistic priors, so a new session tries speculating: the draft at α 0.75, prompt lookup at 0.5."""
     return {"draft": AcceptanceEstimate(), "lookup": AcceptanceEstimate(accepted=1.0, trials=2.0)}
@@ -104,6 +129,8 @@ class AdaptivePolicy:
     min_speedup: float = 1.05
     probe_every: int = 16
     probe_k: int = 2
+    min_realized_steps: int = 4  # whole steps of a proposer before its realized rate can switch it off
+    realized: dict[str, RealizedRate] = field(default_factory=dict)  # per proposer, and "plain" for k = 0
     _steps_off: dict[str, int] = field(default_factory=dict)
 
     def _alpha(self, source: str) -> AcceptanceEstimate:
@@ -123,7 +150,7 @@ class AdaptivePolicy:
         if self.max_k == 0:
             return 0
         best_k = max(range(self.max_k + 1), key=lambda k: self.speedup(k, source))
-        if self.speedup(best_k, source) <= self.min_speedup:
+        if self.speedup(best_k, source) <= self.min_speedup or self.realized_speedup(source) <= self.min_speedup:
             off = self._steps_off.get(source, 0) + 1
             if off >= self.probe_every * max(1, load):
                 self._steps_off[source] = 0
@@ -136,3 +163,17 @@ class AdaptivePolicy:
     def observe(self, source: str, proposed: int, accepted: int) -> None:
         """Record a verify step's outcome for the proposer that drafted."""
         self._alpha(source).observe(proposed, accepted)
+
+    def observe_step(self, source: str, seconds: float, tokens: int) -> None:
+        """A whole step with `source`'s drafts ("plain": none) took `seconds` and committed `tokens`."""
+        self.realized.setdefault(source, RealizedRate()).observe(seconds, tokens)
+
+    def realized_speedup(self, source: str) -> float:
+        """Measured speed-up of `source`'s steps over plain decoding (over one calibrated target step while no
+        plain step was measured, which flatters plain decoding); inf until `min_realized_steps` steps were seen."""
+        rate = self.realized.get(source)
+        if rate is None or rate.steps < self.min_realized_steps:
+            return float("inf")
+        plain = self.realized.get("plain")
+        plain_s = plain.per_token if plain is not None and plain.steps else self.costs.target_step_s
+        return plain_s / rate.per_token

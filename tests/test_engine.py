@@ -4,6 +4,7 @@ distribution equal to the target's, rollback, prefix reuse, and no KV reallocati
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from specrpc.config import EngineConfig
 from specrpc.engine import Engine, GenerationRequest, Slot
 from specrpc.models import load_model
 from specrpc.models.llama import LlamaLM
+from specrpc.policy import CostModel
+from specrpc.proposers import Proposal
 from specrpc.sampling import SamplingParams, logits_to_probs
 
 VOCAB = 6
@@ -93,6 +96,41 @@ def test_prompt_lookup_and_combined_are_exact_greedy(pair: tuple[Path, Path]) ->
     plain = run(engine, prompt, 20, GREEDY, 0)
     assert run(engine, prompt, 20, GREEDY, 4, proposer="lookup") == plain
     assert run(engine, prompt, 20, GREEDY, 4, proposer="combined") == plain
+
+
+def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost model says verifying is free; a stall it does not see (as a GPU's first use of a shape) makes
+    whole steps far slower than plain decoding, and the policy must notice and stop speculating."""
+    engine = make_engine(pair)
+    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=1e-3, verify_s=dict.fromkeys(range(1, 10), 1e-3))
+    prompt = [2] * 12
+    plain = run(engine, prompt, 40, GREEDY, 0)
+    calls: list[int] = []
+    propose = engine.lookup.propose
+
+    def slow(tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None
+             ) -> Proposal:
+        calls.append(k)
+        time.sleep(0.02)
+        return propose(tokens, slot, k, params, generator)
+
+    monkeypatch.setattr(engine.lookup, "propose", slow)
+    counts: dict[bool, int] = {}
+    for guard in (False, True):
+        calls.clear()
+        slot = engine.new_slot(0)
+        if not guard:
+            slot.policy.min_realized_steps = 10**9
+        gen = engine.start(slot, GenerationRequest(prompt, 40, GREEDY, proposer="lookup"))
+        out: list[int] = []
+        while not gen.finished:
+            out += gen.step().token_ids
+        assert out == plain
+        counts[guard] = len(calls)
+    assert counts[False] >= 15, "the cost model alone keeps drafting through the stalls"
+    assert counts[True] <= slot.policy.min_realized_steps + 3, "off after a few measured steps, then probes"
+    assert slot.policy.realized_speedup("lookup") < 1.0
 
 
 def sequence_probs(path: Path, prompt: list[int], length: int, params: SamplingParams) -> dict[tuple[int, ...], float]:

@@ -66,3 +66,21 @@ def test_prompt_lookup_is_costed_as_free() -> None:
     policy = AdaptivePolicy(max_k=4, costs=costs(c=0.5, v_per_token=0.05), acceptance=alpha)
     assert policy.choose("draft") == 0
     assert policy.choose("lookup") >= 1
+
+
+def test_realized_rate_switches_off_a_proposer_slower_than_plain_decoding() -> None:
+    """The cost model predicts a large gain, but whole steps measured slower than a target step switch it off."""
+    policy = AdaptivePolicy(max_k=8, costs=costs(c=0.05, v_per_token=0.02), probe_every=4,
+                            acceptance={"draft": AcceptanceEstimate(accepted=95, trials=100)})
+    assert policy.choose() > 0
+    for _ in range(policy.min_realized_steps - 1):
+        policy.observe_step("draft", seconds=4.0, tokens=2)  # 2 s per token against a 1 s target step
+    assert policy.choose() > 0, "too few steps to judge"
+    policy.observe_step("draft", seconds=4.0, tokens=2)
+    assert policy.realized_speedup("draft") == pytest.approx(0.5)
+    choices = [policy.choose() for _ in range(8)]
+    assert choices.count(0) == 6 and [k for k in choices if k] == [policy.probe_k] * 2
+    for _ in range(5):
+        policy.observe_step("plain", seconds=5.0, tokens=1)  # plain steps measured slower still: back on
+    assert policy.realized_speedup("draft") == pytest.approx(2.5)
+    assert policy.choose() > 0
