@@ -269,6 +269,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=0, help="override the plan's batch size (0: keep)")
     parser.add_argument("--seq-len", type=int, default=0, help="override the plan's window length (0: keep)")
     parser.add_argument("--lr-draft", type=float, default=0, help="override the plan's draft learning rate (0: keep)")
+    parser.add_argument("--stop-after", type=int, default=0, help="leave a checkpoint and exit after this many "
+                        "steps of this run (0: run to the end); the next run resumes there")
     parser.add_argument("--init-from", type=Path, help="a folder with target/ and draft/ exported by an earlier run: "
                         "start from those weights at the draft-only phase (distil the draft further)")
     args = parser.parse_args()
@@ -350,7 +352,13 @@ def main() -> None:
     log = (work / "train_log.jsonl").open("a")
     bar = tqdm(total=plan.joint_steps + plan.draft_steps, initial=step, desc="train", dynamic_ncols=True)
     phase_t0, phase_step0 = time.time(), step
+    run_start = step
     while step < plan.joint_steps + plan.draft_steps:
+        if args.stop_after and step - run_start >= args.stop_after:
+            log.flush()
+            checkpoint()
+            print(f"\nstopped at step {step} (--stop-after); run again to resume", flush=True)
+            return
         t0 = time.time()
         batch = sample_batch(data, plan, step, special).to(device)  # [B, L+1]
         x, y = batch[:, :-1], batch[:, 1:]

@@ -1,0 +1,86 @@
+"""`make models` end to end on the tiny `smoke` plan: tokenizer, corpus, joint and draft-only phases, a stop and a
+resume from the checkpoint, the export that transformers and the server load offline, and the model card."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specrpc.config import Config, EngineConfig
+from specrpc.engine import GenerationRequest
+from specrpc.runtime import Runtime
+from specrpc.sampling import SamplingParams
+from specrpc.training.tokenizer import SPECIAL_TOKENS
+
+
+def train(work: Path, out: Path, *extra: str) -> str:
+    """One `python -m specrpc.training.train --plan smoke` run; its output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "specrpc.training.train", "--plan", "smoke", "--device", "cpu", "--threads", "1",
+         "--checkpoint-every", "1", "--work-dir", str(work), "--out-dir", str(out), *extra],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """(out dir, output of a run stopped after 3 steps, output of the run resuming it)."""
+    root = tmp_path_factory.mktemp("smoke")
+    first = train(root / "work", root / "out", "--stop-after", "3")
+    assert not (root / "out").exists(), "a stopped run exports nothing"
+    second = train(root / "work", root / "out")
+    return root / "out", first, second
+
+
+def test_stops_and_resumes_from_the_checkpoint(trained: tuple[Path, str, str]) -> None:
+    out, first, second = trained
+    assert "stopped at step 3" in first
+    assert "resumed at step 3" in second and "exported to" in second
+    log = [json.loads(line) for line in (out.parent / "work" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(6)), "each step once across the two runs"
+
+
+def test_export_loads_offline_with_fim_tokens(trained: tuple[Path, str, str]) -> None:
+    out = trained[0]
+    for name in ("target", "draft"):
+        files = {p.name for p in (out / name).iterdir()}
+        assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
+        assert any(f.endswith(".safetensors") for f in files)
+        tok = AutoTokenizer.from_pretrained(str(out / name), local_files_only=True)
+        assert all(tok.convert_tokens_to_ids(t) != tok.unk_token_id for t in SPECIAL_TOKENS)
+        model = AutoModelForCausalLM.from_pretrained(str(out / name), local_files_only=True)
+        assert next(model.parameters()).dtype == torch.bfloat16
+    training = json.loads((out / "training.json").read_text())
+    assert training["plan"]["joint_steps"] + training["plan"]["draft_steps"] == 6
+
+
+def test_the_server_runs_the_exported_pair(trained: tuple[Path, str, str]) -> None:
+    out = trained[0]
+    runtime = Runtime(Config(engine=EngineConfig(target=str(out / "target"), draft=str(out / "draft"),
+                                                 max_sessions=1, max_context=128)))
+    engine = runtime.engine
+    gen = engine.start(engine.new_slot(0), GenerationRequest(runtime.encode("def f(x):"), 8,
+                                                             SamplingParams(temperature=0.0)))
+    tokens: list[int] = []
+    while not gen.finished:
+        tokens += gen.step().token_ids
+    assert len(tokens) == 8
+    assert runtime.infill_prompt("a", "b", [], "x.py")  # the FIM tokens are there
+
+
+def test_model_card_renders(trained: tuple[Path, str, str]) -> None:
+    out = trained[0]
+    subprocess.run([sys.executable, "-m", "specrpc.training.evaluate", "--assets", str(out), "--max-tokens", "600",
+                    "--window", "128"], capture_output=True, text=True, timeout=600, check=True)
+    card = (out / "MODEL_CARD.md").read_text()
+    results = json.loads((out / "model_card.json").read_text())["results"]
+    assert results["stdlib_heldout"]["target_bits_per_byte"] > 0
+    assert 0 <= results["stdlib_heldout"]["greedy_agreement"] <= 1
+    assert "bits/byte" in card and "greedy agreement" in card
