@@ -51,13 +51,14 @@ def one_thread() -> object:
     torch.set_num_threads(old)
 
 
-def make_engine(pair: tuple[Path, Path], draft_int8: bool = False, **overrides: object) -> Engine:
+def make_engine(pair: tuple[Path, Path], draft_int8: bool = False, dtype: torch.dtype = torch.float32,
+                **overrides: object) -> Engine:
     """`draft_int8`: the draft decodes on int8 weight copies, as the server runs it on CPU by default."""
     config = replace(EngineConfig(max_sessions=2, max_context=CAPACITY - 9, max_draft_tokens=8, prefill_chunk=16),
                      **overrides)  # type: ignore[arg-type]
-    cpu, f32 = torch.device("cpu"), torch.float32
-    target = load_model(pair[0], device=cpu, dtype=f32, num_slots=2, max_context=CAPACITY)
-    draft = load_model(pair[1], device=cpu, dtype=f32, num_slots=2, max_context=CAPACITY, int8_decode=draft_int8)
+    cpu = torch.device("cpu")
+    target = load_model(pair[0], device=cpu, dtype=dtype, num_slots=2, max_context=CAPACITY)
+    draft = load_model(pair[1], device=cpu, dtype=dtype, num_slots=2, max_context=CAPACITY, int8_decode=draft_int8)
     assert not draft_int8 or (isinstance(draft, LlamaLM) and draft.weights.head.q8 is not None)
     return Engine(target, draft, config)
 
@@ -88,6 +89,16 @@ def test_greedy_speculation_equals_target_only_and_transformers(pair: tuple[Path
         plain = run(engine, prompt, 24, GREEDY, 0)
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
         assert spec == plain == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("draft_int8", [False, True])
+def test_greedy_speculation_in_bfloat16_equals_target_only(pair: tuple[Path, Path], draft_int8: bool) -> None:
+    """bf16 on CPU (oneDNN-packed bf16 weights where the CPU has them): verify rows and decode rows round alike."""
+    engine = make_engine(pair, draft_int8=draft_int8, dtype=torch.bfloat16)
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        assert run(engine, prompt, 24, GREEDY, 4) == run(engine, prompt, 24, GREEDY, 0)
 
 
 def test_prompt_lookup_and_combined_are_exact_greedy(pair: tuple[Path, Path]) -> None:

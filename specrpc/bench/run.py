@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-grpc", action="store_true", help="skip the gRPC phase and concurrency sweep")
     parser.add_argument("--concurrency", default="1,2,4,8")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--max-new-tokens", type=int, default=0, help="override every case's length (0: keep)")
     parser.add_argument("--workloads", default="code,infill,text", help="comma-separated subset of code,infill,text")
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",") if k]
     engine_config = EngineConfig(target=args.target, draft=args.draft, max_sessions=8, max_context=1024,
-                                 max_draft_tokens=max([*ks, 8]), threads=args.threads)
+                                 max_draft_tokens=max([*ks, 8]), threads=args.threads, dtype=args.dtype)
     config = Config(engine=engine_config, server=ServerConfig(port=0, log_format="console", log_level="warning"),
                     limits=Limits())
     from specrpc.logs import configure
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = [r.tokens for r in runs["target-only"]]
     results: dict[str, Any] = {
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
-                   f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}",
+                   f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.dtype}",
         "command": "specrpc bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cases": len(cases), "workloads": args.workloads, "params": asdict(params),
         "costs": {"c": engine.costs.c, "V": {k: engine.costs.v(k) for k in range(max(ks) + 1)}},

@@ -269,7 +269,8 @@ def _make_linear(w: torch.Tensor, b: torch.Tensor | None, device: torch.device, 
     bias = None if b is None else b.to(device=device, dtype=dtype)
     if device.type != "cpu":
         return Linear(wt=w.t(), packed=None, bias=bias)
-    packed = _onednn_pack(w) if dtype == torch.float32 else None
+    bf16 = dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    packed = _onednn_pack(w) if dtype == torch.float32 or bf16 else None
     return Linear(wt=w.t().contiguous(), packed=packed, bias=bias)
 
 
