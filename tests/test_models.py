@@ -251,7 +251,10 @@ def test_decode_kernel_tuning_keeps_the_output(tmp_path: Path) -> None:
         lm.truncate(0, 0)
         lm.forward(ids[:9], 0, 0, num_logits=9)
         close(lm.forward(ids[9:], 9, 0), ref[9:])
-    assert isinstance(lm.tune_decode(), bool) and lm.length(0) == 0
+    packed = lm.tune_decode()
+    assert lm.length(0) == 0 and (lm.weights.head.wt is None) == packed
+    lm.forward(ids[:9], 0, 0, num_logits=9)
+    close(lm.forward(ids[9:], 9, 0), ref[9:])
 
 
 ASSET_TARGET = Path(specrpc.__file__).parent / "assets" / "target"

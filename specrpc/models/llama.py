@@ -177,7 +177,7 @@ class Linear:
     """One projection y = x W^T + b, stored as `wt` [K, N], optional oneDNN-blocked copy, optional bias [N], and
     optionally an int8 copy for products of at most `INT8_MAX_ROWS` rows (`q8` [N, K], per-row `q8_scale` [N])."""
 
-    wt: torch.Tensor
+    wt: torch.Tensor | None  # None once `packed` serves every product (see `LlamaLM.tune_decode`)
     packed: torch.Tensor | None
     bias: torch.Tensor | None
     q8: torch.Tensor | None = None
@@ -198,6 +198,7 @@ def int8_available(device: torch.device) -> bool:
 
 def quantize_int8(p: Linear) -> Linear:
     """`p` plus a symmetric per-output-row int8 copy of its weight (bf16 scales, the kernel's activation type)."""
+    assert p.wt is not None
     w = p.wt.t().float()  # [N, K]
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [N]
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()  # [N, K]
@@ -288,6 +289,7 @@ def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
     if p.packed is not None and x.shape[0] >= p.packed_rows:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, p.packed, p.bias, "none", [], "")
         return out
+    assert p.wt is not None
     if p.bias is None:
         return x @ p.wt
     return torch.addmm(p.bias, x, p.wt)
@@ -300,6 +302,7 @@ def _linear_add(x: torch.Tensor, p: Linear, residual: torch.Tensor) -> torch.Ten
     if p.packed is not None and x.shape[0] >= p.packed_rows:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, p.packed, p.bias, "add")
         return out
+    assert p.wt is not None
     out = torch.addmm(residual, x, p.wt)
     return out if p.bias is None else out.add_(p.bias)
 
@@ -550,7 +553,8 @@ class LlamaLM:
 
     def tune_decode(self, context: int = 32, repeats: int = 5) -> bool:
         """Time one-token steps through MKL's gemv and through oneDNN (alternating, after a warm-up of each) and
-        keep the faster; returns whether oneDNN won. Uses slot 0, which is left empty."""
+        keep the faster (when oneDNN wins, the plain copy is dropped); returns whether oneDNN won. Uses slot 0, which
+        is left empty. Call once, at load."""
         variants = [with_packed_decode(self.weights, on) for on in (False, True)]
         ids = (torch.arange(context + 1, device=self.device) * 7919) % self.vocab_size  # [context + 1]
         self.forward(ids[:context], 0, 0)
@@ -564,6 +568,8 @@ class LlamaLM:
                 times[i % 2].append(time.perf_counter() - t0)
         packed = statistics.median(times[1]) < statistics.median(times[0])
         self.weights = variants[int(packed)]
+        if packed:  # the plain copy would serve nothing: free it (half the weight memory)
+            self.weights = _map_linears(self.weights, lambda p: dataclasses.replace(p, wt=None))
         self.truncate(0, 0)
         return packed
 
