@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -109,6 +110,38 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+class StreamDecoder:
+    """What the detokenizers decode with, per streamed token: exactly `tokenizer.decode(ids, ...)`, but computed by
+    the Rust backend directly when the tokenizer's class does nothing else (transformers' TokenizersBackend without
+    overrides, clean-up off), which skips most of the Python a decode costs on the device thread."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self.all_special_ids: list[int] = list(tokenizer.all_special_ids)
+        self._backend = plain_backend(tokenizer)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False, *,
+               clean_up_tokenization_spaces: bool = False) -> str | list[str]:
+        """`tokenizer.decode` of one sequence."""
+        if self._backend is not None and not clean_up_tokenization_spaces:
+            return str(self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                      clean_up_tokenization_spaces=clean_up_tokenization_spaces)
+
+
+def plain_backend(tokenizer: PreTrainedTokenizerBase) -> Any | None:
+    """The `tokenizers.Tokenizer` whose decode is the whole of `tokenizer.decode` of one sequence without clean-up,
+    None when the tokenizer's class adds anything to it (or transformers predates TokenizersBackend)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    plain = (cls.decode is PreTrainedTokenizerBase.decode
+             and getattr(cls, "_decode", None) is getattr(TokenizersBackend, "_decode", False))
+    return getattr(tokenizer, "_tokenizer", None) if plain else None
+
+
 class Runtime:
     """Models, tokenizer, engine, device thread and sessions for one server."""
 
@@ -120,6 +153,7 @@ class Runtime:
         self.device = resolve_device(ec.device)
         self.dtype = resolve_dtype(ec.dtype, self.device)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(ec.target)
+        self.stream_decoder = StreamDecoder(self.tokenizer)
         capacity = ec.max_context + ec.max_draft_tokens + 1
         graph_tokens = ec.max_draft_tokens + 1 if ec.cuda_graphs else 0  # a verify step's width at most
         self.target: CausalLM = load_model(ec.target, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
@@ -266,8 +300,8 @@ class Runtime:
             proposer=proposer,
             stop_token_ids=self.stop_token_ids,
         )
-        job = Job(lease.slot, request, IncrementalDetokenizer(self.tokenizer, prompt), StopMatcher(params.stop), loop,
-                  arrival=arrival)
+        job = Job(lease.slot, request, IncrementalDetokenizer(self.stream_decoder, prompt), StopMatcher(params.stop),
+                  loop, arrival=arrival)
         job.on_done = lambda: self.registry.release(lease)
         job.on_final = on_done
         lease.job = job
@@ -284,7 +318,7 @@ class Runtime:
             watcher.add_done_callback(lambda _: job.cancel())
         try:
             while True:
-                event = await job.queue.get()
+                event = await job.get()
                 yield event
                 if isinstance(event, Done | Failed):
                     return

@@ -1,11 +1,13 @@
 """One thread owns the device: it advances every active generation one step per turn (fair interleaving) and hands
-events back to the asyncio loop with `call_soon_threadsafe`. Cancellation is checked between steps."""
+events back to the asyncio loop (a deque per job, woken with `call_soon_threadsafe`). Cancellation is checked
+between steps."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,14 +57,17 @@ Event = Chunk | Done | Failed
 
 @dataclass
 class Job:
-    """One generation in flight, from the event loop's side: an event queue and a cancel flag."""
+    """One generation in flight, from the event loop's side: its events in order, and a cancel flag.
+
+    The device thread appends events to `inbox` and wakes the loop once per burst it has not yet seen (a deque
+    append is thread-safe), so a step costs one `call_soon_threadsafe` at most and no asyncio.Queue hops."""
 
     slot: Slot
     request: GenerationRequest
     detokenizer: IncrementalDetokenizer
     stops: StopMatcher
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    inbox: deque[Event] = field(default_factory=deque)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: threading.Event = field(default_factory=threading.Event)
     text: list[str] = field(default_factory=list)
@@ -73,19 +78,32 @@ class Job:
     first_token_at: float | None = None
     started_at: float | None = None
     done_posted: bool = False  # device thread only: the final event has been handed to the loop
+    _wake_pending: bool = field(default=False, init=False)  # a wake-up is on its way to the loop
+    _waiter: asyncio.Future[None] | None = field(default=None, init=False)  # the reader waiting in `get`
 
     def cancel(self) -> None:
         """Ask the device thread to stop this job before its next step."""
         self.cancelled.set()
 
-    def post(self, event: Event) -> None:
-        """From the device thread: deliver an event to the loop."""
-        self._call(self._deliver, event)
+    async def get(self) -> Event:
+        """On the loop: the next event, in the order the device thread produced them."""
+        while not self.inbox:
+            self._waiter = self.loop.create_future()
+            await self._waiter
+        return self.inbox.popleft()
 
-    def _deliver(self, event: Event) -> None:
-        self.queue.put_nowait(event)
-        if isinstance(event, Done) and self.on_final is not None:
-            self.on_final(event)
+    def post(self, event: Chunk) -> None:
+        """From the device thread: deliver a chunk to the loop."""
+        self.inbox.append(event)
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._call(self._wake)
+
+    def _wake(self) -> None:
+        self._wake_pending = False  # before the reader runs: a chunk appended after this schedules a new wake-up
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def finish(self, event: Done | Failed) -> None:
         """From the device thread, once the engine no longer touches the slot: release it, then deliver the final
@@ -102,7 +120,10 @@ class Job:
         self.done.set()
         if self.on_done is not None:
             self.on_done()
-        self._deliver(event)
+        self.inbox.append(event)  # after every chunk: the device thread appended those before finishing
+        if isinstance(event, Done) and self.on_final is not None:
+            self.on_final(event)
+        self._wake()
 
 
 class Scheduler:
@@ -197,6 +218,7 @@ class Scheduler:
             safe, stopped = job.stops.feed(delta)
             if finish is not None and not stopped:
                 safe += job.stops.flush()
+                stopped = job.stops.matched is not None
             job.text.append(safe)
             now = time.perf_counter()
             if job.first_token_at is None:

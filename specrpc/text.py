@@ -15,6 +15,9 @@ REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 5
 """Already-emitted tokens decoded again in front of new ones (vLLM's initial detokenization offset)."""
 
+WINDOW_TOKENS = 2 * CONTEXT_TOKENS
+"""Tokens a decoded window may reach before it restarts on a fresh context (a restart costs extra decodes)."""
+
 
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer the detokenizer uses."""
@@ -43,9 +46,11 @@ class IncrementalDetokenizer:
     Text is held back only while the decoded window ends in U+FFFD (a character split across tokens); what
     comes before it is emitted at once. (A byte-fallback decoder turns a whole run of byte tokens into U+FFFD
     when an invalid byte joins it; only for such invalid UTF-8 can text already emitted differ from a full
-    decode.) Each push decodes a short window: up to `CONTEXT_TOKENS` emitted tokens (the previous push's tokens
-    when no shorter tail starts on a character boundary), the held tokens and the new ones (the vLLM/TGI
-    prefix/read-offset scheme), so its cost does not grow with the length of the stream.
+    decode.) Each push decodes a short window: up to `CONTEXT_TOKENS` emitted tokens (the tokens since the last
+    restart when no shorter tail starts on a character boundary), the tokens pushed since, and the new ones (the
+    vLLM/TGI prefix/read-offset scheme), so its cost does not grow with the length of the stream. The window
+    restarts on a fresh context only once it holds more than `WINDOW_TOKENS`, so a push of one token usually
+    costs one decode, not two.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
@@ -69,7 +74,7 @@ class IncrementalDetokenizer:
         safe = len(text.rstrip(REPLACEMENT))
         delta = text[self._sent : safe]
         self._sent = max(self._sent, safe)  # safe < _sent when the context itself ends in U+FFFD
-        if safe == len(text) and len(text) > len(self._prefix_text):
+        if safe == len(text) and len(self._ids) > WINDOW_TOKENS and len(text) > len(self._prefix_text):
             self._set_context(self._ids, text, fallback=self._ids[self._read :])
         return delta
 
@@ -126,6 +131,8 @@ class StopMatcher:
         """Return (text safe to emit now, whether a stop string ended the stream)."""
         if self.matched is not None:
             return "", True
+        if not self._stops:
+            return text, False
         buf = self._held + text
         hits = [(i, len(stop), stop) for stop in self._stops if (i := buf.find(stop)) >= 0]
         partial = self._partial_start(buf)
@@ -138,8 +145,14 @@ class StopMatcher:
         return buf[:partial], False
 
     def flush(self) -> str:
-        """Release the held-back text at the end of the stream ("" once stopped)."""
+        """Release the held-back text at the end of the stream ("" once stopped). A stop string inside it (one that
+        waited on a longer stop starting earlier, which the end of the stream leaves incomplete) still ends the
+        stream there: `matched` is set and only the text before it is returned."""
         held, self._held = self._held, ""
+        hits = [(i, len(stop), stop) for stop in self._stops if (i := held.find(stop)) >= 0]
+        if hits:
+            start, _, self.matched = min(hits)
+            return held[:start]
         return held
 
     def _partial_start(self, buf: str) -> int:
