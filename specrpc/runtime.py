@@ -229,6 +229,16 @@ class Runtime:
         """Exactly `tokenizer(text).input_ids`."""
         return list(self.tokenizer(text).input_ids)
 
+    def file_prompt(self, path: str, text: str) -> list[int]:
+        """`text` as the opening of file `path`, framed as the model saw files in training: the tokenizer's BOS if
+        it adds one, then [SEP] path\\n text (tokenized together). Plain `encode(text)` without a path or a file
+        separator token."""
+        if not path or self.file_sep_id is None:
+            return self.encode(text)
+        bos = self.tokenizer.bos_token_id
+        head = [bos] if bos is not None and self.encode("x")[:1] == [bos] else []
+        return [*head, self.file_sep_id, *self.encode_plain(f"{path}\n{text}")]
+
     def encode_plain(self, text: str) -> list[int]:
         """Tokens of a piece of text inside a larger prompt (no special tokens added)."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)

@@ -325,7 +325,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         if request.prompt:
-            ids = self.runtime.encode(request.prompt)
+            ids = self.runtime.file_prompt(request.path, request.prompt)
         else:
             ids = list(request.prompt_token_ids)
             vocab = self.runtime.vocab_size

@@ -69,6 +69,14 @@ async def test_generate_streams_typed_chunks_then_summary(client: AsyncClient, l
     assert gen.ttft_ms is not None and gen.ttft_ms > 0
 
 
+async def test_generate_with_a_path_frames_the_prompt_as_that_file(client: AsyncClient) -> None:
+    plain = client.generate("def fibonacci(n):", max_new_tokens=2)
+    framed = client.generate("def fibonacci(n):", max_new_tokens=2, path="maths/fib.py")
+    _ = [c async for c in plain], [c async for c in framed]
+    assert plain.summary is not None and framed.summary is not None
+    assert framed.summary.prompt_tokens > plain.summary.prompt_tokens  # [SEP] maths/fib.py\n in front
+
+
 async def test_model_info_is_typed(client: AsyncClient) -> None:
     info = await client.model_info()
     assert info.target.vocab_size > 0 and info.kv_slots_total >= 1 and info.max_context > 0

@@ -303,6 +303,21 @@ async def test_infill_formats_the_prompt_with_fim_tokens(stub: Stub, tokenizer: 
         assert text_of(same) == text_of(chunks)
 
 
+async def test_generate_with_a_path_opens_that_file(stub: Stub, tokenizer: PreTrainedTokenizerBase) -> None:
+    """`path`: the prompt is the start of that file, framed as in training ([SEP] path\\n text, one tokenization)."""
+    prompt, path = "def fibonacci(n):\n", "maths/fib.py"
+    sep = tokenizer.convert_tokens_to_ids("<|file_sep|>")
+    expected = [sep, *tokenizer(f"{path}\n{prompt}", add_special_tokens=False).input_ids]
+    chunks, summary = await collect(stub.Generate(pb.GenerateRequest(prompt=prompt, path=path, max_new_tokens=12)))
+    assert summary.prompt_tokens == len(expected)
+    same, _ = await collect(stub.Generate(pb.GenerateRequest(prompt_token_ids=expected, max_new_tokens=12)))
+    assert ids_of(same) == ids_of(chunks) and text_of(same) == text_of(chunks)
+    # with token ids the path is ignored: the ids are the prompt
+    ignored, summary = await collect(stub.Generate(pb.GenerateRequest(prompt_token_ids=expected[1:], path=path,
+                                                                      max_new_tokens=4)))
+    assert summary.prompt_tokens == len(expected) - 1 and ids_of(ignored)
+
+
 def _rename_fim(value: Any) -> Any:
     """JSON with the FIM token names replaced (keys and strings), so that the tokenizer has none."""
     if isinstance(value, dict):

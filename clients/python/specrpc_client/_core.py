@@ -192,11 +192,11 @@ def _common(max_new_tokens: int, sampling: Sampling | None, stop: Sequence[str],
 
 def generate_request(prompt: str | Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling | None = None,
                      stop: Sequence[str] = (), speculation: Speculation | None = None, session_id: str = "",
-                     truncate_prompt: bool = False) -> pb.GenerateRequest:
-    """A GenerateRequest; `prompt` is text or token ids."""
+                     truncate_prompt: bool = False, path: str = "") -> pb.GenerateRequest:
+    """A GenerateRequest; `prompt` is text or token ids; `path`: the file the prompt text opens."""
     text, ids = (prompt, []) if isinstance(prompt, str) else ("", list(prompt))
     return pb.GenerateRequest(prompt=text, prompt_token_ids=ids, session_id=session_id,
-                              truncate_prompt=truncate_prompt,
+                              truncate_prompt=truncate_prompt, path=path,
                               **_common(max_new_tokens, sampling, stop, speculation))  # type: ignore[arg-type]
 
 

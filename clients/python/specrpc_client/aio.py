@@ -253,11 +253,12 @@ class AsyncClient:
 
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling | None = None,
                  stop: Sequence[str] = (), speculation: Speculation | None = None, session_id: str = "",
-                 truncate_prompt: bool = False, timeout: Timeout = UNSET) -> AsyncGeneration:
-        """Continue a prompt (text or token ids); the stream starts now. Call inside a running event loop."""
+                 truncate_prompt: bool = False, path: str = "", timeout: Timeout = UNSET) -> AsyncGeneration:
+        """Continue a prompt (text or token ids; `path`: the file the text opens); the stream starts now. Call
+        inside a running event loop."""
         request = _core.generate_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                          speculation=speculation, session_id=session_id,
-                                         truncate_prompt=truncate_prompt)
+                                         truncate_prompt=truncate_prompt, path=path)
         return self._stream("Generate", request, session_id, self._timeout(timeout))
 
     def infill(self, prefix: str, suffix: str = "", *, extra_files: Sequence[ExtraFile | tuple[str, str]] = (),

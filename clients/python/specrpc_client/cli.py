@@ -50,6 +50,7 @@ def add_commands(commands: Any) -> None:
         description="Stream the completion of PROMPT (or fill in the middle with --suffix) from a running server.")
     complete.add_argument("prompt", help="text to continue ('-' reads stdin)")
     complete.add_argument("--suffix", default=None, help="text after the cursor: use Infill (fill-in-the-middle)")
+    complete.add_argument("--path", default="", help="path of the file the prompt belongs to (shown to the model)")
     _connection_arguments(complete)
     _generation_arguments(complete)
     complete.set_defaults(func=run_complete)
@@ -112,9 +113,9 @@ def run_complete(args: argparse.Namespace) -> int:
     try:
         with _client(args) as client:
             if args.suffix is None:
-                gen = client.generate(prompt, session_id=args.session_id, **options)
+                gen = client.generate(prompt, session_id=args.session_id, path=args.path, **options)
             else:
-                gen = client.infill(prompt, args.suffix, session_id=args.session_id, **options)
+                gen = client.infill(prompt, args.suffix, session_id=args.session_id, path=args.path, **options)
             try:
                 for chunk in gen:
                     sys.stdout.write(chunk.text)

@@ -209,10 +209,10 @@ class Client:
 
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling | None = None,
                  stop: Sequence[str] = (), speculation: Speculation | None = None, session_id: str = "",
-                 truncate_prompt: bool = False, timeout: Timeout = UNSET) -> Generation:
+                 truncate_prompt: bool = False, path: str = "", timeout: Timeout = UNSET) -> Generation:
         request = _core.generate_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                          speculation=speculation, session_id=session_id,
-                                         truncate_prompt=truncate_prompt)
+                                         truncate_prompt=truncate_prompt, path=path)
         return self._stream("Generate", request, session_id, self._timeout(timeout))
 
     def infill(self, prefix: str, suffix: str = "", *, extra_files: Sequence[ExtraFile | tuple[str, str]] = (),

@@ -462,7 +462,7 @@ export class SpecrpcClient {
     const request = {
       prompt, maxNewTokens: options.maxNewTokens ?? 0, sampling: samplingToProto(options.sampling),
       stop: options.stop ?? [], speculation: speculationToProto(options.speculation),
-      sessionId: options.sessionId ?? "", truncatePrompt: options.truncatePrompt ?? false,
+      sessionId: options.sessionId ?? "", truncatePrompt: options.truncatePrompt ?? false, path: options.path ?? "",
     };
     const headers = sessionHeaders(options.sessionId);
     return new Generation((signal, timeoutMs) => this.generator.generate(request, { headers, timeoutMs, signal }),

@@ -59,6 +59,8 @@ export interface RequestOptions {
 export interface GenerateOptions extends RequestOptions {
   /** Keep the prompt's last tokens when it does not fit the context instead of failing. */
   truncatePrompt?: boolean;
+  /** Path of the file the prompt opens: the model sees the prompt as the start of that file. */
+  path?: string;
 }
 
 /** A file given to infill as context (for example an open tab). */

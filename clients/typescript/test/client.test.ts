@@ -9,7 +9,9 @@ import { dirname, join, resolve } from "node:path";
 import { after, before, describe, test } from "node:test";
 import { fileURLToPath } from "node:url";
 
-import { Code, ConnectError, type ConverseEvent, type GenerationEvent, SpecrpcClient, grpcStatus } from "../src/index.js";
+import {
+  Code, ConnectError, type ConverseEvent, type GenerateOptions, type GenerationEvent, SpecrpcClient, grpcStatus,
+} from "../src/index.js";
 
 const REPO = resolve(dirname(fileURLToPath(import.meta.url)), "../../../..");
 const SPECRPC = join(REPO, ".venv", "bin", "specrpc");
@@ -93,6 +95,18 @@ describe("SpecrpcClient against specrpc serve", { skip }, () => {
     assert.ok(last.completionTokens <= 16 && last.promptTokens > 0);
     assert.ok(["length", "stop"].includes(last.finishReason));
     assert.equal(gen.text, chunks.map((c) => c.text).join(""));
+  });
+
+  test("complete with a path frames the prompt as the start of that file", async () => {
+    const summaryOf = async (options: GenerateOptions) => {
+      const events = await collect(client.complete("def fibonacci(n):", { maxNewTokens: 2, ...options }));
+      const last = events.at(-1);
+      assert.ok(last?.type === "summary");
+      return last;
+    };
+    const plain = await summaryOf({});
+    const framed = await summaryOf({ path: "maths/fib.py" });
+    assert.ok(framed.promptTokens > plain.promptTokens);
   });
 
   test("infill streams the middle", async (t) => {
