@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from specrpc.training.corpus import SourceFile, is_heldout, iter_sources, stdlib_root
+from specrpc.training.tokenizer import FILE_SEP
 from specrpc.training.train import ASSETS
 
 THIRD_PARTY_PACKAGE = "pip"
@@ -80,9 +81,15 @@ def measure(target: torch.nn.Module, draft: torch.nn.Module, tok: PreTrainedToke
     }
 
 
-def sample_completion(model: torch.nn.Module, tok: PreTrainedTokenizerBase, prompt: str, n: int = 48) -> str:
-    """Greedy continuation, for the card."""
-    ids = tok(prompt, return_tensors="pt").input_ids
+def sample_completion(model: torch.nn.Module, tok: PreTrainedTokenizerBase, prompt: str, path: str = "",
+                      n: int = 48) -> str:
+    """Greedy continuation, for the card; with `path`, the prompt opens that file (`<|file_sep|>path\\n` first, as
+    the service's Generate frames it)."""
+    if path:
+        ids = torch.tensor([[tok.convert_tokens_to_ids(FILE_SEP), *tok(f"{path}\n{prompt}",
+                                                                        add_special_tokens=False).input_ids]])
+    else:
+        ids = tok(prompt, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=n, do_sample=False,  # type: ignore[operator]
                          pad_token_id=tok.eos_token_id)
     return str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
@@ -110,11 +117,13 @@ def main() -> int:
                                    args.window),
     }
     training = json.loads((args.assets / "training.json").read_text())
-    sample = sample_completion(target, tok, "def fibonacci(n):")
+    sample = sample_completion(target, tok, "def fibonacci(n):", path="fibonacci.py")
+    sample_bare = sample_completion(target, tok, "def fibonacci(n):")
     weight_bytes = sum(p.stat().st_size for d in (tdir, ddir) for p in d.glob("*.safetensors"))
     card = {
         "results": results, "training": training, "target_parameters": params(target),
         "draft_parameters": params(draft), "weight_bytes_on_disk": weight_bytes, "sample": sample,
+        "sample_bare": sample_bare,
         "python": platform.python_version(), "stdlib_root": str(stdlib_root()), "heldout_files": len(heldout),
     }
     (args.assets / "model_card.json").write_text(json.dumps(card, indent=2))
@@ -181,9 +190,14 @@ Held-out, teacher-forced, windows of 512 tokens (`python -m specrpc.training.eva
 | --- | --- | --- | --- | --- | --- |
 {rows}
 
-Greedy completion of `def fibonacci(n):` by the target:
+Greedy completion of `def fibonacci(n):` by the target, as the opening of `fibonacci.py` (Generate with
+`path="fibonacci.py"`):
 ```python
 def fibonacci(n):{card['sample']}
+```
+and with no path (the same text could be anywhere in a file; the standard library has it in doctests):
+```python
+def fibonacci(n):{card.get('sample_bare', '')}
 ```
 
 ## Reproduce
