@@ -555,6 +555,9 @@ class LlamaLM:
         """Time one-token steps through MKL's gemv and through oneDNN (alternating, after a warm-up of each) and
         keep the faster (when oneDNN wins, the plain copy is dropped); returns whether oneDNN won. Uses slot 0, which
         is left empty. Call once, at load."""
+        context = min(context, self.max_context - 1)  # a small cache still fits context + 1 positions
+        if context < 1:
+            return False
         variants = [with_packed_decode(self.weights, on) for on in (False, True)]
         ids = (torch.arange(context + 1, device=self.device) * 7919) % self.vocab_size  # [context + 1]
         self.forward(ids[:context], 0, 0)
