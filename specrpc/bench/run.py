@@ -151,10 +151,14 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             # server request reusing slot 0 reuses only a prefix it shares with the prompt written there, so valid.
             local = engine_runner(runtime.engine, 0, "draft", runtime.stop_token_ids)  # stops where the server does
             pairs: list[tuple[Run, Run, int]] = []
-            for _ in range(overhead_rounds):
+            for r in range(overhead_rounds):
                 for i, case in enumerate(cases):
-                    here = local(prompt_ids(runtime, case), case.max_new_tokens, params)
-                    there, m = await one(case, 0, i)
+                    if (r + i) % 2:  # alternate which side goes first: the second run of a prompt finds warmer caches
+                        there, m = await one(case, 0, i)
+                        here = local(prompt_ids(runtime, case), case.max_new_tokens, params)
+                    else:
+                        here = local(prompt_ids(runtime, case), case.max_new_tokens, params)
+                        there, m = await one(case, 0, i)
                     pairs.append((here, there, m))
             out["overhead"] = {
                 "ttft_delta_ms": statistics.median((b.ttft_s - a.ttft_s) * 1e3 for a, b, _ in pairs),
