@@ -174,6 +174,8 @@ class Runtime:
         self.fim_ids = self._special_ids_any(FIM_NAMES)
         file_sep = [self._special_id(n) for n in FILE_SEP_NAMES]
         self.file_sep_id = next((i for i in file_sep if i is not None), None)
+        bos = self.tokenizer.bos_token_id
+        self.bos_ids = [bos] if bos is not None and self.encode("x")[:1] == [bos] else []  # what encode() prepends
         self.warm = False
 
     def _vocab_rows(self, path: str) -> int:
@@ -235,9 +237,13 @@ class Runtime:
         separator token."""
         if not path or self.file_sep_id is None:
             return self.encode(text)
-        bos = self.tokenizer.bos_token_id
-        head = [bos] if bos is not None and self.encode("x")[:1] == [bos] else []
-        return [*head, self.file_sep_id, *self.encode_plain(f"{path}\n{text}")]
+        return [*self.bos_ids, *self._file_ids(path, text)]
+
+    def _file_ids(self, path: str, text: str) -> list[int]:
+        """A file as the model saw files in training: [SEP] path\\n text, tokenized together ([SEP] left out when
+        the tokenizer has none)."""
+        sep = [] if self.file_sep_id is None else [self.file_sep_id]
+        return [*sep, *self.encode_plain(f"{path}\n{text}")]
 
     def encode_plain(self, text: str) -> list[int]:
         """Tokens of a piece of text inside a larger prompt (no special tokens added)."""
@@ -253,15 +259,12 @@ class Runtime:
         ids: list[int] = []
         eos = self.tokenizer.eos_token_id
         for f in extra:
-            if self.file_sep_id is not None:
-                ids.append(self.file_sep_id)
-            ids += self.encode_plain(f"{f.path}\n{f.text}")
+            ids += self._file_ids(f.path, f.text)
             if eos is not None:
                 ids.append(int(eos))
         ids.append(pre)
         if path and self.file_sep_id is not None:
-            ids.append(self.file_sep_id)
-            ids += self.encode_plain(f"{path}\n")
+            ids += self._file_ids(path, "")
         ids += self.encode_plain(prefix)
         ids.append(suf)
         ids += self.encode_plain(suffix)
