@@ -134,11 +134,10 @@ class StopMatcher:
         if not self._stops:
             return text, False
         buf = self._held + text
-        hits = [(i, len(stop), stop) for stop in self._stops if (i := buf.find(stop)) >= 0]
+        hit = self._first_stop(buf)
         partial = self._partial_start(buf)
-        if hits and (hit := min(hits))[0] <= partial:
-            # at equal starts the shortest stop wins: it is the one that completes first, however text is chunked
-            self.matched = hit[2]
+        if hit is not None and hit[0] <= partial:
+            self.matched = hit[1]
             self._held = ""
             return buf[: hit[0]], True
         self._held = buf[partial:]
@@ -149,11 +148,20 @@ class StopMatcher:
         waited on a longer stop starting earlier, which the end of the stream leaves incomplete) still ends the
         stream there: `matched` is set and only the text before it is returned."""
         held, self._held = self._held, ""
-        hits = [(i, len(stop), stop) for stop in self._stops if (i := held.find(stop)) >= 0]
-        if hits:
-            start, _, self.matched = min(hits)
-            return held[:start]
-        return held
+        hit = self._first_stop(held)
+        if hit is None:
+            return held
+        self.matched = hit[1]
+        return held[: hit[0]]
+
+    def _first_stop(self, buf: str) -> tuple[int, str] | None:
+        """(start, stop) of the earliest stop string in `buf`, None if none. At equal starts the shortest wins: it
+        is the one that completes first, however the text is chunked."""
+        hits = [(i, len(stop), stop) for stop in self._stops if (i := buf.find(stop)) >= 0]
+        if not hits:
+            return None
+        start, _, stop = min(hits)
+        return start, stop
 
     def _partial_start(self, buf: str) -> int:
         """Earliest index from which `buf` is a proper prefix of some stop; len(buf) if none."""
