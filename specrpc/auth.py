@@ -19,10 +19,11 @@ from typing import Any
 import grpc
 import structlog
 
+from specrpc.config import IPNetwork
+
 log = structlog.get_logger(__name__)
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 AUTH_HEADER = "authorization"
 FORWARDED_HEADER = "x-forwarded-for"
 BEARER = "bearer "
@@ -171,6 +172,11 @@ def peer_ip(peer: str) -> IPAddress | None:
         return None
 
 
+def within(address: IPAddress, networks: Sequence[IPNetwork]) -> bool:
+    """Whether `address` lies in any of `networks`."""
+    return any(address in net for net in networks)
+
+
 def forwarded_client(metadata: Iterable[tuple[str, str | bytes]] | None, trusted: Sequence[IPNetwork]
                      ) -> IPAddress | None:
     """The client a chain of trusted proxies reports: the right-most `x-forwarded-for` address that is not itself
@@ -181,7 +187,7 @@ def forwarded_client(metadata: Iterable[tuple[str, str | bytes]] | None, trusted
             address = ipaddress.ip_address(hop.strip("[]"))
         except ValueError:
             return None  # garbage in the chain: do not guess
-        if not any(address in net for net in trusted):
+        if not within(address, trusted):
             return address
     return None
 
@@ -204,7 +210,7 @@ class StreamQuota:
             if token is not None:
                 return client_id_of_token(token)
         ip = peer_ip(peer)
-        if ip is not None and self.trusted and any(ip in net for net in self.trusted):
+        if ip is not None and within(ip, self.trusted):
             client = forwarded_client(metadata, self.trusted)
             if client is not None:
                 return f"ipv{client.version}:{client}"

@@ -96,7 +96,7 @@ HELP: dict[str, str] = {
     "draft_int8": "on CPU, run the draft's decode steps on int8 weight copies (drafting is bound by reading weights; "
                   "the output stays the target's, since every token is verified)",
     "cuda_graphs": "on CUDA, replay draft and verify steps (up to max_draft_tokens+1 tokens) from CUDA graphs, "
-                   "captured per slot and width on first use",
+                   "captured per slot and width at load",
     "max_message_bytes": "largest gRPC message accepted",
     "max_prompt_tokens": "largest prompt in tokens (0: the context length)",
     "max_new_tokens": "largest max_new_tokens a request may ask for",
@@ -222,9 +222,12 @@ def validate(config: Config) -> None:
     parse_networks(s.trusted_proxies)
 
 
-def parse_networks(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(text: str) -> list[IPNetwork]:
     """`10.0.0.0/8, ::1` → networks; ValueError naming the flag and the bad entry."""
-    networks = []
+    networks: list[IPNetwork] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
