@@ -175,5 +175,5 @@ class AdaptivePolicy:
         if rate is None or rate.steps < self.min_realized_steps:
             return float("inf")
         plain = self.realized.get("plain")
-        plain_s = plain.per_token if plain is not None and plain.steps else self.costs.target_step_s
+        plain_s = plain.per_token if plain is not None else self.costs.target_step_s
         return plain_s / rate.per_token

@@ -405,12 +405,11 @@ def main() -> None:
         probe = PROBE_STEPS if joint else 6
         if not sized[phase] and done_in_phase == 3 + probe:
             per_step = (time.time() - phase_t0) / probe
+            budget = (args.joint_seconds if joint else args.draft_seconds) - (3 + probe) * per_step
             if joint:
-                budget = args.joint_seconds - 3 * per_step - probe * per_step
                 fit = steps_for(budget * 0.97, step, per_step)  # 3 %: evaluations
                 plan = replace(plan, joint_steps=min(plan.joint_steps, fit))
             else:
-                budget = args.draft_seconds - (3 + probe) * per_step
                 fit = steps_for(budget, step, per_step) - plan.joint_steps
                 plan = replace(plan, draft_steps=min(plan.draft_steps, fit))
             sized[phase] = True
