@@ -20,6 +20,7 @@ from specrpc.config import Config
 from specrpc.engine import Engine, GenerationRequest, GenerationStats
 from specrpc.models import CausalLM, load_model, load_tokenizer
 from specrpc.models.tokenizer_check import check_tokenizers_match
+from specrpc.openmp import release_workers
 from specrpc.sampling import SamplingParams
 from specrpc.scheduler import FINISH_CANCELLED, Done, Event, Failed, Job, Scheduler
 from specrpc.sessions import SessionRegistry, Superseded
@@ -177,6 +178,7 @@ class Runtime:
         bos = self.tokenizer.bos_token_id
         self.bos_ids = [bos] if bos is not None and self.encode("x")[:1] == [bos] else []  # what encode() prepends
         self.warm = False
+        release_workers()  # loading ran torch on this thread: leave the device thread the only OpenMP team
 
     def _vocab_rows(self, path: str) -> int:
         return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
@@ -203,10 +205,10 @@ class Runtime:
         return frozenset(ids)
 
     def start(self) -> None:
-        """Warm up (also measures the step costs the policy starts from) and start the device thread."""
+        """Start the device thread and warm up on it (which also measures the step costs the policy starts from)."""
         t0 = time.perf_counter()
-        costs = self.engine.calibrate()
         self.scheduler.start()
+        costs = self.scheduler.call(self.engine.calibrate).result()
         self.warm = True
         log.info("warm", seconds=round(time.perf_counter() - t0, 2), target_step_ms=round(costs.target_step_s * 1e3, 3),
                  c=round(costs.c, 3), v={k - 1: round(costs.v(k - 1), 3) for k in sorted(costs.verify_s)})

@@ -9,7 +9,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import structlog
 
@@ -17,6 +19,8 @@ from specrpc.engine import Engine, Generation, GenerationRequest, GenerationStat
 from specrpc.text import IncrementalDetokenizer, StopMatcher
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 FINISH_CANCELLED = "cancelled"
 
@@ -134,6 +138,7 @@ class Scheduler:
         self.on_step = on_step
         self._jobs: list[Job] = []
         self._incoming: list[Job] = []
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._wake = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="specrpc-device", daemon=True)
@@ -152,6 +157,17 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the device thread before its next step (calibration, benchmarks): torch work stays on one
+        thread, so the process keeps one OpenMP team (see `specrpc.openmp`)."""
+        future: Future[T] = Future()
+        with self._wake:
+            if self._stop or not self._thread.is_alive():
+                raise RuntimeError("the scheduler is not running")
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
     @property
     def active(self) -> int:
         """Jobs in flight (including those not started yet)."""
@@ -168,13 +184,22 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stop and not self._jobs and not self._incoming:
+                while not self._stop and not self._jobs and not self._incoming and not self._calls:
                     self._wake.wait()
+                calls, self._calls = self._calls, []
                 if self._stop and not self._jobs and not self._incoming:
+                    for _, future in calls:
+                        future.cancel()
                     return
                 self._jobs.extend(self._incoming)
                 self._incoming.clear()
                 jobs = list(self._jobs)
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as exc:  # the caller's to handle
+                        future.set_exception(exc)
             for job in jobs:
                 self._reap_cancelled()
                 if job.done_posted:

@@ -20,6 +20,7 @@ import torch
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.workloads import Case, build_cases
 from specrpc.config import Config, EngineConfig, Limits, ServerConfig
+from specrpc.openmp import release_workers
 from specrpc.policy import expected_tokens
 from specrpc.runtime import Runtime
 from specrpc.sampling import SamplingParams
@@ -147,17 +148,24 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                 out[name] = {"summary": summarize(runs), "messages": messages, "total_s": sum(r.total_s for r in runs)}
 
             # The overhead: target-only (deterministic, one token per message) in process and through gRPC,
-            # alternating case by case so that machine noise hits both alike. In-process runs use slot 0 afresh; a
-            # server request reusing slot 0 reuses only a prefix it shares with the prompt written there, so valid.
+            # alternating case by case so that machine noise hits both alike. In-process runs use slot 0 afresh, on
+            # the server's device thread (as its requests do: one OpenMP team); a server request reusing slot 0
+            # reuses only a prefix it shares with the prompt written there, so both stay valid.
             local = engine_runner(runtime.engine, 0, "draft", runtime.stop_token_ids)  # stops where the server does
+
+            async def here_run(case: Case) -> Run:
+                ids = prompt_ids(runtime, case)
+                return await asyncio.wrap_future(
+                    runtime.scheduler.call(lambda: local(ids, case.max_new_tokens, params)))
+
             pairs: list[tuple[Run, Run, int]] = []
             for r in range(overhead_rounds):
                 for i, case in enumerate(cases):
                     if (r + i) % 2:  # alternate which side goes first: the second run of a prompt finds warmer caches
                         there, m = await one(case, 0, i)
-                        here = local(prompt_ids(runtime, case), case.max_new_tokens, params)
+                        here = await here_run(case)
                     else:
-                        here = local(prompt_ids(runtime, case), case.max_new_tokens, params)
+                        here = await here_run(case)
                         there, m = await one(case, 0, i)
                     pairs.append((here, there, m))
             out["overhead"] = {
@@ -363,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(results), file=sys.stderr, flush=True)
     if not args.no_grpc:
         concurrency = [int(c) for c in args.concurrency.split(",") if c]
+        release_workers()  # from here on torch runs on the server's device thread alone
         grpc_results = asyncio.run(grpc_phase(runtime, config, cases, params, concurrency))
         results["grpc"] = grpc_results
         results["grpc_overhead"] = grpc_results.pop("overhead")
