@@ -110,12 +110,12 @@ class Engine:
         """Context positions available to committed tokens per slot."""
         return self.config.max_context
 
-    def new_slot(self, index: int) -> Slot:
-        """Fresh slot state with a per-session policy seeded from the device calibration."""
+    def new_slot(self, index: int, policy: AdaptivePolicy | None = None) -> Slot:
+        """Fresh slot state with `policy`, by default a new one seeded from the device calibration."""
         self.target.truncate(index, 0)
         if self.draft is not None:
             self.draft.truncate(index, 0)
-        return Slot(index, [], self.new_policy())
+        return Slot(index, [], policy or self.new_policy())
 
     def reset_slot(self, slot: Slot) -> None:
         """Forget a slot's cached context (after a failure mid-step its caches may be inconsistent)."""

@@ -30,19 +30,21 @@ class Run:
     ks: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     trials: int = 0  # draft tokens tested: accepted ones plus the first rejection of each step
+    server_ttft_s: float = 0.0  # through gRPC: the server's own TTFT (request at the engine → first token)
 
 
 Runner = Callable[[list[int], int, SamplingParams], Run]
 
 
-def engine_runner(engine: Engine, k: int | None, proposer: str, stop_token_ids: frozenset[int] = frozenset()
-                  ) -> Runner:
-    """This engine with a fixed k (None: adaptive policy) and proposer, on slot 0 reset per request. Without
-    `stop_token_ids` it decodes all n tokens (like `generate` with min_new_tokens); with the server's, it stops
-    where the server would."""
+def engine_runner(engine: Engine, k: int | None, proposer: str, stop_token_ids: frozenset[int] = frozenset(),
+                  slot_index: int = 0) -> Runner:
+    """This engine with a fixed k (None: adaptive policy) and proposer, on a slot emptied per request. Its policy
+    carries over from request to request, as a server slot's does. Without `stop_token_ids` it decodes all n
+    tokens (like `generate` with min_new_tokens); with the server's, it stops where the server would."""
+    policy = engine.new_policy()
 
     def run(prompt: list[int], n: int, params: SamplingParams) -> Run:
-        slot = engine.new_slot(0)
+        slot = engine.new_slot(slot_index, policy)
         t0 = time.perf_counter()
         request = GenerationRequest(prompt, n, params, num_draft_tokens=k, proposer=proposer,
                                     stop_token_ids=stop_token_ids)
