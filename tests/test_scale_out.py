@@ -137,7 +137,24 @@ class Cluster:
         return "\n".join(parts)
 
     def counts(self) -> list[int]:
-        return [r.generate_ok() if r.process.poll() is None else -1 for r in self.replicas]
+        """Each replica's OK Generate calls (-1 once dead). A call is counted in gRPC's done callback, a moment after
+        the client has read the stream's end, so read until two reads 0.1 s apart agree."""
+        def read() -> list[int]:
+            return [r.generate_ok() if r.process.poll() is None else -1 for r in self.replicas]
+
+        last, deadline = read(), time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = read()
+            if now == last:
+                break
+            last = now
+        return last
+
+    def ok_calls(self, replicas: list[Replica]) -> int:
+        """OK Generate calls of `replicas` together (settled as in `counts`)."""
+        counts = self.counts()
+        return sum(counts[self.replicas.index(r)] for r in replicas)
 
     def close(self) -> None:
         if self.channel is not None:
@@ -353,9 +370,9 @@ def test_draining_replica_finishes_its_streams_and_sheds_new_calls(cluster: Clus
     # A session that hashes to the replica about to drain, with a Converse stream open on it.
     session = ""
     for i in range(40):
-        before = drained.generate_ok()
+        before = cluster.ok_calls([drained])
         generate(cluster, f"drain-{i}", PROMPT, max_new_tokens=1)
-        if drained.generate_ok() > before:
+        if cluster.ok_calls([drained]) > before:
             session = f"drain-{i}"
             break
     assert session, "no session of 40 hashed to the third replica"
@@ -373,12 +390,12 @@ def test_draining_replica_finishes_its_streams_and_sheds_new_calls(cluster: Clus
     wait_until(lambda: marked_down_and_reloaded(cluster, drained), 10, "upstream.py to take the draining replica out",
                cluster.diagnose)
     others = [r for r in cluster.replicas if r is not drained and r.process.poll() is None]
-    others_before = sum(r.generate_ok() for r in others)
+    others_before = cluster.ok_calls(others)
     # A new call of the same session succeeds elsewhere. (One UNAVAILABLE is tolerated in case the call still
     # reached the draining replica, which answers "shutting down" to new calls: nginx cannot retry on a gRPC status.)
     summary = call_with_one_retry(cluster, lambda: generate(cluster, session, PROMPT + MORE), "shutting down")
     assert summary.completion_tokens > 0
-    assert sum(r.generate_ok() for r in others) == others_before + 1, cluster.diagnose()
+    assert cluster.ok_calls(others) == others_before + 1, cluster.diagnose()
 
     turns.put(pb.ConverseRequest(turn=pb.Turn(text="And again?", max_new_tokens=3)))  # the old stream goes on
     reply = []
@@ -407,10 +424,10 @@ def test_killed_replica_fails_over_to_the_other(cluster: Cluster) -> None:
 
     owner.process.kill()  # a crash: no drain, no GOAWAY, the listener just disappears
     owner.process.wait(timeout=10)
-    before_survivors = sum(r.generate_ok() for r in survivors)
+    before_survivors = cluster.ok_calls(survivors)
     summary = call_with_one_retry(cluster, lambda: generate(cluster, session, prompt + more * 2))
     assert summary.cached_prompt_tokens == 0, "the survivor cannot have the session's cache"
-    assert sum(r.generate_ok() for r in survivors) == before_survivors + 1
+    assert cluster.ok_calls(survivors) == before_survivors + 1
     assert generate(cluster, session, prompt + more * 3).cached_prompt_tokens > 0, "the session should stick there"
 
     # The sidecar notices the dead replica, marks it down and reloads nginx; calls keep working through the reload.
@@ -418,4 +435,4 @@ def test_killed_replica_fails_over_to_the_other(cluster: Cluster) -> None:
                cluster.diagnose)
     for i in range(5):
         generate(cluster, f"after-reload-{i}", PROMPT, max_new_tokens=1)
-    assert sum(r.generate_ok() for r in survivors) == before_survivors + 7
+    assert cluster.ok_calls(survivors) == before_survivors + 7
