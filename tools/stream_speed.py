@@ -28,8 +28,8 @@ def stream(stub: pb_grpc.GeneratorStub, case: Case, k: int | None, metadata: tup
            timeout_s: float) -> tuple[int, float, float, int]:
     """One greedy request: (tokens, TTFT s, first-to-last-token s, messages with tokens)."""
     spec = pb.SpeculationParams() if k is None else pb.SpeculationParams(num_draft_tokens=k)
-    common: dict[str, Any] = {"max_new_tokens": case.max_new_tokens, "sampling": pb.SamplingParams(temperature=0.0),
-              "speculation": spec}
+    common: dict[str, Any] = {"max_new_tokens": case.max_new_tokens,
+                              "sampling": pb.SamplingParams(temperature=0.0), "speculation": spec}
     t0 = time.perf_counter()
     call = (stub.Generate(pb.GenerateRequest(prompt=case.prompt, **common), metadata=metadata, timeout=timeout_s)
             if case.suffix is None else
