@@ -115,7 +115,7 @@ class Engine:
         self.target.truncate(index, 0)
         if self.draft is not None:
             self.draft.truncate(index, 0)
-        return Slot(index, [], policy or self.new_policy())
+        return Slot(index, [], policy if policy is not None else self.new_policy())
 
     def reset_slot(self, slot: Slot) -> None:
         """Forget a slot's cached context (after a failure mid-step its caches may be inconsistent)."""

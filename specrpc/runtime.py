@@ -21,6 +21,7 @@ from specrpc.engine import Engine, GenerationRequest, GenerationStats
 from specrpc.models import CausalLM, load_model, load_tokenizer
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.openmp import release_workers
+from specrpc.policy import CostModel
 from specrpc.sampling import SamplingParams
 from specrpc.scheduler import FINISH_CANCELLED, Done, Event, Failed, Job, Scheduler
 from specrpc.sessions import SessionRegistry, Superseded
@@ -208,10 +209,21 @@ class Runtime:
         """Start the device thread and warm up on it (which also measures the step costs the policy starts from)."""
         t0 = time.perf_counter()
         self.scheduler.start()
-        costs = self.scheduler.call(self.engine.calibrate).result()
+        try:
+            costs = self.scheduler.call(self._calibrate).result()
+        except BaseException:
+            self.scheduler.stop()
+            raise
         self.warm = True
         log.info("warm", seconds=round(time.perf_counter() - t0, 2), target_step_ms=round(costs.target_step_s * 1e3, 3),
                  c=round(costs.c, 3), v={k - 1: round(costs.v(k - 1), 3) for k in sorted(costs.verify_s)})
+
+    def _calibrate(self) -> CostModel:
+        """On the device thread: measure the step costs, and seed every slot's policy from them."""
+        costs = self.engine.calibrate()
+        for slot in self.registry.slots:
+            slot.policy = self.engine.new_policy()
+        return costs
 
     def stop(self) -> None:
         """Stop the device thread (cancels what is in flight)."""

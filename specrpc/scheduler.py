@@ -148,7 +148,7 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
-        """Cancel everything and join the device thread."""
+        """Cancel every job and every call not yet run, and join the device thread."""
         with self._wake:
             self._stop = True
             for job in self._jobs + self._incoming:
@@ -187,10 +187,12 @@ class Scheduler:
                 while not self._stop and not self._jobs and not self._incoming and not self._calls:
                     self._wake.wait()
                 calls, self._calls = self._calls, []
-                if self._stop and not self._jobs and not self._incoming:
+                if self._stop:  # calls are not run once stopping (jobs still get their final events)
                     for _, future in calls:
                         future.cancel()
-                    return
+                    calls = []
+                    if not self._jobs and not self._incoming:
+                        return
                 self._jobs.extend(self._incoming)
                 self._incoming.clear()
                 jobs = list(self._jobs)
@@ -198,7 +200,7 @@ class Scheduler:
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn())
-                    except Exception as exc:  # the caller's to handle
+                    except BaseException as exc:  # the caller's to handle; the device thread goes on
                         future.set_exception(exc)
             for job in jobs:
                 self._reap_cancelled()

@@ -288,3 +288,24 @@ async def test_sigterm_during_start_up_exits_0(
     process.send_signal(signal.SIGTERM)
     code = await asyncio.to_thread(process.wait, 60)
     assert code == 0, log.read_text()
+
+
+async def test_warm_up_runs_on_the_device_thread_and_seeds_every_slot_policy(server: Running) -> None:
+    runtime = server.runtime
+    threads: list[str] = []
+    calibrate = runtime.engine.calibrate
+
+    def recorded() -> object:
+        threads.append(threading.current_thread().name)
+        return calibrate()
+
+    runtime.engine.calibrate = recorded  # type: ignore[method-assign]
+    try:
+        costs = await asyncio.wrap_future(runtime.scheduler.call(runtime._calibrate))
+    finally:
+        del runtime.engine.calibrate
+    assert threads == ["specrpc-device"]
+    for slot in runtime.registry.slots:  # each slot starts from the calibration, not the cost model's defaults
+        assert slot.policy.costs.target_step_s == costs.target_step_s
+        assert slot.policy.costs.verify_s == costs.verify_s
+        assert slot.policy.costs is not costs

@@ -156,6 +156,12 @@ class Cluster:
         counts = self.counts()
         return sum(counts[self.replicas.index(r)] for r in replicas)
 
+    def expect_ok_calls(self, replicas: list[Replica], expected: int) -> None:
+        """Wait for `replicas`' OK Generate calls to reach `expected` (counts land after the client has read the
+        end of the stream), then require exactly that many."""
+        wait_until(lambda: self.ok_calls(replicas) >= expected, 10, f"{expected} OK Generate calls", self.diagnose)
+        assert self.ok_calls(replicas) == expected, self.diagnose()
+
     def close(self) -> None:
         if self.channel is not None:
             self.channel.close()
@@ -395,7 +401,7 @@ def test_draining_replica_finishes_its_streams_and_sheds_new_calls(cluster: Clus
     # reached the draining replica, which answers "shutting down" to new calls: nginx cannot retry on a gRPC status.)
     summary = call_with_one_retry(cluster, lambda: generate(cluster, session, PROMPT + MORE), "shutting down")
     assert summary.completion_tokens > 0
-    assert cluster.ok_calls(others) == others_before + 1, cluster.diagnose()
+    cluster.expect_ok_calls(others, others_before + 1)
 
     turns.put(pb.ConverseRequest(turn=pb.Turn(text="And again?", max_new_tokens=3)))  # the old stream goes on
     reply = []
@@ -427,7 +433,7 @@ def test_killed_replica_fails_over_to_the_other(cluster: Cluster) -> None:
     before_survivors = cluster.ok_calls(survivors)
     summary = call_with_one_retry(cluster, lambda: generate(cluster, session, prompt + more * 2))
     assert summary.cached_prompt_tokens == 0, "the survivor cannot have the session's cache"
-    assert cluster.ok_calls(survivors) == before_survivors + 1
+    cluster.expect_ok_calls(survivors, before_survivors + 1)
     assert generate(cluster, session, prompt + more * 3).cached_prompt_tokens > 0, "the session should stick there"
 
     # The sidecar notices the dead replica, marks it down and reloads nginx; calls keep working through the reload.
@@ -435,4 +441,4 @@ def test_killed_replica_fails_over_to_the_other(cluster: Cluster) -> None:
                cluster.diagnose)
     for i in range(5):
         generate(cluster, f"after-reload-{i}", PROMPT, max_new_tokens=1)
-    assert cluster.ok_calls(survivors) == before_survivors + 7
+    cluster.expect_ok_calls(survivors, before_survivors + 7)

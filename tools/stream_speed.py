@@ -75,11 +75,13 @@ def main(argv: list[str] | None = None) -> int:
                     decode_tokens += max(0, n - 1)
                     decode_s += span
                     messages += m
-                    ttfts.append(ttft)
+                    if n:  # a reply without tokens has no first token
+                        ttfts.append(ttft)
             rate = decode_tokens / decode_s if decode_s else 0.0
             name = "adaptive" if k is None else f"k={k}"
-            print(f"{name}: {rate:.1f} decode tokens/s, TTFT p50 {statistics.median(ttfts) * 1e3:.1f} ms, "
-                  f"{messages} messages, {tokens} tokens over {len(ttfts)} requests", flush=True)
+            ttft = statistics.median(ttfts) * 1e3 if ttfts else float("nan")
+            print(f"{name}: {rate:.1f} decode tokens/s, TTFT p50 {ttft:.1f} ms, {messages} messages, {tokens} tokens "
+                  f"over {args.rounds * len(cases)} requests", flush=True)
     return 0
 
 

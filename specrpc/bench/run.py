@@ -155,25 +155,35 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             # the server's registry (so no request uses it meanwhile), empties it, runs on the device thread (as the
             # server's requests do: one OpenMP team) and empties it again, so that no request later reuses a
             # prefix the registry believes the slot holds.
+            runners: dict[int, Runner] = {}  # per slot: target-only, stopping where the server does
+            loop = asyncio.get_running_loop()
+
             async def here_run(case: Case) -> Run:
                 ids = prompt_ids(runtime, case)
                 lease = await runtime.registry.acquire("", ids)
-                local = engine_runner(runtime.engine, 0, "draft", runtime.stop_token_ids, lease.slot.index)
+                index = lease.slot.index
+                if index not in runners:
+                    runners[index] = engine_runner(runtime.engine, 0, "draft", runtime.stop_token_ids, index)
 
                 def run_and_empty() -> Run:
                     try:
-                        return local(ids, case.max_new_tokens, params)  # stops where the server does
+                        return runners[index](ids, case.max_new_tokens, params)
                     finally:
                         runtime.engine.reset_slot(lease.slot)
 
                 try:
-                    return await asyncio.wrap_future(runtime.scheduler.call(run_and_empty))
-                finally:
+                    future = runtime.scheduler.call(run_and_empty)
+                except BaseException:
                     runtime.registry.release(lease)
+                    raise
+                # the slot goes back once the device thread is done with it, even if this task is cancelled first
+                future.add_done_callback(lambda _: loop.call_soon_threadsafe(runtime.registry.release, lease))
+                return await asyncio.wrap_future(future)
 
             def empty_slots() -> None:  # so that the request through gRPC prefills its whole prompt too
                 for slot in runtime.registry.slots:
-                    runtime.engine.reset_slot(slot)
+                    if slot.index not in runtime.registry.busy:
+                        runtime.engine.reset_slot(slot)
 
             pairs: list[tuple[Run, Run, int]] = []
             for r in range(overhead_rounds):
@@ -190,7 +200,8 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                 "ttft_delta_ms": statistics.median((b.ttft_s - a.ttft_s) * 1e3 for a, b, _ in pairs),
                 # the same without prefill's run-to-run spread: what the client waits beyond the server's own TTFT
                 # (call set-up, validation, tokenizing, hand-offs and the first message's way out)
-                "edge_ttft_ms": statistics.median((b.ttft_s - b.server_ttft_s) * 1e3 for _, b, _ in pairs),
+                "edge_ttft_ms": statistics.median([(b.ttft_s - b.server_ttft_s) * 1e3 for _, b, _ in pairs
+                                                   if b.server_ttft_s > 0] or [float("nan")]),
                 "per_message_us": sum(b.total_s - a.total_s for a, b, _ in pairs) / sum(m for *_, m in pairs) * 1e6,
                 "requests": len(pairs), "messages": sum(m for *_, m in pairs),
                 "identical": sum(a.tokens == b.tokens for a, b, _ in pairs) / len(pairs),
