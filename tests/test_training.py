@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from specrpc.engine import GenerationRequest
 from specrpc.runtime import Runtime
 from specrpc.sampling import SamplingParams
 from specrpc.training.tokenizer import SPECIAL_TOKENS
+from specrpc.training.train import PLANS, fit_phase
 
 
 def train(work: Path, out: Path, *extra: str) -> str:
@@ -84,3 +86,13 @@ def test_model_card_renders(trained: tuple[Path, str, str]) -> None:
     assert results["stdlib_heldout"]["target_bits_per_byte"] > 0
     assert 0 <= results["stdlib_heldout"]["greedy_agreement"] <= 1
     assert "bits/byte" in card and "greedy agreement" in card
+
+
+def test_a_time_budget_cuts_the_phase_it_sizes_and_never_raises_it() -> None:
+    plan = replace(PLANS["smoke"], joint_steps=100, draft_steps=100)
+    joint = fit_phase(plan, True, budget_s=1.0, step=10, per_step_s=0.1)
+    assert (joint.joint_steps, joint.draft_steps) == (10 + 9, 100)  # 3 % of the budget is kept for evaluations
+    draft = fit_phase(joint, False, budget_s=2.0, step=25, per_step_s=0.1)
+    assert (draft.joint_steps, draft.draft_steps) == (19, 25 + 20 - 19)
+    assert fit_phase(plan, True, budget_s=1e6, step=10, per_step_s=0.1) == plan
+    assert fit_phase(plan, False, budget_s=1e6, step=10, per_step_s=0.1) == plan

@@ -253,7 +253,18 @@ def export(model: LlamaForCausalLM, tokenizer_dir: Path, out_dir: Path, special:
     model.to(torch.float32)  # type: ignore[arg-type]
 
 
-def main() -> None:
+def fit_phase(plan: TrainPlan, joint: bool, budget_s: float, step: int, per_step_s: float) -> TrainPlan:
+    """`plan` with the current phase's step count cut to what `budget_s` more seconds allow from `step` (never
+    raised above the plan's own count)."""
+    if joint:
+        fit = steps_for(budget_s * 0.97, step, per_step_s)  # 3 %: evaluations
+        return replace(plan, joint_steps=min(plan.joint_steps, fit))
+    fit = steps_for(budget_s, step, per_step_s) - plan.joint_steps
+    return replace(plan, draft_steps=min(plan.draft_steps, fit))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", type=Path, default=Path(".cache/models"), help="checkpoints and data")
     parser.add_argument("--out-dir", type=Path, default=ASSETS, help="where the target/ and draft/ folders go")
@@ -273,21 +284,12 @@ def main() -> None:
                         "steps of this run (0: run to the end); the next run resumes there")
     parser.add_argument("--init-from", type=Path, help="a folder with target/ and draft/ exported by an earlier run: "
                         "start from those weights at the draft-only phase (distil the draft further)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
-    plan = PLANS[args.plan if args.plan != "auto" else ("gpu" if device.type == "cuda" else "cpu")]
-    plan = replace(plan, joint_steps=args.joint_steps or plan.joint_steps,
-                   draft_steps=args.draft_steps or plan.draft_steps, batch=args.batch or plan.batch,
-                   seq_len=args.seq_len or plan.seq_len, lr_draft=args.lr_draft or plan.lr_draft)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    work: Path = args.work_dir
-    work.mkdir(parents=True, exist_ok=True)
 
+def prepare_data(work: Path, plan: TrainPlan) -> tuple[Path, dict[str, int], np.ndarray, np.ndarray]:
+    """The tokenizer (trained once into work/tokenizer), its special ids, and the training and validation tokens
+    (encoded once into work/*.npy): (tokenizer dir, special ids, training tokens, validation tokens)."""
     tok_dir = work / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         train_files, _ = split_sources(iter_sources())
@@ -310,6 +312,38 @@ def main() -> None:
     n_val = int(len(corpus) * plan.val_fraction)
     data, val = corpus[:-n_val], corpus[-n_val:]  # the last files of the training split: early stopping only
     print(f"corpus: {len(data):,} training tokens, {len(val):,} validation tokens", flush=True)
+    return tok_dir, special, data, val
+
+
+def write_training_record(out_dir: Path, plan: TrainPlan, device: torch.device, elapsed: float, tokens_seen: int,
+                          data: np.ndarray, val: np.ndarray, best_val: float) -> None:
+    """training.json beside the exported models: what the model card reports about the run."""
+    (out_dir / "training.json").write_text(json.dumps({
+        "plan": asdict(plan), "device": str(device), "hardware": hardware(device),
+        "threads": torch.get_num_threads(), "training_seconds": round(elapsed),
+        "tokens_seen_target": plan.joint_steps * plan.batch * plan.seq_len, "tokens_seen_draft": tokens_seen,
+        "corpus_train_tokens": len(data), "validation_tokens": len(val), "best_validation_loss": best_val,
+        "python": platform.python_version(),
+    }, indent=2))
+
+
+def main() -> None:
+    args = parse_args()
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    plan = PLANS[args.plan if args.plan != "auto" else ("gpu" if device.type == "cuda" else "cpu")]
+    plan = replace(plan, joint_steps=args.joint_steps or plan.joint_steps,
+                   draft_steps=args.draft_steps or plan.draft_steps, batch=args.batch or plan.batch,
+                   seq_len=args.seq_len or plan.seq_len, lr_draft=args.lr_draft or plan.lr_draft)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    work: Path = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+
+    tok_dir, special, data, val = prepare_data(work, plan)
 
     torch.manual_seed(plan.seed)
     target = LlamaForCausalLM(llama_config(plan.target, plan, special)).to(device)  # type: ignore[arg-type]
@@ -406,12 +440,7 @@ def main() -> None:
         if not sized[phase] and done_in_phase == 3 + probe:
             per_step = (time.time() - phase_t0) / probe
             budget = (args.joint_seconds if joint else args.draft_seconds) - (3 + probe) * per_step
-            if joint:
-                fit = steps_for(budget * 0.97, step, per_step)  # 3 %: evaluations
-                plan = replace(plan, joint_steps=min(plan.joint_steps, fit))
-            else:
-                fit = steps_for(budget, step, per_step) - plan.joint_steps
-                plan = replace(plan, draft_steps=min(plan.draft_steps, fit))
+            plan = fit_phase(plan, joint, budget, step, per_step)
             sized[phase] = True
             bar.total = plan.joint_steps + plan.draft_steps
             print(f"\n{phase} phase: {per_step * 1000:.1f} ms/step, {bar.total} steps in all", flush=True)
@@ -436,13 +465,7 @@ def main() -> None:
 
     export(target.cpu(), tok_dir, args.out_dir / "target", special)
     export(draft.cpu(), tok_dir, args.out_dir / "draft", special)
-    (args.out_dir / "training.json").write_text(json.dumps({
-        "plan": asdict(plan), "device": str(device), "hardware": hardware(device),
-        "threads": torch.get_num_threads(), "training_seconds": round(elapsed),
-        "tokens_seen_target": plan.joint_steps * plan.batch * plan.seq_len, "tokens_seen_draft": tokens_seen,
-        "corpus_train_tokens": len(data), "validation_tokens": len(val), "best_validation_loss": best_val,
-        "python": platform.python_version(),
-    }, indent=2))
+    write_training_record(args.out_dir, plan, device, elapsed, tokens_seen, data, val, best_val)
     print(f"exported to {args.out_dir} after {elapsed / 60:.1f} min of training", flush=True)
 
 
