@@ -133,11 +133,7 @@ def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path]
         slot = engine.new_slot(0)
         if not guard:
             slot.policy.min_realized_steps = 10**9
-        gen = engine.start(slot, GenerationRequest(prompt, 40, GREEDY, proposer="lookup"))
-        out: list[int] = []
-        while not gen.finished:
-            out += gen.step().token_ids
-        assert out == plain
+        assert run(engine, prompt, 40, GREEDY, None, proposer="lookup", slot=slot) == plain
         counts[guard] = len(calls)
     assert counts[False] >= 15, "the cost model alone keeps drafting through the stalls"
     assert counts[True] <= slot.policy.min_realized_steps + 3, "off after a few measured steps, then probes"

@@ -374,7 +374,11 @@ def main() -> None:
         print(f"initialised from {args.init_from}: draft-only distillation", flush=True)
     (work / "plan.json").write_text(json.dumps(asdict(plan), indent=2))
 
+    log = (work / "train_log.jsonl").open("a")
+
     def checkpoint() -> None:
+        """The log up to this step first, then the state: the log is never behind the checkpoint."""
+        log.flush()
         save_checkpoint(ckpt_path, {
             "step": step, "elapsed_s": elapsed, "tokens_seen": tokens_seen, "plan": asdict(plan), "sized": sized,
             "best_val": best_val, "best_target": best_target,
@@ -383,13 +387,11 @@ def main() -> None:
         })
 
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
-    log = (work / "train_log.jsonl").open("a")
     bar = tqdm(total=plan.joint_steps + plan.draft_steps, initial=step, desc="train", dynamic_ncols=True)
     phase_t0, phase_step0 = time.time(), step
     run_start = step
     while step < plan.joint_steps + plan.draft_steps:
         if args.stop_after and step - run_start >= args.stop_after:
-            log.flush()
             checkpoint()
             print(f"\nstopped at step {step} (--stop-after); run again to resume", flush=True)
             return
@@ -459,7 +461,6 @@ def main() -> None:
         bar.set_postfix({k: f"{v:.3f}" for k, v in record.items() if k != "step"})
         log.write(json.dumps(record) + "\n")
         if step % args.checkpoint_every == 0 or step == plan.joint_steps + plan.draft_steps:
-            log.flush()
             checkpoint()
     bar.close()
 
