@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import decode
 
 import specrpc
 from specrpc.config import EngineConfig
@@ -67,11 +68,7 @@ def test_greedy_speculation_with_graphs_equals_target_only(dtype: torch.dtype) -
         prompt = tok(text)["input_ids"]
         outs = []
         for k in (0, 4, 8):
-            gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, 64, greedy, num_draft_tokens=k))
-            out: list[int] = []
-            while not gen.finished:
-                out += gen.step().token_ids
-            outs.append(out)
+            outs.append(decode(engine, engine.new_slot(0), GenerationRequest(prompt, 64, greedy, num_draft_tokens=k)))
         mismatches += outs[1] != outs[0] or outs[2] != outs[0]
     # float32 must be exact; bf16 verify (k+1 rows) and decode (1 row) round differently, so near-ties may flip
     assert mismatches == 0 if dtype == torch.float32 else mismatches <= 1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import decode
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -66,12 +67,8 @@ def make_engine(pair: tuple[Path, Path], draft_int8: bool = False, dtype: torch.
 def run(engine: Engine, prompt: list[int], n: int, params: SamplingParams, k: int | None,
         proposer: str = "draft", slot: Slot | None = None) -> list[int]:
     """Generate n tokens on `slot` (a fresh slot 0 by default)."""
-    slot = slot or engine.new_slot(0)
-    gen = engine.start(slot, GenerationRequest(prompt, n, params, num_draft_tokens=k, proposer=proposer))
-    out: list[int] = []
-    while not gen.finished:
-        out += gen.step().token_ids
-    return out
+    request = GenerationRequest(prompt, n, params, num_draft_tokens=k, proposer=proposer)
+    return decode(engine, slot or engine.new_slot(0), request)
 
 
 GREEDY = SamplingParams(temperature=0.0)

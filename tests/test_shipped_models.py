@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import decode
 from transformers import AutoModelForCausalLM
 
 from specrpc.config import ASSETS, EngineConfig
@@ -58,11 +59,7 @@ def test_pair_shares_one_tokenizer() -> None:
 
 
 def generate(engine: Engine, prompt: list[int], n: int, k: int | None) -> list[int]:
-    gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, n, SamplingParams(temperature=0.0), k, "draft"))
-    out: list[int] = []
-    while not gen.finished:
-        out += gen.step().token_ids
-    return out
+    return decode(engine, engine.new_slot(0), GenerationRequest(prompt, n, SamplingParams(temperature=0.0), k, "draft"))
 
 
 def test_greedy_speculation_is_the_targets_greedy_output(engine: Engine) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import decode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specrpc.config import Config, EngineConfig
@@ -68,11 +69,8 @@ def test_the_server_runs_the_exported_pair(trained: tuple[Path, str, str]) -> No
     runtime = Runtime(Config(engine=EngineConfig(target=str(out / "target"), draft=str(out / "draft"),
                                                  max_sessions=1, max_context=128)))
     engine = runtime.engine
-    gen = engine.start(engine.new_slot(0), GenerationRequest(runtime.encode("def f(x):"), 8,
-                                                             SamplingParams(temperature=0.0)))
-    tokens: list[int] = []
-    while not gen.finished:
-        tokens += gen.step().token_ids
+    tokens = decode(engine, engine.new_slot(0), GenerationRequest(runtime.encode("def f(x):"), 8,
+                                                                  SamplingParams(temperature=0.0)))
     assert len(tokens) == 8
     assert runtime.infill_prompt("a", "b", [], "x.py")  # the FIM tokens are there
 
