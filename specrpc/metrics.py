@@ -36,7 +36,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("specrpc_requests", "Requests by RPC and final status", ["rpc", "code"], registry=r)
+        self.requests = Counter("specrpc_requests", "Requests by method, final status (gRPC code name) and protocol "
+                                "(grpc, http)", ["rpc", "code", "protocol"], registry=r)
         self.prompt_tokens = Counter("specrpc_prompt_tokens", "Prompt tokens processed", registry=r)
         self.cached_prompt_tokens = Counter("specrpc_cached_prompt_tokens", "Prompt tokens reused from KV cache",
                                             registry=r)

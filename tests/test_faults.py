@@ -136,13 +136,14 @@ async def test_an_engine_step_that_raises_fails_only_its_stream(stub: Stub, serv
     victim = "The victim's story:"
     inject(after_steps(marked(victim, server), 3, lambda: RuntimeError("injected engine fault")))
     before = server.metrics.registry.get_sample_value("specrpc_requests_total",
-                                                      {"rpc": "Generate", "code": "INTERNAL"}) or 0
+                                                      {"rpc": "Generate", "code": "INTERNAL", "protocol": "grpc"}) or 0
     error, summaries = await _victim_among_healthy(stub, victim)
     assert error.code() == grpc.StatusCode.INTERNAL
     assert "injected engine fault" in (error.details() or "") and "this stream" in (error.details() or "")
     for summary in summaries:
         assert summary.finish_reason == pb.FINISH_REASON_LENGTH and summary.completion_tokens == 24
-    after = server.metrics.registry.get_sample_value("specrpc_requests_total", {"rpc": "Generate", "code": "INTERNAL"})
+    after = server.metrics.registry.get_sample_value("specrpc_requests_total",
+                                                     {"rpc": "Generate", "code": "INTERNAL", "protocol": "grpc"})
     assert after == before + 1
     await assert_clean(server)
     inject(lambda job: None)

@@ -219,8 +219,9 @@ def allowed(server: Running, rpc: str) -> set[grpc.StatusCode]:
 def server_codes(server: Running, rpc: str) -> Counter[grpc.StatusCode]:
     """How many `rpc` calls the server has ended with each status code (its requests counter)."""
     registry = server.metrics.registry
-    return Counter({code: int(registry.get_sample_value("specrpc_requests_total", {"rpc": rpc, "code": code.name})
-                              or 0) for code in grpc.StatusCode})
+    return Counter({code: int(registry.get_sample_value("specrpc_requests_total",
+                                                        {"rpc": rpc, "code": code.name, "protocol": "grpc"}) or 0)
+                    for code in grpc.StatusCode})
 
 
 async def settled(server: Running) -> None:

@@ -101,9 +101,9 @@ async def test_metrics_count_requests_tokens_and_slots(
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert delta("specrpc_requests_total", rpc="Generate", code="OK") == 1
-    assert delta("specrpc_requests_total", rpc="Generate", code="INVALID_ARGUMENT") == 1
-    assert delta("specrpc_requests_total", rpc="Generate", code="CANCELLED") == 1
+    assert delta("specrpc_requests_total", rpc="Generate", code="OK", protocol="grpc") == 1
+    assert delta("specrpc_requests_total", rpc="Generate", code="INVALID_ARGUMENT", protocol="grpc") == 1
+    assert delta("specrpc_requests_total", rpc="Generate", code="CANCELLED", protocol="grpc") == 1
     cancelled_tokens = delta("specrpc_completion_tokens_total") - summary.completion_tokens
     assert summary.completion_tokens == len(ids_of(chunks)) and cancelled_tokens >= 1
     assert delta("specrpc_prompt_tokens_total") >= summary.prompt_tokens

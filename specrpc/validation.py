@@ -1,0 +1,105 @@
+"""Request checks both edges (gRPC, HTTP) share: sampling ranges, token budgets, stop strings, session ids and prompt
+length. Each check raises InvalidRequest with a message naming the field (as the edge spells it) and what to change."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+
+from specrpc.config import Config, Limits
+from specrpc.runtime import DecodeParams
+from specrpc.sampling import SamplingParams
+
+MAX_SESSION_ID = 128
+SESSION_HEADER = "x-session-id"  # request metadata / HTTP header that load balancers hash on (deploy/README.md)
+
+
+class InvalidRequest(ValueError):
+    """A request the client must change: INVALID_ARGUMENT over gRPC, 400 over HTTP, with this message."""
+
+
+def sampling_params(limits: Limits, temperature: float, top_p: float, top_k: int = 0, seed: int | None = None,
+                    prefix: str = "sampling.") -> SamplingParams:
+    """Checked sampling parameters (temperature 0 = greedy; top_p 0 or 1 and top_k 0 = off). `prefix` is how the
+    edge names the fields' parent (`sampling.` over gRPC, nothing over HTTP)."""
+    t, p, k = temperature, top_p, top_k
+    if not math.isfinite(t) or t < 0 or t > limits.max_temperature:
+        raise InvalidRequest(f"{prefix}temperature must be in [0, {limits.max_temperature}] "
+                             f"(0 = greedy; server --max-temperature); got {t}")
+    if not math.isfinite(p) or p < 0 or p > 1:
+        raise InvalidRequest(f"{prefix}top_p must be in (0, 1] (0 or 1 = off); got {p}")
+    if k < 0:
+        raise InvalidRequest(f"{prefix}top_k must be >= 0 (0 = off); got {k}")
+    return SamplingParams(temperature=float(t), top_p=1.0 if p in (0.0, 1.0) else float(p), top_k=int(k), seed=seed)
+
+
+def decode_params(config: Config, proposers: Collection[str], max_new_tokens: int, sampling: SamplingParams,
+                  stop: Sequence[str], num_draft_tokens: int | None = None, proposer: str | None = None,
+                  max_tokens_name: str = "max_new_tokens", speculation_name: str = "speculation.") -> DecodeParams:
+    """DecodeParams after checking the token budget, the stop strings and the speculation settings against the
+    server's limits (`proposers`: the proposers this server can run). max_new_tokens 0 takes the server default."""
+    lim = config.limits
+    if max_new_tokens < 0 or max_new_tokens > lim.max_new_tokens:
+        raise InvalidRequest(f"{max_tokens_name} must be <= {lim.max_new_tokens} (server --max-new-tokens); "
+                             f"got {max_new_tokens}")
+    if len(stop) > lim.max_stop_strings:
+        raise InvalidRequest(f"stop: at most {lim.max_stop_strings} stop strings allowed (--max-stop-strings); "
+                             f"got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not s:
+            raise InvalidRequest(f"stop[{i}] is empty: stop strings must be non-empty; remove it")
+        if len(s) > lim.max_stop_chars:
+            raise InvalidRequest(f"stop[{i}] has {len(s)} characters; stop strings must be at most "
+                                 f"{lim.max_stop_chars} (--max-stop-chars)")
+    if num_draft_tokens is not None:
+        cap = config.engine.max_draft_tokens
+        if num_draft_tokens < 0 or num_draft_tokens > cap:
+            raise InvalidRequest(f"{speculation_name}num_draft_tokens must be <= {cap} (server --max-draft-tokens); "
+                                 f"got {num_draft_tokens}")
+    if proposer is not None and proposer not in proposers:
+        raise InvalidRequest(f"{speculation_name}proposer {proposer!r} needs a draft model, and this server runs "
+                             f"without one; use PROPOSER_PROMPT_LOOKUP or leave it unspecified")
+    return DecodeParams(
+        max_new_tokens=max_new_tokens or lim.default_max_new_tokens,
+        sampling=sampling,
+        stop=tuple(stop),
+        num_draft_tokens=num_draft_tokens,
+        proposer=proposer,
+    )
+
+
+def session_id(value: str, name: str = "session_id", header: str = "", header_name: str = SESSION_HEADER) -> str:
+    """The request's session id: `value`, or the `x-session-id` header when `value` is empty. Both set and different
+    is refused: a load balancer routes by the header and this server caches by the id."""
+    if header and value and header != value:
+        raise InvalidRequest(f"{name} {value[:MAX_SESSION_ID]!r} differs from the {header_name} "
+                             f"{header[:MAX_SESSION_ID]!r}: send the same id in both (or only one)")
+    value = value or header
+    if len(value) > MAX_SESSION_ID or not value.isprintable():
+        raise InvalidRequest(f"{name} must be at most {MAX_SESSION_ID} printable characters; got "
+                             f"{len(value)} characters")
+    return value
+
+
+def fit_prompt(ids: list[int], context_limit: int, limits: Limits, truncate: bool,
+               too_long: str = "shorten it or set truncate_prompt", empty: str = "set prompt or prompt_token_ids"
+               ) -> list[int]:
+    """The prompt if it fits the context (less one position to generate into) and --max-prompt-tokens; its tail when
+    `truncate`; else InvalidRequest saying how long it may be."""
+    if not ids:
+        raise InvalidRequest(f"the prompt is empty: {empty}")
+    room = context_limit - 1
+    cap = min(room, limits.max_prompt_tokens or room)
+    if len(ids) > cap:
+        if not truncate:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens but at most {cap} fit (context "
+                                 f"{context_limit}, --max-prompt-tokens); {too_long}")
+        ids = ids[-cap:]
+    return ids
+
+
+def extra_files(count: int, limits: Limits, name: str = "extra") -> None:
+    """At most --max-extra-files context files per request."""
+    if count > limits.max_extra_files:
+        raise InvalidRequest(f"{name}: at most {limits.max_extra_files} extra files allowed "
+                             f"(--max-extra-files); got {count}")
