@@ -56,6 +56,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = 0
+    http_user_session: bool = True
     metrics_port: int = 0
     log_format: str = "json"
     log_level: str = "info"
@@ -109,6 +111,9 @@ HELP: dict[str, str] = {
     "max_temperature": "largest temperature accepted",
     "host": "address to listen on",
     "port": "gRPC port (0 picks a free one)",
+    "http_port": "port of the OpenAI- and llama.cpp-compatible HTTP API, served beside gRPC (0: off)",
+    "http_user_session": "over HTTP, take the session id from the OpenAI `user` field when no x-session-id header "
+                         "is sent",
     "metrics_port": "Prometheus metrics HTTP port (0: off)",
     "log_format": "json or console",
     "log_level": "debug, info, warning or error",
@@ -204,6 +209,7 @@ def validate(config: Config) -> None:
         (e.prefill_chunk >= 16, "--prefill-chunk must be >= 16"),
         (s.log_format in {"json", "console"}, "--log-format must be json or console"),
         (0 <= s.port <= 65535, "--port must be in 0..65535"),
+        (0 <= s.http_port <= 65535, "--http-port must be in 0..65535 (0: no HTTP API)"),
         (bool(s.tls_cert) == bool(s.tls_key), "--tls-cert and --tls-key go together"),
         (not s.tls_client_ca or bool(s.tls_cert), "--tls-client-ca needs --tls-cert and --tls-key"),
         (config.limits.default_max_new_tokens <= config.limits.max_new_tokens,

@@ -1,4 +1,5 @@
-"""Assemble and run the grpc.aio server: Generator, health (NOT_SERVING until warm), reflection, metrics, SIGTERM."""
+"""Assemble and run the grpc.aio server (Generator, health NOT_SERVING until warm, reflection), the HTTP API beside it
+(--http-port), metrics, SIGTERM."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from grpc_reflection.v1alpha import reflection
 
 from specrpc.auth import TokenAuth
 from specrpc.config import Config
+from specrpc.gateway import Gateway
+from specrpc.http_api import HttpApi, HttpServer
 from specrpc.metrics import Metrics
 from specrpc.runtime import Runtime
 from specrpc.service import GeneratorService
@@ -59,6 +62,8 @@ class Running:
     metrics: Metrics
     janitor: asyncio.Task[None]
     auth: TokenAuth | None = None
+    http: HttpServer | None = None
+    http_port: int = 0
 
     async def set_serving(self, serving: bool) -> None:
         """Health status for the overall server and the Generator service."""
@@ -77,6 +82,8 @@ class Running:
             # The last handler has returned, but its final status may still be on its way to the socket; a hard stop
             # now could cut it (a proxy then reports "upstream prematurely closed"). New calls are refused meanwhile.
             await asyncio.sleep(FLUSH_S)
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(0)
         self.janitor.cancel()
         await asyncio.to_thread(self.runtime.stop)
@@ -148,10 +155,20 @@ async def start_server(config: Config, runtime: Runtime | None = None,
     if s.reflection:
         reflection.enable_server_reflection([SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME], server)
     metrics = Metrics()
-    service = GeneratorService(config, metrics)
+    gateway = Gateway(config, metrics)
+    service = GeneratorService(config, metrics, gateway=gateway)
     pb_grpc.add_GeneratorServicer_to_server(service, server)
     await server.start()
-    log.info("listening", address=f"{s.host}:{port}", tls=credentials is not None,
+    http: HttpServer | None = None
+    http_port = 0
+    if s.http_port:
+        http = HttpServer(config, HttpApi(config, gateway, auth))
+        try:
+            http_port = await http.start()
+        except BaseException:
+            await server.stop(0)
+            raise
+    log.info("listening", address=f"{s.host}:{port}", http_port=http_port, tls=credentials is not None,
              mutual_tls=bool(credentials is not None and s.tls_client_ca),
              auth="bearer" if auth is not None else "off", auth_tokens=auth.token_count if auth else 0)
     if on_listening is not None:
@@ -164,16 +181,19 @@ async def start_server(config: Config, runtime: Runtime | None = None,
         metrics.track(runtime.registry)
         metrics_port = metrics.serve(s.metrics_port, s.host) if s.metrics_port else 0
     except BaseException:
+        if http is not None:
+            await http.stop()
         await server.stop(0)
         if runtime is not None:
             await asyncio.to_thread(runtime.stop)
         metrics.close()
         raise
     janitor = asyncio.create_task(_janitor(runtime, metrics, min(5.0, s.session_ttl_s / 4)))
-    running = Running(server, port, metrics_port, health_servicer, runtime, service, metrics, janitor, auth)
+    running = Running(server, port, metrics_port, health_servicer, runtime, service, metrics, janitor, auth, http,
+                      http_port)
     await running.set_serving(True)
-    log.info("serving", port=port, metrics_port=metrics_port, device=str(runtime.device), dtype=str(runtime.dtype),
-             draft=runtime.draft is not None)
+    log.info("serving", port=port, http_port=http_port, metrics_port=metrics_port, device=str(runtime.device),
+             dtype=str(runtime.dtype), draft=runtime.draft is not None)
     return running
 
 

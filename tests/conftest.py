@@ -31,8 +31,8 @@ def test_config(**engine: object) -> Config:
     base = build_config(None).engine
     return Config(
         engine=replace(base, max_sessions=4, max_context=512, threads=1, **engine),  # type: ignore[arg-type]
-        server=ServerConfig(host="127.0.0.1", port=0, metrics_port=free_port(), log_format="console",
-                            session_ttl_s=60.0, grace_s=2.0),
+        server=ServerConfig(host="127.0.0.1", port=0, metrics_port=free_port(), http_port=free_port(),
+                            log_format="console", session_ttl_s=60.0, grace_s=2.0),
         limits=Limits(max_new_tokens=256),
     )
 

@@ -1,7 +1,8 @@
 """Fuzzing every request message with hypothesis against a real server: random fields, extreme numbers (NaN, inf,
 huge ints), odd Unicode, empty and huge values, random token ids, Converse action sequences, unknown fields and raw
 bytes. Whatever comes in, a call ends OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED, no KV slot or stream quota
-leaks, and the server stays healthy.
+leaks, and the server stays healthy. The HTTP endpoints get the same treatment with random JSON bodies (and
+non-JSON bytes): 200, or 400 / 413 / 429 in OpenAI's error shape.
 
 Deterministic for CI: every test is derandomized (a fixed seed per test), with no example database. The server has
 small limits (max_new_tokens ≤ 6, 256-position context) so the 1,000+ requests stay fast.
@@ -9,6 +10,7 @@ small limits (max_new_tokens ≤ 6, 256-position context) so the 1,000+ requests
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -16,6 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+import httpx2
 import pytest
 import pytest_asyncio
 from conftest import models_missing
@@ -36,7 +39,7 @@ SENT: Counter[str] = Counter()
 """Requests sent per test (the suite must send at least 1,000)."""
 OUTCOMES: Counter[tuple[str, str]] = Counter()
 """(test, status) of every call, printed at the end (with -s) to see that most requests get past validation."""
-FUZZ_TESTS = ("generate", "infill", "converse", "model_info", "raw")
+FUZZ_TESTS = ("generate", "infill", "converse", "model_info", "raw", "http")
 MIN_REQUESTS = 1000
 
 
@@ -183,6 +186,56 @@ def conversations(draw: st.DrawFn) -> list[pb.ConverseRequest]:
 ANY_MESSAGE = st.one_of(generate_requests(), infill_requests(), session_starts(), turns(),
                         conversations().map(lambda a: a[0] if a else pb.ConverseRequest()))
 RAW_BYTES = st.one_of(st.binary(max_size=512), ANY_MESSAGE.map(lambda m: m.SerializeToString()))
+
+
+JSON_SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), FLOAT32, SHORT_TEXT)
+JSON_ANY = st.recursive(JSON_SCALAR, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                             st.dictionaries(SHORT_TEXT, inner, max_size=3)),
+                        max_leaves=8)
+MESSAGES = mostly(
+    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": texts(24)}),
+             min_size=1, max_size=4),
+    st.one_of(JSON_ANY, st.lists(st.dictionaries(st.sampled_from(["role", "content", "name"]), JSON_ANY),
+                                 max_size=3)),
+)
+OPENAI_FIELDS = {
+    "max_tokens": mostly(st.integers(1, 6), JSON_ANY), "temperature": TEMPERATURE, "top_p": TOP_P,
+    "seed": mostly(st.integers(0, 2**32), JSON_ANY), "stop": mostly(STOPS, JSON_ANY), "stream": st.booleans(),
+    "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()}), JSON_ANY),
+    "user": SESSION_IDS, "n": mostly(st.just(1), JSON_ANY), "logprobs": JSON_ANY, "model": JSON_ANY,
+}
+LLAMA_FIELDS = {
+    "n_predict": mostly(st.integers(-1, 6), JSON_ANY), "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K,
+    "stream": st.booleans(), "n_indent": mostly(st.integers(0, 8), JSON_ANY), "cache_prompt": JSON_ANY,
+    "t_max_predict_ms": mostly(st.integers(0, 2000), JSON_ANY), "samplers": JSON_ANY, "stop": mostly(STOPS, JSON_ANY),
+    "response_fields": mostly(st.lists(st.sampled_from(["content", "timings/prompt_n", "tokens_cached", "", "a/b"])),
+                              JSON_ANY),
+    "input_extra": mostly(st.lists(st.fixed_dictionaries({"filename": SHORT_TEXT, "text": texts(24)}), max_size=5),
+                          JSON_ANY),
+}
+HTTP_BODIES = {
+    "/v1/chat/completions": {"messages": MESSAGES, **OPENAI_FIELDS},
+    "/v1/completions": {"prompt": mostly(texts(), JSON_ANY), "suffix": mostly(texts(), JSON_ANY), **OPENAI_FIELDS},
+    "/infill": {"input_prefix": texts(), "input_suffix": texts(), "prompt": mostly(SHORT_TEXT, JSON_ANY),
+                **LLAMA_FIELDS},
+    "/completion": {"prompt": mostly(texts(), JSON_ANY), **LLAMA_FIELDS},
+}
+
+
+@st.composite
+def http_requests(draw: st.DrawFn) -> tuple[str, bytes, str]:
+    """(path, body, session header): mostly JSON objects with the endpoint's fields (some missing, some wild, some
+    unknown), else any JSON value or bytes."""
+    path = draw(st.sampled_from(sorted(HTTP_BODIES)))
+    if draw(st.integers(0, 9)) == 0:
+        body = draw(st.one_of(st.binary(max_size=256), JSON_ANY.map(lambda v: json.dumps(v).encode())))
+    else:
+        fields = HTTP_BODIES[path]
+        chosen = draw(st.lists(st.sampled_from(sorted(fields)), unique=True))
+        data = {name: draw(fields[name]) for name in chosen}
+        data.update(draw(st.dictionaries(SHORT_TEXT, JSON_ANY, max_size=2)))
+        body = json.dumps(data).encode()
+    return path, body, draw(mostly(st.just(""), SESSION_IDS))
 
 
 # ---- the server under fuzz --------------------------------------------------------------------------------------
@@ -342,6 +395,28 @@ async def test_fuzz_raw_bytes(fuzz_server: Running, fuzz_channel: grpc.aio.Chann
     assert code in allowed(fuzz_server, method), (code, details)
     if not parses(kind, payloads[0]) and code != grpc.StatusCode.RESOURCE_EXHAUSTED and "race" not in details:
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid protobuf message" in details, details
+    await settled(fuzz_server)
+
+
+@fuzz(200)
+@given(request=http_requests())
+async def test_fuzz_http(fuzz_server: Running, request: tuple[str, bytes, str]) -> None:
+    """Loopback only; each answer is 200, or 4xx in OpenAI's error shape (never a 5xx), and nothing leaks."""
+    SENT["http"] += 1
+    path, body, session = request
+    headers = {"content-type": "application/json"}
+    if session and session.isprintable() and session.isascii():
+        headers["x-session-id"] = session
+    async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{fuzz_server.http_port}", timeout=30) as client:
+        response = await client.post(path, content=body, headers=headers)
+    OUTCOMES["http", str(response.status_code)] += 1
+    assert response.status_code in (200, 400, 413, 429), (response.status_code, response.text)
+    if response.status_code != 200:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        assert response.text.startswith("data: ") and '"error"' not in response.text, response.text
+    else:
+        assert isinstance(response.json(), dict)
     await settled(fuzz_server)
 
 

@@ -1,0 +1,304 @@
+"""The HTTP edge against the live test server (same runtime and sessions as gRPC): the official `openai` SDK, the
+exact requests llama.vim sends to /infill, disconnects, authentication and malformed requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+import pytest_asyncio
+from conftest import free_port
+from service_helpers import LONG_TOKENS, Conversation, collect, text_of, wait_until
+
+from specrpc.auth import TokenAuth
+from specrpc.http_api import HttpApi, HttpServer, flatten
+from specrpc.runtime import ExtraFile
+from specrpc.server import Running
+from specrpc.v1 import generator_pb2 as pb
+from specrpc.v1 import generator_pb2_grpc as pb_grpc
+
+Stub = pb_grpc.GeneratorStub
+
+LLAMA_VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
+                    "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
+                    "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]
+"""The response_fields of llama.vim's completion request (autoload/llama.vim, llama#fim)."""
+
+
+def base_url(server: Running) -> str:
+    return f"http://127.0.0.1:{server.http_port}"
+
+
+@pytest_asyncio.fixture
+async def client(server: Running) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest_asyncio.fixture
+async def http(server: Running) -> AsyncIterator[httpx2.AsyncClient]:
+    async with httpx2.AsyncClient(base_url=base_url(server), timeout=60) as c:
+        yield c
+
+
+def assert_openai_error(response: httpx2.Response, status: int, *words: str) -> dict[str, Any]:
+    """OpenAI's error shape with `status`, its message naming `words`."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    for word in words:
+        assert word in error["message"], error
+    return error  # type: ignore[no-any-return]
+
+
+# ---- OpenAI, with the official SDK ---------------------------------------------------------------------------------
+
+
+async def test_sdk_streams_chat_with_usage_equal_to_grpc_converse(client: openai.AsyncOpenAI, stub: Stub) -> None:
+    question = "What is the capital of France?"
+    stream = await client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    deltas: list[str] = []
+    finish: list[str | None] = []
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+            continue
+        deltas.append(chunk.choices[0].delta.content or "")
+        finish.append(chunk.choices[0].finish_reason)
+    assert usage is not None and finish[-1] in ("stop", "length") and all(f is None for f in finish[:-1])
+    conversation = Conversation(stub)
+    await conversation.start(max_new_tokens=12)
+    chunks, _, summary = await conversation.turn(question)
+    await conversation.close()
+    assert "".join(deltas) == text_of(chunks) == summary.reply_text
+    assert usage.prompt_tokens == summary.generation.prompt_tokens
+    assert usage.completion_tokens == summary.generation.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+async def test_sdk_streams_completion_with_suffix_equal_to_grpc_infill(client: openai.AsyncOpenAI,
+                                                                       stub: Stub) -> None:
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    stream = await client.completions.create(model="any", prompt=prefix, suffix=suffix, max_tokens=10,
+                                             temperature=0, stream=True, stream_options={"include_usage": True})
+    text, usage = "", None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.text
+    chunks, summary = await collect(stub.Infill(pb.InfillRequest(prefix=prefix, suffix=suffix, max_new_tokens=10)))
+    assert text == text_of(chunks)
+    assert usage is not None and usage.prompt_tokens == summary.prompt_tokens
+    assert usage.completion_tokens == summary.completion_tokens
+    # and without streaming, the same
+    whole = await client.completions.create(model="any", prompt=prefix, suffix=suffix, max_tokens=10, temperature=0)
+    assert whole.choices[0].text == text and whole.usage is not None
+    assert whole.usage.completion_tokens == summary.completion_tokens
+
+
+async def test_session_second_turn_reuses_the_first_despite_other_clients(
+    client: openai.AsyncOpenAI, server: Running
+) -> None:
+    session = f"voice-{uuid.uuid4().hex}"
+    first = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a colour."}]
+    reply = await client.chat.completions.create(model="any", messages=first, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+                                                 extra_headers={"x-session-id": session})
+    assert reply.usage is not None
+    first_prompt = reply.usage.prompt_tokens
+    # other clients fill every other slot meanwhile
+    others = [client.completions.create(model="any", prompt=f"Story {i}: once upon a time", max_tokens=6,
+                                        temperature=0) for i in range(server.runtime.registry.total - 1)]
+    await asyncio.gather(*others)
+    second = [*first, {"role": "assistant", "content": reply.choices[0].message.content},
+              {"role": "user", "content": "Another one?"}]
+    again = await client.chat.completions.create(model="any", messages=second, max_tokens=4, temperature=0,  # type: ignore[arg-type]
+                                                 user=session)  # `user` names the same session
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens is not None
+    assert again.usage.prompt_tokens_details.cached_tokens >= first_prompt
+
+
+async def test_header_and_user_disagreeing_is_a_400(http: httpx2.AsyncClient) -> None:
+    response = await http.post("/v1/chat/completions", headers={"x-session-id": "a"},
+                               json={"messages": [{"role": "user", "content": "hi"}], "user": "b"})
+    assert_openai_error(response, 400, "x-session-id", "user")
+
+
+async def test_models_and_health(http: httpx2.AsyncClient, client: openai.AsyncOpenAI, server: Running) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [server.runtime.target_info.name]
+    health = await http.get("/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+# ---- llama.cpp's /infill as llama.vim calls it ---------------------------------------------------------------------
+
+
+def llama_vim_request(extra: list[dict[str, Any]], prefix: str, middle: str, suffix: str) -> dict[str, Any]:
+    """llama#fim's request body, field for field."""
+    return {"input_prefix": prefix, "input_suffix": suffix, "input_extra": extra, "prompt": middle,
+            "n_predict": 256, "n_indent": 4, "top_k": 40, "top_p": 0.99, "stream": False,
+            "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+            "t_max_predict_ms": 1500, "response_fields": LLAMA_VIM_FIELDS}
+
+
+def llama_vim_warmup(extra: list[dict[str, Any]]) -> dict[str, Any]:
+    """s:ring_update's cache warm-up request body, field for field."""
+    return {"input_prefix": "", "input_suffix": "", "input_extra": extra, "prompt": "", "n_predict": 0,
+            "temperature": 0.0, "stream": False, "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1,
+            "t_max_predict_ms": 1, "response_fields": [""]}
+
+
+async def test_llama_vim_warmup_then_completion_reads_flattened_fields(
+    http: httpx2.AsyncClient, server: Running
+) -> None:
+    if server.runtime.fim_ids is None:
+        pytest.skip("the served model has no FIM tokens")
+    extra = [{"text": f"def helper_{uuid.uuid4().hex[:8]}(x):\n    return x * 2\n", "time": [1, 2],
+              "filename": "util.py"}]
+    warm = await http.post("/infill", json=llama_vim_warmup(extra))
+    assert warm.status_code == 200 and warm.json() == {}  # response_fields [""] names nothing
+    prefix, middle, suffix = "import util\n\n", "    total = ", "\nprint(total)\n"
+    response = await http.post("/infill", json=llama_vim_request(extra, prefix, middle, suffix))
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    assert set(reply) == set(LLAMA_VIM_FIELDS)
+    assert isinstance(reply["content"], str) and reply["truncated"] is False
+    rt = server.runtime
+    prompt = rt.infill_prompt(prefix, suffix, [ExtraFile("util.py", extra[0]["text"])], "") + rt.encode_plain(middle)
+    extra_tokens = prompt.index(rt.fim_ids[0])  # [<|file_sep|>util.py\n text <|endoftext|>] before <|fim_prefix|>
+    assert reply["timings/prompt_n"] <= len(prompt) - extra_tokens  # the warmed-up extra context was cached
+    assert reply["tokens_cached"] == len(prompt) + reply["timings/predicted_n"]
+    assert reply["timings/predicted_n"] >= 1 and reply["timings/predicted_ms"] >= 0
+
+
+async def test_llama_infill_streams_when_asked(http: httpx2.AsyncClient, server: Running) -> None:
+    if server.runtime.fim_ids is None:
+        pytest.skip("the served model has no FIM tokens")
+    body = {"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "prompt": "    return ", "n_predict": 8,
+            "temperature": 0, "stream": True}
+    events = []
+    async with http.stream("POST", "/infill", json=body) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert events and all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    whole = await http.post("/infill", json={**body, "stream": False})
+    assert "".join(e["content"] for e in events) == whole.json()["content"]
+    assert events[-1]["timings"]["predicted_n"] == whole.json()["timings"]["predicted_n"]
+
+
+def test_response_fields_flatten_like_llama_cpp() -> None:
+    obj = {"content": "x", "timings": {"prompt_n": 3}, "truncated": False}
+    assert flatten(obj, ["content", "timings/prompt_n", "timings/nope", "", "truncated"]) == {
+        "content": "x", "timings/prompt_n": 3, "truncated": False}
+
+
+# ---- cancel, auth, bad requests ------------------------------------------------------------------------------------
+
+
+async def test_disconnect_mid_stream_frees_the_slot(http: httpx2.AsyncClient, server: Running,
+                                                    long_streams: float) -> None:
+    registry = server.runtime.registry
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": LONG_TOKENS,
+            "temperature": 0, "stream": True}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.aiter_lines()
+        while '"content": "' not in (line := await anext(lines)) or '"content": ""' in line:
+            pass
+        assert registry.in_use >= 1
+    took = await wait_until(lambda: registry.in_use == 0 and not server.service.quota.open, timeout=3,
+                            what="the slot freed after the client went away")
+    assert took < 1.0
+
+
+async def test_a_new_request_on_a_session_cancels_the_one_in_flight(http: httpx2.AsyncClient, server: Running,
+                                                                   long_streams: float) -> None:
+    session = {"x-session-id": f"keys-{uuid.uuid4().hex}"}
+    body = {"prompt": "Once upon a time", "max_tokens": LONG_TOKENS, "temperature": 0}
+    first = asyncio.create_task(http.post("/v1/completions", json=body, headers=session))
+    await wait_until(lambda: server.runtime.registry.in_use == 1, what="the first request running")
+    second = await http.post("/v1/completions", json={**body, "max_tokens": 3}, headers=session)
+    assert second.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert (await first).json()["choices"][0]["finish_reason"] == "cancelled"
+
+
+async def test_unauthenticated_requests_get_401_when_tokens_are_configured(server: Running, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    config = replace(server.service.config, server=replace(server.service.config.server, http_port=free_port(),
+                                                           auth_tokens_file=str(tokens)))
+    http_server = HttpServer(config, HttpApi(config, server.service.gateway, TokenAuth(tokens)))
+    port = await http_server.start()
+    try:
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            body = {"prompt": "x", "max_tokens": 1}
+            assert_openai_error(await c.post("/v1/completions", json=body), 401, "Authorization: Bearer")
+            assert_openai_error(await c.post("/infill", json=body, headers={"Authorization": "Bearer nope"}), 401,
+                                "invalid")
+            assert (await c.get("/health")).status_code == 200  # exempt, like gRPC health
+            ok = await c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+    finally:
+        await http_server.stop()
+
+
+BAD_REQUESTS: list[tuple[str, Any, int, tuple[str, ...]]] = [
+    ("/v1/chat/completions", b"{not json", 400, ("not valid JSON",)),
+    ("/v1/chat/completions", b"[1, 2]", 400, ("JSON object",)),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, ("messages[0].role",)),
+    ("/v1/chat/completions", {"messages": []}, 400, ("messages",)),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 1e9}, 400,
+     ("temperature", "--max-temperature")),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**12}, 400,
+     ("max_tokens",)),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": "high"}, 400, ("top_p",)),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, ("n must be 1",)),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 100}, 400, ("--max-stop-strings",)),
+    ("/v1/completions", {"prompt": 42}, 400, ("prompt",)),
+    ("/infill", {"input_prefix": "x", "n_predict": 10**6}, 400, ("n_predict", "--max-new-tokens")),
+    ("/infill", {"input_extra": [{"filename": "a", "text": "b"}] * 1000}, 400, ("input_extra", "--max-extra-files")),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), BAD_REQUESTS)
+async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    http: httpx2.AsyncClient, server: Running, path: str, body: Any, status: int, words: tuple[str, ...]
+) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = await http.post(path, content=content, headers={"content-type": "application/json"})
+    assert_openai_error(response, status, *words)
+    assert (await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})).status_code == 200
+    assert server.runtime.registry.in_use == 0 and not server.service.quota.open
+
+
+async def test_oversized_body_is_413(http: httpx2.AsyncClient, server: Running) -> None:
+    limit = server.service.limits.max_message_bytes
+    response = await http.post("/v1/completions", json={"prompt": "a" * (limit + 10)})
+    assert_openai_error(response, 413, "--max-message-bytes")
+    assert (await http.get("/health")).status_code == 200
+
+
+async def test_http_requests_are_counted_with_the_protocol_label(http: httpx2.AsyncClient, server: Running) -> None:
+    def count(code: str) -> float:
+        return server.metrics.registry.get_sample_value(
+            "specrpc_requests_total", {"rpc": "Completions", "code": code, "protocol": "http"}) or 0.0
+
+    ok, bad = count("OK"), count("INVALID_ARGUMENT")
+    await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    await http.post("/v1/completions", json={"prompt": "x", "temperature": -1})
+    assert (count("OK"), count("INVALID_ARGUMENT")) == (ok + 1, bad + 1)
