@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -16,6 +17,7 @@ import openai
 import pytest
 import pytest_asyncio
 from conftest import free_port
+from process_helpers import have_openssl, make_certs
 from service_helpers import LONG_TOKENS, Conversation, collect, text_of, wait_until
 
 from specrpc.auth import TokenAuth
@@ -253,6 +255,32 @@ async def test_unauthenticated_requests_get_401_when_tokens_are_configured(serve
             assert (await c.get("/health")).status_code == 200  # exempt, like gRPC health
             ok = await c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+    finally:
+        await http_server.stop()
+
+
+@pytest.mark.skipif(not have_openssl(), reason="no openssl")
+async def test_tls_and_mutual_tls_from_the_same_certificate_flags(server: Running, tmp_path: Path) -> None:
+    await asyncio.to_thread(make_certs, tmp_path)
+    base = server.service.config
+    config = replace(base, server=replace(base.server, http_port=free_port(), tls_cert=str(tmp_path / "server.pem"),
+                                          tls_key=str(tmp_path / "server.key"),
+                                          tls_client_ca=str(tmp_path / "ca.pem")))
+    http_server = HttpServer(config, HttpApi(config, server.service.gateway, None))
+    port = await http_server.start()
+
+    async def health(client_cert: str | None) -> int:
+        context = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        if client_cert:
+            context.load_cert_chain(str(tmp_path / f"{client_cert}.pem"), str(tmp_path / f"{client_cert}.key"))
+        async with httpx2.AsyncClient(verify=context, timeout=10) as c:
+            return (await c.get(f"https://localhost:{port}/health")).status_code
+
+    try:
+        assert await health("client") == 200
+        for refused in (None, "client2"):  # no certificate; one from another CA
+            with pytest.raises(httpx2.HTTPError):
+                await health(refused)
     finally:
         await http_server.stop()
 
