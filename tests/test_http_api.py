@@ -21,7 +21,7 @@ from process_helpers import have_openssl, make_certs
 from service_helpers import LONG_TOKENS, Conversation, collect, text_of, wait_until
 
 from specrpc.auth import TokenAuth
-from specrpc.http_api import HttpApi, HttpServer, flatten
+from specrpc.http_api import HttpApi, HttpServer
 from specrpc.runtime import ExtraFile
 from specrpc.server import Running
 from specrpc.v1 import generator_pb2 as pb
@@ -202,12 +202,6 @@ async def test_llama_infill_streams_when_asked(http: httpx2.AsyncClient, server:
     whole = await http.post("/infill", json={**body, "stream": False})
     assert "".join(e["content"] for e in events) == whole.json()["content"]
     assert events[-1]["timings"]["predicted_n"] == whole.json()["timings"]["predicted_n"]
-
-
-def test_response_fields_flatten_like_llama_cpp() -> None:
-    obj = {"content": "x", "timings": {"prompt_n": 3}, "truncated": False}
-    assert flatten(obj, ["content", "timings/prompt_n", "timings/nope", "", "truncated"]) == {
-        "content": "x", "timings/prompt_n": 3, "truncated": False}
 
 
 # ---- cancel, auth, bad requests ------------------------------------------------------------------------------------

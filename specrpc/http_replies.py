@@ -1,0 +1,148 @@
+"""How the HTTP edge shapes a generation's events: OpenAI's chat.completion(.chunk) and text_completion, and
+llama.cpp's /completion and /infill objects (with `response_fields` flattened as llama.cpp does)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specrpc.engine import FINISH_LENGTH, FINISH_STOP
+from specrpc.scheduler import FINISH_CANCELLED, Chunk, Done
+
+OPENAI_FINISH = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "cancelled"}
+LLAMA_STOP_TYPE = {FINISH_LENGTH: "limit", FINISH_CANCELLED: "none"}  # FINISH_STOP: "word" or "eos"
+
+
+class Reply:
+    """How one API family shapes a generation's events."""
+
+    def start(self) -> list[dict[str, Any]]:
+        """Streamed events before the first chunk."""
+        return []
+
+    def chunk(self, text: str, chunk: Chunk) -> list[dict[str, Any]]:
+        """Streamed events for a chunk of text."""
+        raise NotImplementedError
+
+    def end(self, done: Done, text: str, stream: bool) -> list[dict[str, Any]]:
+        """The final streamed events, or (not streaming) the one whole reply."""
+        raise NotImplementedError
+
+    done_marker = False  # whether the stream ends with `data: [DONE]`
+
+
+@dataclass
+class OpenAIReply(Reply):
+    """chat.completion(.chunk) or text_completion."""
+
+    chat: bool
+    model: str
+    include_usage: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    done_marker = True
+
+    def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        prefix = "chatcmpl-" if self.chat else "cmpl-"
+        return {"id": prefix + self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": "specrpc", "choices": choices}
+
+    def _choice(self, text: str | None, finish: str | None, stream: bool, role: bool = False) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if stream:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._envelope([self._choice("", None, True, role=True)], True)] if self.chat else []
+
+    def chunk(self, text: str, chunk: Chunk) -> list[dict[str, Any]]:
+        return [self._envelope([self._choice(text, None, True)], True)] if text else []
+
+    def end(self, done: Done, text: str, stream: bool) -> list[dict[str, Any]]:
+        finish = OPENAI_FINISH.get(done.finish, done.finish)
+        if not stream:
+            return [{**self._envelope([self._choice(text, finish, False)], False), "usage": usage(done)}]
+        events = [self._envelope([self._choice(None if self.chat else "", finish, True)], True)]
+        if self.include_usage:
+            events.append({**self._envelope([], True), "usage": usage(done)})
+        return events
+
+
+def usage(done: Done) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens found in the session's (or a free slot's) KV cache."""
+    s = done.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens}}
+
+
+@dataclass
+class LlamaReply(Reply):
+    """llama.cpp's /completion and /infill shape: partial `{content, stop: false}` events, then the final object
+    with `stop: true`, `timings`, `tokens_cached`, `truncated`; `response_fields` flattens the final object to the
+    listed `a/b` paths, keyed by the path (as llama.cpp's json_get_nested_values does)."""
+
+    model: str
+    fields: list[str]
+    prefill_only: bool
+    settings: dict[str, Any]
+    prompt_ids: int
+    predicted: int = 0
+
+    def chunk(self, text: str, chunk: Chunk) -> list[dict[str, Any]]:
+        self.predicted += len(chunk.token_ids)
+        if self.prefill_only or not text:
+            return []
+        return [{"index": 0, "content": text, "tokens": chunk.token_ids, "stop": False, "id_slot": -1,
+                 "tokens_predicted": self.predicted, "tokens_evaluated": self.prompt_ids}]
+
+    def end(self, done: Done, text: str, stream: bool) -> list[dict[str, Any]]:
+        s = done.stats
+        predicted = 0 if self.prefill_only else s.completion_tokens
+        content = "" if self.prefill_only else ("" if stream else text)
+        started = done.started_at or done.arrival
+        first = done.first_token_at or done.at
+        prompt_n = s.prompt_tokens - s.cached_prompt_tokens
+        prompt_ms = (first - started) * 1e3
+        predicted_ms = (done.at - first) * 1e3
+        stop_type = LLAMA_STOP_TYPE.get(done.finish) or ("word" if done.stop_sequence else "eos")
+        final: dict[str, Any] = {
+            "index": 0, "content": content, "tokens": [], "id_slot": -1, "stop": True, "model": self.model,
+            "tokens_predicted": predicted, "tokens_evaluated": s.prompt_tokens,
+            "generation_settings": self.settings,
+            "prompt": "", "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type,
+            "stopping_word": done.stop_sequence, "tokens_cached": s.prompt_tokens + predicted,
+            "timings": {
+                "cache_n": s.cached_prompt_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+                "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+                "predicted_n": predicted, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / predicted if predicted else 0.0,
+                "predicted_per_second": predicted / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
+            },
+        }
+        return [flatten(final, self.fields) if self.fields else final]
+
+
+def flatten(obj: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
+    """llama.cpp's response_fields: each `a/b` path that exists, keyed by the path itself; others left out."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        current: Any = obj
+        for key in path.split("/"):
+            if not isinstance(current, dict) or key not in current:
+                break
+            current = current[key]
+        else:
+            out[path] = current
+    return out

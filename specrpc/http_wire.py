@@ -1,0 +1,290 @@
+"""The HTTP edge's plumbing, beside its routes: OpenAI-shaped errors, reading JSON bodies with checks that name the
+field, and the ASGI response that runs a generation (SSE or one object) and cancels it when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from specrpc.auth import TooManyStreams
+from specrpc.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
+from specrpc.http_replies import Reply
+from specrpc.runtime import DecodeParams, NoInfillSupport
+from specrpc.scheduler import FINISH_CANCELLED, Chunk
+from specrpc.sessions import SlotsExhausted, UnknownSession
+from specrpc.validation import InvalidRequest
+
+log = structlog.get_logger(__name__)
+
+PROTOCOL = "http"  # the metrics' protocol label for this edge
+JSON_TYPE = "application/json"
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    """How a domain error is answered over HTTP, and counted (as the gRPC code name the metrics use)."""
+
+    status: int
+    type: str
+    code: str
+    grpc_code: str
+
+
+ERRORS: list[tuple[type[BaseException], ErrorKind]] = [
+    (InvalidRequest, ErrorKind(400, "invalid_request_error", "invalid_value", "INVALID_ARGUMENT")),
+    (UnknownSession, ErrorKind(400, "invalid_request_error", "unknown_session", "INVALID_ARGUMENT")),
+    (NoInfillSupport, ErrorKind(400, "invalid_request_error", "infill_unsupported", "FAILED_PRECONDITION")),
+    (SlotsExhausted, ErrorKind(429, "rate_limit_error", "kv_slots_exhausted", "RESOURCE_EXHAUSTED")),
+    (TooManyStreams, ErrorKind(429, "rate_limit_error", "too_many_streams", "RESOURCE_EXHAUSTED")),
+    (DeviceOutOfMemory, ErrorKind(503, "server_error", "device_out_of_memory", "RESOURCE_EXHAUSTED")),
+    (torch.OutOfMemoryError, ErrorKind(503, "server_error", "device_out_of_memory", "RESOURCE_EXHAUSTED")),
+    (NotReady, ErrorKind(503, "server_error", "loading", "UNAVAILABLE")),
+    (ShuttingDown, ErrorKind(503, "server_error", "shutting_down", "UNAVAILABLE")),
+    (EngineFailure, ErrorKind(500, "server_error", "engine_failure", "INTERNAL")),
+]
+INTERNAL = ErrorKind(500, "server_error", "internal_error", "INTERNAL")
+
+
+class HttpError(Exception):
+    """An error raised by the edge itself (not the domain): its status, OpenAI type and code, and the field."""
+
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.param = param
+
+
+UNAUTHENTICATED = ErrorKind(401, "authentication_error", "invalid_api_key", "UNAUTHENTICATED")
+TOO_LARGE = ErrorKind(413, "invalid_request_error", "request_too_large", "INVALID_ARGUMENT")
+BAD_REQUEST = ErrorKind(400, "invalid_request_error", "invalid_value", "INVALID_ARGUMENT")
+NOT_FOUND = ErrorKind(404, "invalid_request_error", "not_found", "NOT_FOUND")
+
+
+def kind_of(exc: BaseException) -> ErrorKind:
+    """How `exc` is answered."""
+    if isinstance(exc, HttpError):
+        return exc.kind
+    return next((kind for cls, kind in ERRORS if isinstance(exc, cls)), INTERNAL)
+
+
+def error_body(kind: ErrorKind, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind.type, "param": param, "code": kind.code}}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The JSON error answer to `exc`."""
+    kind = kind_of(exc)
+    message = str(exc) if kind is not INTERNAL else "internal error; see the server log"
+    param = exc.param if isinstance(exc, HttpError) else None
+    return JSONResponse(error_body(kind, message, param), status_code=kind.status)
+
+
+# ---- reading requests ------------------------------------------------------------------------------------------------
+
+
+def bad(param: str, message: str) -> HttpError:
+    """A 400 naming the field."""
+    return HttpError(BAD_REQUEST, message, param)
+
+
+class Body:
+    """A JSON object's fields, read with type and range checks that name the field on failure."""
+
+    def __init__(self, data: Any, where: str = "") -> None:
+        if not isinstance(data, dict):
+            raise bad(where or "body", f"{where or 'the request body'} must be a JSON object")
+        self.data = data
+        self.where = where
+
+    def name(self, key: str) -> str:
+        """The field's path as errors name it."""
+        return f"{self.where}.{key}" if self.where else key
+
+    def has(self, key: str) -> bool:
+        """Present and not null."""
+        return self.data.get(key) is not None
+
+    def text(self, key: str, default: str = "") -> str:
+        value = self.data.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise bad(self.name(key), f"{self.name(key)} must be a string; got {type(value).__name__}")
+        return value
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.data.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise bad(self.name(key), f"{self.name(key)} must be true or false; got {value!r}")
+        return value
+
+    def integer(self, key: str, default: int, lo: int, hi: int) -> int:
+        value = self.data.get(key, default)
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad(self.name(key), f"{self.name(key)} must be an integer; got {value!r}")
+        if not lo <= value <= hi:
+            raise bad(self.name(key), f"{self.name(key)} must be in [{lo}, {hi}]; got {value}")
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        value = self.data.get(key, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise bad(self.name(key), f"{self.name(key)} must be a finite number; got {value!r}")
+        return float(value)
+
+    def items(self, key: str) -> list[Any]:
+        value = self.data.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise bad(self.name(key), f"{self.name(key)} must be a list; got {type(value).__name__}")
+        return value
+
+    def stops(self, key: str = "stop") -> list[str]:
+        """`stop`: a string or a list of strings."""
+        value = self.data.get(key)
+        if value is None:
+            return []
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise bad(key, f"{key} must be a string or a list of strings")
+        return items
+
+
+async def read_json(request: Request, limit: int) -> Body:
+    """The request body as a JSON object, refused with 413 past `limit` bytes (--max-message-bytes)."""
+    declared = request.headers.get("content-length")
+    too_large = HttpError(TOO_LARGE, f"the request body is larger than {limit} bytes (server --max-message-bytes); "
+                                     f"send a shorter prompt or fewer extra files")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    data = bytearray()
+    async for piece in request.stream():
+        data += piece
+        if len(data) > limit:
+            raise too_large
+    try:
+        return Body(json.loads(data))
+    except (ValueError, RecursionError) as exc:
+        raise bad("body", f"the request body is not valid JSON ({exc}); send a JSON object") from None
+
+
+# ---- the response that runs a generation ----------------------------------------------------------------------------
+
+
+class GenerationResponse(Response):
+    """Runs a generation while answering: SSE events as chunks arrive (`stream`), or one JSON object at the end. It
+    watches the connection and cancels the generation when the client goes away, so the slot is freed before the next
+    engine step. Errors before the first byte is sent are answered in OpenAI's error shape, later ones as a last
+    `data: {"error": …}` event. The admitted stream is released and the request counted when it ends."""
+
+    def __init__(self, gateway: Gateway, rpc: str, client: str, prompt: list[int], params: DecodeParams,
+                 session: str, reply: Reply, stream: bool) -> None:
+        super().__init__(status_code=200)
+        self.gateway = gateway
+        self.rpc = rpc
+        self.client = client
+        self.prompt = prompt
+        self.params = params
+        self.session = session
+        self.reply = reply
+        self.stream = stream
+        self.opened = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(watch_disconnect(receive, gone))
+        code = "CANCELLED"
+        try:
+            code = await self._answer(send, gone)
+        finally:
+            watcher.cancel()
+            gone.set()  # whatever ended this response ends its generation
+            self.gateway.leave(self.client)
+            self.gateway.count(self.rpc, code, PROTOCOL)
+
+    async def _answer(self, send: Send, gone: asyncio.Event) -> str:
+        """Stream or collect the generation; returns the final status as a gRPC code name."""
+        events = self.gateway.stream(self.prompt, self.params, self.session, self.rpc, gone)
+        text: list[str] = []
+        try:
+            async for event in events:
+                if isinstance(event, Chunk):
+                    text.append(event.text)
+                    pieces = self.reply.chunk(event.text, event)
+                    if self.stream and pieces:
+                        await self._events(send, await self._open(send) + pieces)
+                    continue
+                final = self.reply.end(event, "".join(text), self.stream)
+                if self.stream:
+                    await self._events(send, await self._open(send) + final, last=True)
+                else:
+                    await self._start(send, 200, JSON_TYPE)
+                    await send({"type": "http.response.body", "body": json.dumps(final[0]).encode()})
+                return "CANCELLED" if event.finish == FINISH_CANCELLED and gone.is_set() else "OK"
+        except Exception as exc:
+            kind = kind_of(exc)
+            if kind is INTERNAL:
+                log.exception("unhandled error", rpc=self.rpc, protocol=PROTOCOL)
+            message = str(exc) if kind is not INTERNAL else "internal error; see the server log"
+            if self.opened:
+                await self._events(send, [error_body(kind, message)], last=True)
+            else:
+                await self._start(send, kind.status, JSON_TYPE)
+                await send({"type": "http.response.body", "body": json.dumps(error_body(kind, message)).encode()})
+            return kind.grpc_code
+        finally:
+            await events.aclose()
+        return "CANCELLED"  # unreachable: a generation ends with Done or raises
+
+    async def _open(self, send: Send) -> list[dict[str, Any]]:
+        """Start the event stream once; returns the reply's opening events the first time."""
+        if self.opened:
+            return []
+        self.opened = True
+        await self._start(send, 200, "text/event-stream", SSE_HEADERS)
+        return self.reply.start()
+
+    @staticmethod
+    async def _start(send: Send, status: int, media_type: str, headers: dict[str, str] | None = None) -> None:
+        raw = [(b"content-type", media_type.encode())]
+        raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+
+    async def _events(self, send: Send, events: list[dict[str, Any]], last: bool = False) -> None:
+        """SSE events in one write; `last` ends the stream (after `data: [DONE]` where the API has it)."""
+        body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+        if last and self.reply.done_marker:
+            body += b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": body, "more_body": not last})
+
+
+async def watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    """Set `gone` when the client disconnects (the body has been read already, so the next message is that)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+            return

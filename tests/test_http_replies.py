@@ -1,0 +1,45 @@
+"""Reply shapes of the HTTP edge, without a server."""
+
+from __future__ import annotations
+
+from specrpc.engine import FINISH_LENGTH, GenerationStats
+from specrpc.http_replies import LlamaReply, OpenAIReply, flatten
+from specrpc.scheduler import Chunk, Done
+
+
+def done(finish: str = FINISH_LENGTH, prompt: int = 10, cached: int = 4, completion: int = 3) -> Done:
+    stats = GenerationStats(prompt_tokens=prompt, cached_prompt_tokens=cached, completion_tokens=completion)
+    return Done(finish, stats, "", "abc", at=2.0, arrival=1.0, first_token_at=1.5, started_at=1.1)
+
+
+def test_response_fields_flatten_like_llama_cpp() -> None:
+    obj = {"content": "x", "timings": {"prompt_n": 3}, "truncated": False}
+    assert flatten(obj, ["content", "timings/prompt_n", "timings/nope", "", "truncated"]) == {
+        "content": "x", "timings/prompt_n": 3, "truncated": False}
+
+
+def test_openai_chat_stream_opens_with_the_role_and_ends_with_usage() -> None:
+    reply = OpenAIReply(chat=True, model="m", include_usage=True)
+    [opening] = reply.start()
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    [piece] = reply.chunk("ab", Chunk("ab", [1, 2], 0, 1.6))
+    assert piece["object"] == "chat.completion.chunk" and piece["choices"][0]["delta"] == {"content": "ab"}
+    last, usage = reply.end(done(), "ab", stream=True)
+    assert last["choices"][0]["finish_reason"] == "length" and usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                              "prompt_tokens_details": {"cached_tokens": 4}}
+    [whole] = reply.end(done(), "ab", stream=False)
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["content"] == "ab"
+
+
+def test_llama_reply_reports_timings_and_a_warmup_reports_nothing_generated() -> None:
+    reply = LlamaReply(model="m", fields=[], prefill_only=False, settings={}, prompt_ids=10)
+    [final] = reply.end(done(), "abc", stream=False)
+    assert final["content"] == "abc" and final["stop"] is True and final["stop_type"] == "limit"
+    timings = final["timings"]
+    assert (timings["cache_n"], timings["prompt_n"], timings["predicted_n"]) == (4, 6, 3)
+    assert final["tokens_cached"] == 13 and abs(timings["prompt_ms"] - 400.0) < 1e-6
+    warm = LlamaReply(model="m", fields=["content", "timings/predicted_n"], prefill_only=True, settings={},
+                      prompt_ids=10)
+    assert warm.chunk("x", Chunk("x", [5], 0, 1.5)) == []
+    assert warm.end(done(completion=1), "x", stream=False) == [{"content": "", "timings/predicted_n": 0}]
