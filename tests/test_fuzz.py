@@ -224,14 +224,17 @@ HTTP_BODIES = {
 
 @st.composite
 def http_requests(draw: st.DrawFn) -> tuple[str, bytes, str]:
-    """(path, body, session header): mostly JSON objects with the endpoint's fields (some missing, some wild, some
-    unknown), else any JSON value or bytes."""
+    """(path, body, session header): mostly JSON objects with the endpoint's fields (the main one nearly always; the
+    others some missing, some wild, some unknown), else any JSON value or bytes."""
     path = draw(st.sampled_from(sorted(HTTP_BODIES)))
     if draw(st.integers(0, 9)) == 0:
         body = draw(st.one_of(st.binary(max_size=256), JSON_ANY.map(lambda v: json.dumps(v).encode())))
     else:
         fields = HTTP_BODIES[path]
+        required = next(iter(fields))  # messages / prompt / input_prefix: present unless dropped 1 time in 10
         chosen = draw(st.lists(st.sampled_from(sorted(fields)), unique=True))
+        if draw(st.integers(0, 9)) and required not in chosen:
+            chosen.append(required)
         data = {name: draw(fields[name]) for name in chosen}
         data.update(draw(st.dictionaries(SHORT_TEXT, JSON_ANY, max_size=2)))
         body = json.dumps(data).encode()

@@ -20,7 +20,7 @@ from conftest import free_port
 from process_helpers import have_openssl, make_certs
 from service_helpers import LONG_TOKENS, Conversation, collect, text_of, wait_until
 
-from specrpc.auth import TokenAuth
+from specrpc.auth import StreamQuota, TokenAuth
 from specrpc.http_api import HttpApi, HttpServer
 from specrpc.runtime import ExtraFile
 from specrpc.server import Running
@@ -231,6 +231,18 @@ async def test_a_new_request_on_a_session_cancels_the_one_in_flight(http: httpx2
     second = await http.post("/v1/completions", json={**body, "max_tokens": 3}, headers=session)
     assert second.json()["choices"][0]["finish_reason"] in ("length", "stop")
     assert (await first).json()["choices"][0]["finish_reason"] == "cancelled"
+
+
+async def test_streams_per_client_limit_covers_http(http: httpx2.AsyncClient, server: Running, long_streams: float,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server.service, "quota", StreamQuota(1, by_token=False))
+    body = {"prompt": "Once upon a time", "max_tokens": LONG_TOKENS, "temperature": 0, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as running:
+        await anext(running.aiter_lines())
+        refused = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert_openai_error(refused, 429, "--max-streams-per-client", "at most 1")
+    await wait_until(lambda: not server.service.quota.open and server.runtime.registry.in_use == 0,
+                     what="quota and slot released")
 
 
 async def test_unauthenticated_requests_get_401_when_tokens_are_configured(server: Running, tmp_path: Path) -> None:
