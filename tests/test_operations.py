@@ -1,5 +1,5 @@
-"""Operations: health (NOT_SERVING until warm, while draining), reflection, Prometheus metrics, and a graceful
-SIGTERM drain of `specrpc serve` run as a process."""
+"""Operations: health (NOT_SERVING until warm, while draining; HTTP /health alike), reflection, Prometheus metrics,
+and a graceful SIGTERM drain of `specrpc serve` run as a process."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
+import httpx2
 import pytest
 from conftest import free_port
 from conftest import test_config as make_config
@@ -147,7 +148,8 @@ async def test_health_not_serving_until_warm_and_while_draining(server: Running,
     starting = asyncio.create_task(start_server(config, on_listening=listening.set_result))
     try:
         port = await asyncio.wait_for(listening, timeout=30)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, httpx2.AsyncClient(
+                base_url=f"http://127.0.0.1:{config.server.http_port}", timeout=10) as http:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=GENERATOR))
             assert (await watch.read()).status == NOT_SERVING
             stub = pb_grpc.GeneratorStub(channel)
@@ -158,6 +160,10 @@ async def test_health_not_serving_until_warm_and_while_draining(server: Running,
                 assert error.code() == grpc.StatusCode.UNAVAILABLE and "SERVING" in (error.details() or ""), phase
                 error = await rpc_error(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5))
                 assert error.code() == grpc.StatusCode.UNAVAILABLE, phase
+                # the HTTP edge, listening from the start too: /health and requests 503 until warm
+                assert (await http.get("/health")).status_code == 503, phase
+                refused = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "loading", phase
                 assert not starting.done(), phase
                 gate.set()
                 if phase == "loading":
@@ -168,6 +174,7 @@ async def test_health_not_serving_until_warm_and_while_draining(server: Running,
             assert running.runtime is runtime
             assert (await asyncio.wait_for(watch.read(), timeout=5)).status == SERVING
             assert await health_status(channel) == SERVING
+            assert (await http.get("/health")).status_code == 200
 
             # drain with a stream in flight: NOT_SERVING at once, new calls refused, the stream completes
             runtime.stop_token_ids = frozenset()
@@ -179,6 +186,9 @@ async def test_health_not_serving_until_warm_and_while_draining(server: Running,
             assert (await asyncio.wait_for(watch.read(), timeout=2)).status == NOT_SERVING
             error = await rpc_error(stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=2), timeout=5))
             assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in (error.details() or "")
+            assert (await http.get("/health")).status_code == 503
+            refused = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
             _, summary = await read_rest(call)
             assert summary.finish_reason == pb.FINISH_REASON_LENGTH and summary.completion_tokens == 40
             await asyncio.wait_for(stopping, timeout=3)  # the health Watch stream does not hold the grace period
