@@ -211,7 +211,7 @@ async def fuzz_channel(fuzz_server: Running) -> AsyncIterator[grpc.aio.Channel]:
 
 
 def allowed(server: Running, rpc: str) -> set[grpc.StatusCode]:
-    if rpc == "Infill" and server.runtime.fim_ids is None:
+    if rpc == "Infill" and server.runtime.fim is None:
         return OK_CODES | {grpc.StatusCode.FAILED_PRECONDITION}
     return OK_CODES
 

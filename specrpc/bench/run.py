@@ -20,6 +20,7 @@ import torch
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.workloads import Case, build_cases
 from specrpc.config import Config, EngineConfig, Limits, ServerConfig
+from specrpc.fim import InfillInput
 from specrpc.openmp import release_workers
 from specrpc.policy import expected_tokens
 from specrpc.runtime import Runtime
@@ -63,7 +64,7 @@ def prompt_ids(runtime: Runtime, case: Case) -> list[int]:
     """Token ids of a case as the service would build them."""
     if case.suffix is None:
         return runtime.encode(case.prompt)
-    return runtime.infill_prompt(case.prompt, case.suffix, [], "")
+    return runtime.infill_prompt(InfillInput(case.prompt, case.suffix, layout="psm")).ids
 
 
 def run_contenders(runtime: Runtime, contenders: dict[str, Runner], cases: list[Case], params: SamplingParams,
