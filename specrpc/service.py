@@ -323,7 +323,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     def _fit_prompt(self, ids: list[int], truncate: bool) -> list[int]:
         if not ids:
             raise InvalidRequest("the prompt is empty: set prompt or prompt_token_ids")
-        cap = self.runtime.prompt_cap
+        room = self.runtime.context_limit - 1
+        cap = min(room, self.limits.max_prompt_tokens or room)
         if len(ids) > cap:
             if not truncate:
                 raise InvalidRequest(f"the prompt has {len(ids)} tokens but at most {cap} fit (context "
