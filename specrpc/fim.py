@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,6 +334,40 @@ Encode = Callable[[str], list[int]]
 EncodeMany = Callable[[list[str]], list[list[int]]]
 
 
+class EncodeCache:
+    """`encode` with the token ids of recently encoded long texts kept: the extra files, the suffix and the lines
+    above the cursor come back unchanged from one keystroke to the next, and encoding them again would cost the
+    event loop milliseconds per keystroke. Holds at most `max_chars` characters of text; callers must not mutate the
+    lists it returns."""
+
+    MIN_CHARS = 64
+
+    def __init__(self, encode: Encode, max_chars: int = 4_000_000) -> None:
+        self._encode = encode
+        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+        self._chars = 0
+        self._max_chars = max_chars
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> list[int]:
+        if len(text) < self.MIN_CHARS or len(text) > self._max_chars:
+            return self._encode(text)
+        with self._lock:
+            ids = self._entries.get(text)
+            if ids is not None:
+                self._entries.move_to_end(text)
+                return ids
+        ids = self._encode(text)
+        with self._lock:
+            if text not in self._entries:
+                self._entries[text] = ids
+                self._chars += len(text)
+                while self._chars > self._max_chars:
+                    old, _ = self._entries.popitem(last=False)
+                    self._chars -= len(old)
+        return ids
+
+
 @dataclass
 class Segments:
     """A prompt as separately tokenized pieces, by what they hold, so trimming can count each."""
@@ -361,7 +397,7 @@ class FimFormat:
         if "EOT" not in self.ids and eos_id is not None:
             self.ids["EOT"] = eos_id
         self.stop_ids = frozenset(vocab[t] for t in template.stops if t in vocab)
-        self._encode = encode
+        self._encode = EncodeCache(encode)
         self._encode_many = encode_many
         self.bos_ids = list(bos_ids)
         self._sentinel = encode(BARE_SENTINEL) if template.bare else []

@@ -21,6 +21,7 @@ from specrpc.config import ASSETS, EngineConfig
 from specrpc.engine import Engine, GenerationRequest
 from specrpc.fim import (
     TRIM_STEP_TOKENS,
+    EncodeCache,
     ExtraFile,
     FimFormat,
     InfillInput,
@@ -339,6 +340,26 @@ def test_too_long_without_truncate_or_untrimmable_is_refused(tmp_path: Path) -> 
         fmt.prompt(InfillInput(long, long), 512, limit_note=" (context 512)")
     with pytest.raises(PromptTooLong, match="typed_line"):  # one line being typed cannot be trimmed
         fmt.prompt(InfillInput("x = " + " + ".join(f"v{i}" for i in range(600)), ""), 512, truncate=True)
+
+
+def test_encode_cache_returns_the_same_ids_and_stays_within_its_size() -> None:
+    calls: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        calls.append(text)
+        return [ord(c) for c in text]
+
+    cache = EncodeCache(encode, max_chars=300)
+    texts = [chr(97 + i) * 100 for i in range(4)]
+    assert [cache(t) for t in texts[:2]] == [encode(t) for t in texts[:2]]
+    calls.clear()
+    assert cache(texts[0]) == encode(texts[0]) and len(calls) == 1  # a hit: only the reference call above
+    cache(texts[2])
+    cache(texts[3])  # 400 characters held would be over 300: the least recently used (texts[1]) went
+    calls.clear()
+    cache(texts[1])
+    assert calls == [texts[1]]
+    assert cache("short") == encode("short")  # short texts are not kept
 
 
 # ---- exactness through the engine on the shipped pair ----------------------------------------------------------------
