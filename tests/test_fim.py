@@ -17,7 +17,7 @@ from engine_helpers import decode
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from specrpc.config import ASSETS, EngineConfig
+from specrpc.config import ASSETS, EngineConfig, build_config
 from specrpc.engine import Engine, GenerationRequest
 from specrpc.fim import (
     TRIM_STEP_TOKENS,
@@ -228,6 +228,13 @@ def test_template_choice_declared_detected_overridden_or_none() -> None:
     assert missing.template is None and "<|fim_prefix|>" in missing.reason
     none = choose(plain, None)
     assert none.template is None and "fill-in-the-middle" in none.reason
+
+
+def test_fim_template_setting_is_validated() -> None:
+    assert build_config(None, env={"SPECRPC_FIM_TEMPLATE": "codellama"}).engine.fim_template == "codellama"
+    assert build_config(None, env={}).engine.fim_template == ""
+    with pytest.raises(ValueError, match="--fim-template must be one of"):
+        build_config(None, env={"SPECRPC_FIM_TEMPLATE": "llama"})
 
 
 def test_shipped_pair_declares_prefix_first(tmp_path: Path) -> None:
