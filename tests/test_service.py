@@ -887,6 +887,11 @@ async def test_invalid_infill_requests(stub: Stub) -> None:
     assert "extra files" in (error.details() or "") and "truncate_prompt" not in (error.details() or "")
     error = await rpc_error(stub.Infill(pb.InfillRequest(prefix="a", session_id="x" * 200), timeout=10))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in (error.details() or "")
+    for bad, field_name in ((pb.InfillRequest(prefix="a", layout=99), "layout"),  # type: ignore[arg-type]
+                            (pb.InfillRequest(prefix="a", repo_name="org\nrepo"), "repo_name"),
+                            (pb.InfillRequest(prefix="a", repo_name="r" * 300), "repo_name")):
+        error = await rpc_error(stub.Infill(bad, timeout=10))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and field_name in (error.details() or "")
 
 
 async def test_truncate_prompt_keeps_the_last_tokens(stub: Stub, server: Running,
