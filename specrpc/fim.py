@@ -374,14 +374,14 @@ class Segments:
 
     head: list[int] = field(default_factory=list)  # BOS and the repository opening
     extras: list[list[int]] = field(default_factory=list)  # one entry per extra file
-    block: list[tuple[str, list[int]]] = field(default_factory=list)  # the FIM block: (kind, ids) per part
+    block: list[list[int]] = field(default_factory=list)  # the FIM block, one entry per part
 
     def ids(self) -> list[int]:
         """The prompt: head, extra files, then the FIM block in its template order."""
         out = list(self.head)
         for extra in self.extras:
             out += extra
-        for _, piece in self.block:
+        for piece in self.block:
             out += piece
         return out
 
@@ -435,19 +435,18 @@ class FimFormat:
     def _text(self, text: str, bare: bool) -> list[int]:
         return self.bare(text) if bare else (self._encode(text) if text else [])
 
-    def _render(self, items: Sequence[Part], fields: Mapping[str, str]) -> list[tuple[str, list[int]]]:
-        """Each part as (kind, ids), kind "prefix", "suffix" or "fixed"; parts whose needs are unmet are left out."""
-        out: list[tuple[str, list[int]]] = []
+    def _render(self, items: Sequence[Part], fields: Mapping[str, str]) -> list[list[int]]:
+        """Each part's ids (a token the vocabulary lacks, or a part whose needs are unmet, is left out); the suffix
+        is encoded bare in a `bare` family."""
+        out: list[list[int]] = []
         for part in items:
             if any(not fields.get(n) for n in part.needs):
                 continue
             if part.is_token:
                 if part.item in self.ids:
-                    out.append(("fixed", [self.ids[part.item]]))
+                    out.append([self.ids[part.item]])
                 continue
-            kind = "prefix" if part.item == "{prefix}" else "suffix" if part.item == "{suffix}" else "fixed"
-            text = part.item.format(**fields)
-            out.append((kind, self._text(text, self.template.bare and kind == "suffix")))
+            out.append(self._text(part.item.format(**fields), self.template.bare and part.item == "{suffix}"))
         return out
 
     def segments(self, infill: InfillInput, layout: str, extra: Sequence[ExtraFile], prefix: str, suffix: str,
@@ -456,16 +455,14 @@ class FimFormat:
         ctx = "1" if (infill.path or infill.repo_name or extra) else ""
         fields = {"path": infill.path, "repo": infill.repo_name, "ctx": ctx, "prefix": prefix, "suffix": suffix}
         seg = Segments(head=list(self.bos_ids))
-        for _, ids in self._render(self.template.repository, fields):
+        for ids in self._render(self.template.repository, fields):
             seg.head += ids
         for f in extra:
-            ids = []
-            for _, piece in self._render(self.template.extra, {**fields, "path": f.path, "text": f.text}):
-                ids += piece
-            seg.extras.append(ids)
+            seg.extras.append([i for piece in self._render(self.template.extra, {**fields, "path": f.path,
+                                                                                 "text": f.text}) for i in piece])
         seg.block = self._render(self.template.layouts["spm" if layout == "spm" else "psm"], fields)
         if layout == "typed_line" and typed:
-            seg.block.append(("typed", self._text(typed, self.template.bare)))
+            seg.block.append(self._text(typed, self.template.bare))
         return seg
 
     def prompt(self, infill: InfillInput, budget: int, truncate: bool = False, limit_note: str = "") -> InfillPrompt:
