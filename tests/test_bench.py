@@ -27,3 +27,18 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     for chart in ("tokens_per_s.png", "accepted_length.png", "speedup_vs_k.png"):
         assert (tmp_path / chart).stat().st_size > 0
     assert "| adaptive |" in (tmp_path / "results.md").read_text()
+
+
+def test_keystroke_replay_runs_through_grpc_from_another_process(tmp_path: Path) -> None:
+    """The workload runs end to end (timings are the integrator's to measure, not asserted here)."""
+    assert main(["--keystrokes", "--keystroke-files", "1", "--keystroke-chars", "4", "--keystroke-intervals", "120",
+                 "--keystroke-layouts", "typed_line,spm,psm", "--max-new-tokens", "4", "--threads", "1",
+                 "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "keystrokes.json").read_text())
+    assert results["fim_template"] == "specrpc" and results["lines"]
+    runs = results["runs"]
+    assert set(runs) == {"typed_line@120ms", "psm@120ms"}  # the shipped pair is trained prefix-first only
+    for run in runs.values():
+        assert run["keystrokes"] == 4
+        assert all(k["prompt_tokens"] > 0 and k["finish"] for line in run["keystrokes_detail"] for k in line)
+    assert "| typed_line | 120 ms | 4 |" in (tmp_path / "keystrokes.md").read_text()

@@ -20,6 +20,7 @@ import torch
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.workloads import Case, build_cases
 from specrpc.config import Config, EngineConfig, Limits, ServerConfig
+from specrpc.fim import InfillInput
 from specrpc.openmp import release_workers
 from specrpc.policy import expected_tokens
 from specrpc.runtime import Runtime
@@ -63,7 +64,7 @@ def prompt_ids(runtime: Runtime, case: Case) -> list[int]:
     """Token ids of a case as the service would build them."""
     if case.suffix is None:
         return runtime.encode(case.prompt)
-    return runtime.infill_prompt(case.prompt, case.suffix, [], "")
+    return runtime.infill_prompt(InfillInput(case.prompt, case.suffix, layout="psm")).ids
 
 
 def run_contenders(runtime: Runtime, contenders: dict[str, Runner], cases: list[Case], params: SamplingParams,
@@ -334,7 +335,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--max-new-tokens", type=int, default=0, help="override every case's length (0: keep)")
     parser.add_argument("--workloads", default="code,infill,text", help="comma-separated subset of code,infill,text")
+    keys = parser.add_argument_group("keystroke replay (specrpc/bench/keystrokes.py)")
+    keys.add_argument("--keystrokes", action="store_true",
+                      help="run only the keystroke replay: lines typed in held-out files, an Infill per key through "
+                           "gRPC to a `specrpc serve` in another process, each layout against prefix-first")
+    keys.add_argument("--keystroke-files", type=int, default=4, help="held-out files, one line typed in each")
+    keys.add_argument("--keystroke-layouts", default="typed_line,spm,psm",
+                      help="layouts to compare (those the model was not trained for are skipped)")
+    keys.add_argument("--keystroke-intervals", default="120,900", help="milliseconds between keys")
+    keys.add_argument("--keystroke-chars", type=int, default=0, help="characters typed per line (0: the whole line)")
     args = parser.parse_args(argv)
+    if args.keystrokes:
+        from specrpc.bench.keystrokes import markdown as keystroke_table
+        from specrpc.bench.keystrokes import run as replay_keystrokes
+
+        replayed = replay_keystrokes(args.target, args.draft, args.out, args.keystroke_files,
+                                     [x for x in args.keystroke_layouts.split(",") if x],
+                                     [int(x) for x in args.keystroke_intervals.split(",") if x], threads=args.threads,
+                                     max_new_tokens=args.max_new_tokens or 16, limit=args.keystroke_chars)
+        print(keystroke_table(replayed))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",") if k]
