@@ -94,7 +94,7 @@ def checkpoint_info(path: str, model: CausalLM, dtype: torch.dtype) -> Checkpoin
         vocab_size=model.vocab_size,
         weight_bytes=count * torch.tensor([], dtype=dtype).element_size(),
         context_length=int(config.get("max_position_embeddings", 0)),
-        lean=type(model).__name__ == "LlamaLM",
+        lean=model.lean_forward,
     )
 
 

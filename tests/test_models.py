@@ -22,6 +22,10 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Starcoder2Config,
+    Starcoder2ForCausalLM,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -55,6 +59,13 @@ CASES: dict[str, tuple[type[PreTrainedModel], PreTrainedConfig]] = {
     "qwen2-bias": (Qwen2ForCausalLM, Qwen2Config(**{**TINY, "num_key_value_heads": 1})),
     "qwen2-window": (Qwen2ForCausalLM, Qwen2Config(**TINY, use_sliding_window=True, sliding_window=5,
                                                    max_window_layers=1)),
+    "qwen3-qk-norm": (Qwen3ForCausalLM, Qwen3Config(**TINY, head_dim=16)),
+    "qwen3-head-dim-bias-window": (Qwen3ForCausalLM, Qwen3Config(**TINY, head_dim=24, attention_bias=True,
+                                                                 use_sliding_window=True, sliding_window=5,
+                                                                 max_window_layers=1)),
+    "starcoder2": (Starcoder2ForCausalLM, Starcoder2Config(**TINY, tie_word_embeddings=False)),
+    "starcoder2-tied-window": (Starcoder2ForCausalLM, Starcoder2Config(**TINY, sliding_window=6)),
+    "starcoder2-no-bias": (Starcoder2ForCausalLM, Starcoder2Config(**TINY, use_bias=False)),
 }
 
 
@@ -74,7 +85,7 @@ def save(tmp: Path, cls: type[PreTrainedModel], config: PreTrainedConfig, **kw: 
     model.train(False)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight"):  # also LayerNorm's ("…layernorm.weight") and Qwen3's q/k norms
                 p.copy_(1 + 0.5 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
@@ -134,12 +145,30 @@ def test_lean_matches_transformers(case: str, tmp_path: Path) -> None:
     cls, config = CASES[case]
     path, model = save(tmp_path, cls, config)
     lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY)
-    assert isinstance(lm, LlamaLM) and isinstance(lm, CausalLM)
+    assert isinstance(lm, LlamaLM) and isinstance(lm, CausalLM) and lm.lean_forward
     assert lm.vocab_size == VOCAB and lm.max_context == CAPACITY and lm.name == tmp_path.name
     check_against_reference(lm, model)
 
 
-@pytest.mark.parametrize("case", ["llama-tied-gqa", "llama3-rope", "mistral-window", "qwen2-window"])
+@pytest.mark.parametrize("case", ["qwen3-qk-norm", "starcoder2-tied-window"])
+def test_lean_greedy_decode_equals_transformers_generate(case: str, tmp_path: Path) -> None:
+    """Greedy-exact: the lean path's token-by-token argmax equals transformers' generate."""
+    cls, config = CASES[case]
+    path, model = save(tmp_path, cls, config)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY)
+    assert isinstance(lm, LlamaLM)
+    prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(6))
+    expected = model.generate(prompt[None], max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                              pad_token_id=0)[0, 9:].tolist()
+    out, token = [], int(lm.forward(prompt, 0, 0)[0].argmax())
+    for t in range(9, 9 + 30):
+        out.append(token)
+        token = int(lm.forward(torch.tensor([token]), t, 0)[0].argmax())
+    assert out == expected
+
+
+@pytest.mark.parametrize("case", ["llama-tied-gqa", "llama3-rope", "mistral-window", "qwen2-window",
+                                  "qwen3-head-dim-bias-window", "starcoder2-tied-window"])
 def test_static_forward_matches_transformers(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fixed-shape forward that CUDA graphs capture, run eagerly on CPU for every call pattern."""
     cls, config = CASES[case]
@@ -173,7 +202,7 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
 def test_fallback_matches_transformers(cls: type[PreTrainedModel], config: PreTrainedConfig, tmp_path: Path) -> None:
     path, model = save(tmp_path, cls, config)
     lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY, lean=False)
-    assert isinstance(lm, HFCausalLM) and isinstance(lm, CausalLM)
+    assert isinstance(lm, HFCausalLM) and isinstance(lm, CausalLM) and not lm.lean_forward
     check_against_reference(lm, model)
 
 

@@ -31,9 +31,10 @@ def load_model(
     graph_tokens: int = 0,
 ) -> CausalLM:
     """Load `path` with `num_slots` KV slots of `max_context` positions each (include the verify reserve:
-    max_context + k_max + 1). Llama / Mistral / Qwen2 take the lean forward unless `lean` is False or the config
-    needs something it lacks; anything else runs through transformers. `int8_decode` (lean path on CPU only): serve
-    products of a few rows from int8 weight copies, which changes the model's outputs slightly; for drafts.
+    max_context + k_max + 1). Llama / Mistral / Qwen2 / Qwen3 / StarCoder2 take the lean forward unless `lean` is
+    False or the config needs something it lacks; anything else runs through transformers. `int8_decode` (lean
+    path on CPU only): serve products of a few rows from int8 weight copies, which changes the model's outputs
+    slightly; for drafts.
     `graph_tokens` (lean path on CUDA only): forwards of up to that many tokens replay CUDA graphs."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
