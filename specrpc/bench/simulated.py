@@ -14,9 +14,10 @@ from specrpc.sampling import SamplingParams
 from specrpc.verify import VerifyResult
 
 
-def simulated_verifier(alpha: float, seed: int = 0) -> Verifier:
+def simulated_verifier(alpha: float, seed: int = 0, vocab: int | None = None) -> Verifier:
     """A verifier that accepts each draft with probability `alpha` until the first rejection, then emits the target's
-    argmax at that position (the bonus when all k were accepted). Reads the logits once, as `verify` does."""
+    argmax at that position (the bonus when all k were accepted) among the first `vocab` ids (those both models
+    embed: random weights put mass on a target's padded rows, which a draft with fewer rows cannot read)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     rng = random.Random(seed)
@@ -27,7 +28,8 @@ def simulated_verifier(alpha: float, seed: int = 0) -> Verifier:
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
-        host = torch.cat([draft_ids[:accepted], target_logits[accepted].argmax().view(1)]).tolist()  # one host sync
+        token = target_logits[accepted, :vocab].argmax().view(1)  # [1]
+        host = torch.cat([draft_ids[:accepted], token]).tolist()  # the one host sync
         return VerifyResult(accepted=accepted, tokens=host, bonus=accepted == k)
 
     return run
