@@ -11,12 +11,13 @@ from engine_helpers import decode
 
 import specrpc
 from specrpc.config import EngineConfig
-from specrpc.engine import Engine, GenerationRequest
+from specrpc.bench.simulated import simulated_verifier
+from specrpc.engine import Engine, GenerationRequest, Stall
 from specrpc.models import load_model
 from specrpc.models.llama import LlamaLM
 from specrpc.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 ASSETS = Path(specrpc.__file__).parent / "assets"
 CUDA = torch.device("cuda")
 
@@ -72,3 +73,24 @@ def test_greedy_speculation_with_graphs_equals_target_only(dtype: torch.dtype) -
         mismatches += outs[1] != outs[0] or outs[2] != outs[0]
     # float32 must be exact; bf16 verify (k+1 rows) and decode (1 row) round differently, so near-ties may flip
     assert mismatches == 0 if dtype == torch.float32 else mismatches <= 1
+
+
+@pytest.mark.parametrize("where", ["draft_s", "verify_s"])
+def test_guard_both_ways_on_the_gpu(where: str) -> None:
+    """With graphs and bf16, every draft accepted (simulated): a stall switches speculation off within a bounded
+    number of steps, and it comes back once the stall is gone."""
+    target, draft = _pair(torch.bfloat16, graphs=True)
+    engine = Engine(target, draft, replace(EngineConfig(), max_sessions=2, max_context=390, proposer="draft"),
+                    verifier=simulated_verifier(1.0, vocab=min(target.vocab_size, draft.vocab_size)))
+    engine.calibrate()
+    slot = engine.new_slot(0)
+    policy = slot.policy
+    policy.probe_every, policy.probe_k = 4, 4
+    gen = engine.start(slot, GenerationRequest([1, 2, 3], 380, SamplingParams(temperature=0.0), proposer="draft"))
+    gen.step()
+    engine.stall = Stall(**{where: 0.05})
+    stalled = [gen.step().proposed for _ in range(5 * policy.probe_every)]
+    assert sum(k > 0 for k in stalled[-policy.probe_every :]) <= 1, stalled
+    engine.stall = None
+    after = [gen.step().proposed for _ in range(5 * policy.probe_every)]
+    assert sum(k > 0 for k in after[-2 * policy.probe_every :]) >= policy.probe_every, after
