@@ -10,8 +10,8 @@ import torch
 from engine_helpers import decode
 
 import specrpc
-from specrpc.config import EngineConfig
 from specrpc.bench.simulated import simulated_verifier
+from specrpc.config import EngineConfig
 from specrpc.engine import Engine, GenerationRequest, Stall
 from specrpc.models import load_model
 from specrpc.models.llama import LlamaLM

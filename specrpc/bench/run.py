@@ -269,7 +269,8 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {int(streams)} | {a['aggregate_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
                          f"{a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} |")
     if "workloads" in results:
-        lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |", "| --- | --- | --- | --- | --- |"]
+        lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
+                  "| --- | --- | --- | --- | --- |"]
         for w, per in results["workloads"].items():
             base = per["target-only"]["tokens_per_s"]
             for name, s in per.items():
