@@ -82,9 +82,10 @@ class DraftModelProposer:
             catch_up_s = time.perf_counter() - t0
             t0 += catch_up_s
         position = len(tokens)
-        drafted: list[torch.Tensor] = []
+        looped = self._greedy_loop(logits, position, slot, k) if params.greedy else None
+        drafted: list[torch.Tensor] = [] if looped is None else [looped]
         rows: list[torch.Tensor] = []
-        for i in range(k):  # tokens stay on the device: on a GPU the k steps queue without waiting on the host
+        for i in range(k if looped is None else 0):  # tokens stay on the device: on a GPU the steps queue unsynced
             if params.greedy:  # verify ignores draft probabilities when greedy
                 token = logits[0].argmax().view(1)  # [1]
             else:
@@ -99,6 +100,16 @@ class DraftModelProposer:
         forwards = k if steady else k - 1
         step_s = (time.perf_counter() - t0) / forwards if forwards else None
         return Proposal(ids, probs_out, self.name, step_s, catch_up_s)
+
+
+    def _greedy_loop(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
+        """k greedy tokens [k] from one replay of the model's captured k-step loop (a lean model on CUDA), or None
+        where the model has none (then the caller drafts step by step)."""
+        loop = getattr(self.model, "greedy_draft", None)  # optional: not part of the CausalLM protocol
+        if loop is None:
+            return None
+        tokens: torch.Tensor | None = loop(logits[0].argmax().view(1), position, slot, k)
+        return tokens
 
 
 class PromptLookupProposer:

@@ -27,6 +27,8 @@ from specrpc.bench.run import summarize
 from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import EngineConfig
 from specrpc.engine import Engine
+from specrpc.models.cuda_graphs import CHUNKS
+from specrpc.models.llama import bucket_sizes
 from specrpc.models.random_weights import random_lm, write_checkpoint
 from specrpc.policy import expected_tokens
 from specrpc.runtime import resolve_device, resolve_dtype
@@ -41,11 +43,13 @@ def build_engine(pair: str, scale: int, device: torch.device, dtype: torch.dtype
     """Target and draft of `pair` with random weights (one slot each), CUDA graphs for draft and verify steps."""
     target_name, draft_name = PAIRS[pair]
     capacity = max_context + 8 + 1
+    cuda = device.type == "cuda"  # as the server runs there: graphs, padded eager shapes, one-replay draft loops
     kw: dict[str, Any] = {"num_slots": 1, "max_context": capacity, "device": device, "dtype": dtype,
-                          "graph_tokens": 9 if device.type == "cuda" else 0}
+                          "graph_tokens": 9 if cuda else 0,
+                          "buckets": bucket_sizes(CHUNKS * 9 + 1, 512) if cuda else ()}
     t0 = time.perf_counter()
     target = random_lm(config(target_name, scale), target_name, seed=seed, **kw)
-    draft = random_lm(config(draft_name, scale), draft_name, seed=seed + 1, **kw)
+    draft = random_lm(config(draft_name, scale), draft_name, seed=seed + 1, draft_loop_steps=7 if cuda else 0, **kw)
     print(f"{pair} (scale 1/{scale}): built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return Engine(target, draft, EngineConfig(max_sessions=1, max_context=max_context, max_draft_tokens=8,
                                               proposer="draft", prefill_chunk=512))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import statistics
 import time
@@ -38,7 +39,9 @@ from safetensors import safe_open
 from specrpc.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from specrpc.models.cuda_graphs import GraphedForward
+    from specrpc.models.cuda_graphs import GraphedDraftLoop, GraphedForward
+
+log = logging.getLogger(__name__)
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "starcoder2"})
 LAYER_NORM_TYPES = frozenset({"starcoder2"})  # LayerNorm with bias, plain MLP; the rest: RMSNorm, SwiGLU
@@ -370,8 +373,10 @@ def _decoder(
     sin: torch.Tensor,
     attend: Callable[[int, int | None, torch.Tensor, torch.Tensor], Attended],
     num_logits: int,
+    valid: int | None = None,
 ) -> torch.Tensor:
-    """The layers over ids [T] with RoPE rows cos, sin [T, D] → logits [num_logits, V] (float32).
+    """The layers over ids [T] with RoPE rows cos, sin [T, D] → logits [num_logits, V] (float32) of the last
+    `num_logits` of the first `valid` rows (all T by default; fewer when ids end in padding).
 
     attend(layer index, window, k_new [hkv, T, D], v_new [hkv, T, D]) stores the new K/V and returns the keys and
     values to attend to ([1, hkv, S, D] each) and a bool mask [rep·T, S] (None: all visible).
@@ -399,14 +404,17 @@ def _decoder(
         up = _linear(layer.mlp_norm(x), layer.up)  # [T, 2·ffn] gated, [T, ffn] plain
         hidden = w.act(up[:, : a.ffn]).mul_(up[:, a.ffn :]) if a.gated else w.act(up)  # [T, ffn]
         x = _linear_add(hidden, layer.down, x)  # [T, d]
-    x = w.norm(x[count - num_logits :])  # [num_logits, d]
+    end = count if valid is None else valid
+    x = w.norm(x[end - num_logits : end])  # [num_logits, d]
     return _linear(x, w.head).float()  # [num_logits, V]
 
 
 def llama_forward(
-    w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor, start: int, num_logits: int
+    w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor, start: int, num_logits: int,
+    valid: int | None = None,
 ) -> torch.Tensor:
-    """ids [T] at positions start..start+T-1 → logits [num_logits, V] (float32) for the last positions.
+    """ids [T] at positions start..start+T-1 → logits [num_logits, V] (float32) for the last positions (of the first
+    `valid` ids, when the rest is padding: its K/V lie past the slot's length, where nothing reads them).
 
     k_cache, v_cache: one slot's [L, H_kv, C, D]; positions start..start+T-1 are written, [0, start) are read
     (only the span a layer can see, so the cost grows with the context, not the capacity).
@@ -420,7 +428,7 @@ def llama_forward(
         lo, mask = spans[window]
         return k_cache[i, None, :, lo:end], v_cache[i, None, :, lo:end], mask  # [1, hkv, S, D]
 
-    return _decoder(w, ids, w.cos[start:end], w.sin[start:end], attend, num_logits)
+    return _decoder(w, ids, w.cos[start:end], w.sin[start:end], attend, num_logits, valid)
 
 
 def llama_forward_static(
@@ -443,6 +451,35 @@ def llama_forward_static(
         return k_cache[i, None], v_cache[i, None], masks[window]  # [1, hkv, C, D]
 
     return _decoder(w, ids, w.cos[pos], w.sin[pos], attend, num_logits)
+
+
+def greedy_draft_static(
+    w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, first: torch.Tensor, base: torch.Tensor, steps: int
+) -> torch.Tensor:
+    """A greedy draft's loop with no host sync: `first` [1] (the token drafted from the catch-up's logits) at
+    position `base` [1], then `steps` forwards, each feeding the previous argmax → tokens [steps + 1]. Shapes depend
+    on `steps` alone, so `cuda_graphs.GraphedDraftLoop` captures it once per (slot, steps)."""
+    tokens = [first]
+    for i in range(steps):
+        logits = llama_forward_static(w, k_cache, v_cache, tokens[-1], base + i, 1)  # [1, V]
+        tokens.append(logits[0].argmax().view(1))
+    return torch.cat(tokens)  # [steps + 1]
+
+
+def bucket_sizes(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from the first one >= `smallest` up to `largest`, and `largest` itself: the token counts eager
+    forwards are padded to, so that every shape a request can meet was met at load."""
+    if largest < smallest:
+        return ()
+    sizes = [1 << max(0, smallest - 1).bit_length()]
+    while sizes[-1] * 2 < largest:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sorted({*(s for s in sizes if s < largest), largest}))
+
+
+def bucket_for(count: int, sizes: tuple[int, ...], room: int) -> int:
+    """The smallest size >= `count` that fits in `room` positions; `count` itself when none does."""
+    return next((s for s in sizes if count <= s <= room), count)
 
 
 def _effective_window(window: int | None, capacity: int) -> int | None:
@@ -602,7 +639,13 @@ class LlamaLM:
         device: torch.device,
         dtype: torch.dtype,
         graph_tokens: int = 0,
+        buckets: tuple[int, ...] = (),
+        draft_loop_steps: int = 0,
     ) -> None:
+        """`graph_tokens`, `draft_loop_steps` (CUDA only): forwards of up to that many tokens, and greedy draft loops
+        of up to that many forwards, replay CUDA graphs. `buckets`: eager forwards asking for their last logits are
+        padded to the smallest of these token counts that fits (each one run once here, so no count is met first
+        in a request)."""
         a = weights.args
         self.name = name
         self.weights = weights
@@ -621,10 +664,24 @@ class LlamaLM:
             dtype=dtype,
         )
         self.graphs: GraphedForward | None = None
-        if graph_tokens > 0 and device.type == "cuda":
-            from specrpc.models.cuda_graphs import GraphedForward
+        self.draft_loop: GraphedDraftLoop | None = None
+        self.buckets = buckets
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            from specrpc.models.cuda_graphs import GraphedDraftLoop, GraphedForward
 
-            self.graphs = GraphedForward(weights, self.cache.slot_k, self.cache.slot_v, graph_tokens)
+            if graph_tokens > 0:
+                self.graphs = GraphedForward(weights, self.cache.slot_k, self.cache.slot_v, graph_tokens)
+            if draft_loop_steps > 0:
+                self.draft_loop = GraphedDraftLoop(weights, self.cache.slot_k, self.cache.slot_v, draft_loop_steps)
+        for size in buckets:  # meet every padded shape once now (slot 0, left empty)
+            self.forward(torch.zeros(min(size, max_context), dtype=torch.long, device=device), 0, 0)
+            self.truncate(0, 0)
+        if self.graphs is not None or self.draft_loop is not None or buckets:
+            log.info("%s: CUDA graphs (%d forwards, %d draft loops) and %d padded sizes %s ready in %.2f s", name,
+                     len(self.graphs.graphs) if self.graphs else 0,
+                     len(self.draft_loop.graphs) if self.draft_loop else 0, len(buckets), list(buckets),
+                     time.perf_counter() - t0)
 
     @classmethod
     def load(
@@ -638,16 +695,18 @@ class LlamaLM:
         dtype: torch.dtype,
         int8_decode: bool = False,
         graph_tokens: int = 0,
+        buckets: tuple[int, ...] = (),
+        draft_loop_steps: int = 0,
     ) -> LlamaLM:
         """Build from a checkpoint directory and its parsed config.json; each slot holds `max_context` positions.
         `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target).
-        `graph_tokens`: on CUDA, forwards of up to this many tokens replay CUDA graphs (0: never)."""
+        `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off)."""
         args = LlamaArgs.from_config(cfg)
         weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype)
         if int8_decode:
             weights = with_int8_decode(weights)
         lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
-                 graph_tokens=graph_tokens)
+                 graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
         if weights.head.packed is not None and weights.head.q8 is None:
             lm.tune_decode()
         return lm
@@ -687,11 +746,24 @@ class LlamaLM:
             if self.graphs is not None and self.graphs.covers(count, num_logits):
                 logits = self.graphs.forward(ids, start, slot, num_logits)
             else:
+                size = bucket_for(count, self.buckets, self.max_context - start) if num_logits == 1 else count
+                padded = ids if size == count else torch.cat([ids, ids.new_zeros(size - count)])  # [size]
                 logits = llama_forward(
-                    self.weights, self.cache.slot_k[slot], self.cache.slot_v[slot], ids, start, num_logits
+                    self.weights, self.cache.slot_k[slot], self.cache.slot_v[slot], padded, start, num_logits, count
                 )
         self.cache.commit(slot, start + count)
         return logits
+
+    def greedy_draft(self, first: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
+        """k greedy draft tokens [k] on the device, `first` [1] at `position` and k-1 more, as one graph replay;
+        None when no loop of k-1 forwards was captured (the caller drafts step by step)."""
+        if self.draft_loop is None or not 1 <= k - 1 <= self.draft_loop.max_steps:
+            return None
+        self.cache.begin_write(slot, position, k - 1)
+        with torch.inference_mode():
+            tokens = self.draft_loop.run(first, position, slot, k - 1)  # [k]
+        self.cache.commit(slot, position + k - 1)
+        return tokens
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll `slot` back to `length` positions."""
