@@ -108,7 +108,7 @@ class DraftModelProposer:
         loop = getattr(self.model, "greedy_draft", None)  # optional: not part of the CausalLM protocol
         if loop is None:
             return None
-        tokens: torch.Tensor | None = loop(logits[0].argmax().view(1), position, slot, k)
+        tokens: torch.Tensor | None = loop(logits, position, slot, k)
         return tokens
 
 

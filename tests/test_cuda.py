@@ -110,13 +110,14 @@ def test_draft_loop_replay_equals_step_by_step_and_padded_prefill_equals_exact()
         lm.forward(ids[:100], 0, 1)  # 100 tokens: padded to 128 on the graphed model
     a, b = graphed_target.forward(ids[:100], 0, 1), eager_target.forward(ids[:100], 0, 1)
     assert (a - b).abs().max().item() < 1e-3 * max(1.0, b.abs().max().item())
-    first = eager.forward(ids[100:101], 100, 1)[0].argmax().view(1)
+    last = eager.forward(ids[100:101], 100, 1)  # [1, V]
+    first = last[0].argmax().view(1)
     graphed.forward(ids[100:101], 100, 1)
-    assert graphed.greedy_draft(first, 101, 1, 1) is None, "k = 1 needs no forward: nothing to replay"
+    assert graphed.greedy_draft(last, 101, 1, 1) is None, "k = 1 needs no forward: nothing to replay"
     for k in (2, 5, 8):
         for lm in (graphed, eager):
             lm.truncate(1, 101)
-        looped = graphed.greedy_draft(first, 101, 1, k)
+        looped = graphed.greedy_draft(last, 101, 1, k)
         expected = [first]
         for i in range(k - 1):
             expected.append(eager.forward(expected[-1], 101 + i, 1)[0].argmax().view(1))

@@ -754,14 +754,14 @@ class LlamaLM:
         self.cache.commit(slot, start + count)
         return logits
 
-    def greedy_draft(self, first: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
-        """k greedy draft tokens [k] on the device, `first` [1] at `position` and k-1 more, as one graph replay;
-        None when no loop of k-1 forwards was captured (the caller drafts step by step)."""
+    def greedy_draft(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
+        """k greedy draft tokens [k] on the device: the argmax of `logits` [1, V] (the catch-up's) at `position` and
+        k-1 more, as one graph replay; None when no loop of k-1 forwards was captured (draft step by step)."""
         if self.draft_loop is None or not 1 <= k - 1 <= self.draft_loop.max_steps:
             return None
         self.cache.begin_write(slot, position, k - 1)
         with torch.inference_mode():
-            tokens = self.draft_loop.run(first, position, slot, k - 1)  # [k]
+            tokens = self.draft_loop.run(logits[0].argmax().view(1), position, slot, k - 1)  # [k]
         self.cache.commit(slot, position + k - 1)
         return tokens
 
