@@ -86,18 +86,18 @@ fi
 
 # 1. CUDA tests (graph replay = eager, exact speculation with graphs, the guard both ways with a stall injected)
 if [ "$DEVICE" = cuda ]; then
-  phase "cuda tests" 150 $PY -m pytest -m gpu tests/test_cuda.py -q -p no:cacheprovider \
+  phase "cuda tests" 100 $PY -m pytest -m gpu tests/test_cuda.py -q -p no:cacheprovider \
     --junitxml="$OUT/cuda_tests.xml"
 else
   say "== cuda tests: skipped on --device $DEVICE"
 fi
 
 # 2. Shipped pair in process: adaptive vs target-only vs fixed k, per workload with ITL p99 (results.md)
-phase "shipped-pair benchmark" 120 $PY -m specrpc.bench.run --no-hf --no-grpc \
+phase "shipped-pair benchmark" 90 $PY -m specrpc.bench.run --no-hf --no-grpc \
   "${BENCH[@]}" --out "$OUT/shipped"
 
 # 3. Realistic sizes: random weights of the 7B/0.5B and 8B/1B shapes, measured costs, simulated acceptance
-phase "realistic sweep" 150 $PY -m specrpc.bench.realistic --device "$DEVICE" "${REAL[@]}" --out "$OUT/realistic"
+phase "realistic sweep" 120 $PY -m specrpc.bench.realistic --device "$DEVICE" "${REAL[@]}" --out "$OUT/realistic"
 
 # 4. gRPC with the client in its own process, on the same prompts as the shipped-pair benchmark
 PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -108,19 +108,20 @@ $PY -m specrpc.cli serve "${SERVE_ARGS[@]}" >"$OUT/serve.log" 2>&1 &
 SERVER=$!
 if $PY - "$PORT" >>"$LOG" 2>&1 <<'PYEOF'
 import sys, grpc
-grpc.channel_ready_future(grpc.insecure_channel(f"127.0.0.1:{sys.argv[1]}")).result(timeout=120)
+grpc.channel_ready_future(grpc.insecure_channel(f"127.0.0.1:{sys.argv[1]}")).result(timeout=60)
 PYEOF
 then
   mkdir -p "$OUT/grpc"
-  phase "grpc stream speed" 90 sh -c "$PY tools/stream_speed.py --target 127.0.0.1:$PORT --ks adaptive,0 \
+  phase "grpc stream speed" 60 sh -c "$PY tools/stream_speed.py --target 127.0.0.1:$PORT --ks adaptive,0 \
     ${STREAM[*]} --rounds 1 > '$OUT/grpc/stream_speed.txt'"
   cat "$OUT/grpc/stream_speed.txt" | tee -a "$LOG"
 else
-  say "== grpc: the server did not come up within 120 s (see $OUT/serve.log)"; STATUS=1
+  say "== grpc: the server did not come up within 60 s (see $OUT/serve.log)"; STATUS=1
 fi
 kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null
 
 say "tables: $OUT/shipped/results.md, $OUT/realistic/realistic.md, $OUT/grpc/stream_speed.txt; log $LOG"
 say "compare gRPC decode tokens/s with the in-process adaptive/target-only rows of shipped/results.md (same prompts)"
+say "total ${SECONDS}s"
 [ $STATUS -eq 0 ] && say "all phases passed" || say "SOME PHASES FAILED (see the log)"
 exit $STATUS

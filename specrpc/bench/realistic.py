@@ -102,13 +102,20 @@ def markdown(results: dict[str, Any]) -> str:
                   + f"; target-only {r['target_only_tokens_per_s']:.1f} tokens/s.", "",
                   "| α | contender | tokens/s | × target-only | bound E/(kc+V) | of bound | mean k | ITL p99 ms |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        best_lines = []
         for alpha, rows in r["alphas"].items():
             for name, row in rows.items():
                 bound = f"{row['bound']:.2f}" if "bound" in row else ""
                 of = f"{row['of_bound']:.2f}" if "of_bound" in row else ""
                 lines.append(f"| {alpha} | {name} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}× | {bound} | "
                              f"{of} | {row['mean_k']:.1f} | {row['itl_p99_ms']:.2f} |")
-        lines.append("")
+            best = max((n for n in rows if n.startswith("k=")), key=lambda n: rows[n]["speedup"], default=None)
+            if best is not None:
+                b = rows[best]
+                best_lines.append(f"- α = {alpha}: best fixed {best} at {b['speedup']:.2f}× target-only, "
+                                  f"{b['of_bound']:.2f} of its bound; adaptive {rows['adaptive']['speedup']:.2f}× "
+                                  f"= {rows['adaptive']['speedup'] / b['speedup']:.2f} of the best.")
+        lines += ["", *best_lines, ""]
     return "\n".join(lines)
 
 
