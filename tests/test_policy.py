@@ -102,6 +102,9 @@ def test_realized_guard_comes_back_at_the_first_good_probe_and_stays_off_while_p
         policy.observe_step("draft", seconds=20.0, tokens=policy.probe_k + 1)
     ks = [policy.choose() for _ in range(policy.probe_every)]  # the stall is gone: the next probe is fast
     assert ks[-1] == policy.probe_k and set(ks[:-1]) == {0}
-    policy.observe_step("draft", seconds=1.2, tokens=policy.probe_k + 1)
-    assert policy.realized_speedup("draft") == pytest.approx(3 / 1.2)
+    # the probe's step included 5 s of the draft catching up on the tokens it sat out: a one-off, left out
+    policy.observe_step("draft", seconds=1.2 + 5.0, tokens=policy.probe_k + 1, catch_up_s=5.0)
+    assert policy.realized_speedup("draft") == pytest.approx((policy.probe_k + 1) / 1.2)
     assert policy.choose() > policy.probe_k, "back on, at the model's k"
+    policy.observe_step("draft", seconds=1.0 + 5.0, tokens=3, catch_up_s=5.0)  # not a probe: counted whole
+    assert policy.realized.get("draft") is not None and policy.realized["draft"].seconds > 5.0
