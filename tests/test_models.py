@@ -35,6 +35,7 @@ from specrpc.models import CausalLM, load_model
 from specrpc.models import llama as llama_mod
 from specrpc.models.hf_fallback import HFCausalLM
 from specrpc.models.llama import LlamaArgs, LlamaLM, bucket_for, bucket_sizes, rope_inv_freq
+from specrpc.runtime import checkpoint_info
 
 CPU, F32 = torch.device("cpu"), torch.float32
 VOCAB, N, CAPACITY = 96, 40, 48
@@ -156,7 +157,7 @@ def test_lean_greedy_decode_equals_transformers_generate(case: str, tmp_path: Pa
     cls, config = CASES[case]
     path, model = save(tmp_path, cls, config)
     lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY)
-    assert isinstance(lm, LlamaLM)
+    assert isinstance(lm, LlamaLM) and checkpoint_info(str(path), lm, F32).lean, "ModelInfo.lean_forward"
     prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(6))
     expected = model.generate(prompt[None], max_new_tokens=30, min_new_tokens=30, do_sample=False,
                               pad_token_id=0)[0, 9:].tolist()
