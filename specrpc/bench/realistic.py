@@ -74,6 +74,8 @@ def run_pair(engine: Engine, alphas: list[float], ks: list[int], prompt_len: int
         runners = {"adaptive": engine_runner(engine, None, "draft"),
                    **{f"k={k}": engine_runner(engine, k, "draft") for k in ks}}
         runs: dict[str, list[Run]] = {name: [] for name in runners}
+        for runner in runners.values():  # warm-up: each contender's first forwards are not measured
+            runner(prompts[0][:16], 8, GREEDY)
         for p in prompts:
             for name, runner in runners.items():
                 runs[name].append(runner(p, new_tokens, GREEDY))
