@@ -5,7 +5,7 @@ Reports c, V(k) for k = 1..8 and, per α, tokens/s and speed-up over target-only
 bound E/(k·c + V). Tables say "measured costs, simulated acceptance": never model results.
 
     specrpc bench realistic --pair qwen2.5-coder-7b/0.5b --out bench-realistic          # a GPU, full size
-    specrpc bench realistic --quick --device cpu --out /tmp/r                           # CPU, shapes / 16
+    specrpc bench realistic --quick --device cpu --out bench-realistic-cpu              # CPU, shapes / 16
     specrpc bench realistic --write-checkpoint DIR --model qwen2.5-coder-1.5b --scale 8  # a random HF checkpoint
 """
 
