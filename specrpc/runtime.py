@@ -20,6 +20,8 @@ from specrpc.config import Config
 from specrpc.engine import Engine, GenerationRequest, GenerationStats
 from specrpc.fim import FimFormat, InfillInput, InfillPrompt, NoInfillSupport, load_format
 from specrpc.models import CausalLM, load_model, load_tokenizer
+from specrpc.models.cuda_graphs import CHUNKS
+from specrpc.models.llama import bucket_sizes
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.openmp import release_workers
 from specrpc.policy import CostModel
@@ -79,7 +81,7 @@ def checkpoint_info(path: str, model: CausalLM, dtype: torch.dtype) -> Checkpoin
         vocab_size=model.vocab_size,
         weight_bytes=count * torch.tensor([], dtype=dtype).element_size(),
         context_length=int(config.get("max_position_embeddings", 0)),
-        lean=type(model).__name__ == "LlamaLM",
+        lean=model.lean_forward,
     )
 
 
@@ -143,15 +145,21 @@ class Runtime:
         self.stream_decoder = StreamDecoder(self.tokenizer)
         capacity = ec.max_context + ec.max_draft_tokens + 1
         graph_tokens = ec.max_draft_tokens + 1 if ec.cuda_graphs else 0  # a verify step's width at most
+        # On CUDA, no shape is met first in a request: prefill chunks and catch-ups longer than the graphs cover are
+        # padded to a few sizes run at load, and a greedy draft's k steps replay one captured loop.
+        graphed = ec.cuda_graphs and self.device.type == "cuda"
+        buckets = bucket_sizes(CHUNKS * graph_tokens + 1, ec.prefill_chunk) if graphed else ()
         self.target: CausalLM = load_model(ec.target, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
-                                           max_context=capacity, lean=ec.lean, graph_tokens=graph_tokens)
+                                           max_context=capacity, lean=ec.lean, graph_tokens=graph_tokens,
+                                           buckets=buckets)
         self.draft: CausalLM | None = None
         if ec.draft and ec.draft.lower() != "none":
             check_tokenizers_match(self.tokenizer, load_tokenizer(ec.draft), self.target.vocab_size,
                                    self._vocab_rows(ec.draft))
             self.draft = load_model(ec.draft, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
                                     max_context=capacity, lean=ec.lean, int8_decode=ec.draft_int8,
-                                    graph_tokens=graph_tokens)
+                                    graph_tokens=graph_tokens, buckets=buckets,
+                                    draft_loop_steps=ec.max_draft_tokens - 1 if graphed else 0)
         self.target_info = checkpoint_info(ec.target, self.target, self.dtype)
         self.draft_info = checkpoint_info(ec.draft, self.draft, self.dtype) if self.draft is not None else None
         self.engine = Engine(self.target, self.draft, ec)

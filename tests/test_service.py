@@ -822,6 +822,7 @@ async def test_model_info(stub: Stub, server: Running, tokenizer: PreTrainedToke
     assert info.target.vocab_size == target_config["vocab_size"]
     assert info.target.parameters > 0 and info.target.weight_bytes >= 4 * info.target.parameters
     assert info.target.context_length == target_config["max_position_embeddings"]
+    assert info.target.lean_forward == server.runtime.target.lean_forward  # the model's own property
     assert info.HasField("draft") == (server.runtime.draft is not None)
     if info.HasField("draft"):
         assert info.draft.name == Path(engine.draft).name and info.draft.parameters > 0

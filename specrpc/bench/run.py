@@ -269,6 +269,14 @@ def markdown(results: dict[str, Any]) -> str:
             a, t = sweep[f"{int(streams)}:adaptive"], sweep[f"{int(streams)}:target-only"]
             lines.append(f"| {int(streams)} | {a['aggregate_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
                          f"{a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} |")
+    if "workloads" in results:
+        lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
+                  "| --- | --- | --- | --- | --- |"]
+        for w, per in results["workloads"].items():
+            base = per["target-only"]["tokens_per_s"]
+            for name, s in per.items():
+                lines.append(f"| {w} | {name} | {s['tokens_per_s']:.1f} | "
+                             f"{s['tokens_per_s'] / base if base else 0.0:.2f}× | {s['itl_p99_ms']:.2f} |")
     c = results["costs"]
     lines += ["", f"Calibrated costs: draft step c = {c['c']:.3f} target steps; verifying k+1 tokens V(k) = "
               + ", ".join(f"{k}: {v:.2f}" for k, v in c["V"].items()) + " target steps."]
@@ -413,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
             entry["predicted_speedup"] = predicted_speedup(s["alpha"], k, runtime)
             entry["efficiency"] = entry["speedup"] / entry["predicted_speedup"]
         results["contenders"][name] = entry
+    results["workloads"] = {  # per workload: where a contender wins or loses, and its ITL tail
+        w: {name: summarize([r for r, c in zip(rs, cases * args.rounds, strict=True) if c.workload == w])
+            for name, rs in runs.items()}
+        for w in dict.fromkeys(c.workload for c in cases)
+    }
     results["memory"] = {
         "weight_bytes": runtime.target_info.weight_bytes + (runtime.draft_info.weight_bytes if runtime.draft_info
                                                             else 0),
