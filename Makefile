@@ -14,7 +14,7 @@ TS := clients/typescript
 # npm writes this file on every install, so it is newer than the lock file once node_modules matches it.
 TS_DEPS := $(TS)/node_modules/.package-lock.json
 
-.PHONY: install proto serve test test-ts lint models bench clean
+.PHONY: install proto serve test test-ts lint models bench gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ models: install
 
 bench: install
 	$(BIN)/specrpc bench $(ARGS)
+
+# The prepared device run of issue 17 (CUDA tests, shipped-pair and realistic-size benchmarks, gRPC from a separate
+# client process) into OUT; needs no network. Rehearse on a CPU: make gpu-check ARGS="--device cpu --quick".
+gpu-check:
+	tools/gpu_check.sh $(ARGS) $(OUT)
 
 clean:
 	rm -rf $(VENV) specrpc/v1 clients/python/specrpc_client/_gen .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

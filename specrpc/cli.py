@@ -44,6 +44,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    if argv[:1] == ["realistic"]:  # random-weight models of published shapes, simulated acceptance
+        from specrpc.bench.realistic import main as realistic_main
+
+        return realistic_main(argv[1:])
     from specrpc.bench.run import main as bench_main
 
     return bench_main(argv)

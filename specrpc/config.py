@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from specrpc.fim import template_names
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 ENV_PREFIX = "SPECRPC_"
 
@@ -33,6 +35,7 @@ class EngineConfig:
     threads: int = 0
     draft_int8: bool = True
     cuda_graphs: bool = True
+    fim_template: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ HELP: dict[str, str] = {
                   "the output stays the target's, since every token is verified)",
     "cuda_graphs": "on CUDA, replay draft and verify steps (up to max_draft_tokens+1 tokens) from CUDA graphs, "
                    "captured per slot and width at load",
+    "fim_template": "fill-in-the-middle template (specrpc/fim.py): "
+                    + ", ".join(template_names())
+                    + "; empty: what the model's tokenizer_config.json declares, else its family's by its tokens",
     "max_message_bytes": "largest gRPC message accepted",
     "max_prompt_tokens": "largest prompt in tokens (0: the context length)",
     "max_new_tokens": "largest max_new_tokens a request may ask for",
@@ -207,6 +213,8 @@ def validate(config: Config) -> None:
         (e.speculation in {"adaptive", "fixed", "off"}, "--speculation must be adaptive, fixed or off"),
         (e.proposer in {"draft", "lookup", "combined"}, "--proposer must be draft, lookup or combined"),
         (e.prefill_chunk >= 16, "--prefill-chunk must be >= 16"),
+        (e.fim_template in ("", *template_names()),
+         f"--fim-template must be one of {', '.join(template_names())} (or empty: the model's own)"),
         (s.log_format in {"json", "console"}, "--log-format must be json or console"),
         (0 <= s.port <= 65535, "--port must be in 0..65535"),
         (0 <= s.http_port <= 65535, "--http-port must be in 0..65535 (0: no HTTP API)"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,12 @@ from specrpc.models import CausalLM
 from specrpc.policy import AdaptivePolicy, CostModel
 from specrpc.proposers import EMPTY, DraftModelProposer, PromptLookupProposer, Proposal, feed
 from specrpc.sampling import SamplingParams, logits_to_probs, make_generator, sample
-from specrpc.verify import verify
+from specrpc.verify import VerifyResult, verify
+
+Verifier = Callable[
+    [torch.Tensor, torch.Tensor | None, torch.Tensor, SamplingParams, torch.Generator | None], VerifyResult
+]
+"""(draft ids [k], draft probs [k, V] | None, target logits [k+1, V], params, generator) → accepted + tokens."""
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
@@ -72,6 +78,16 @@ class StepResult:
 
 
 @dataclass
+class Stall:
+    """Test hook (`Engine.stall`): seconds slept in every speculative step, after drafting (`draft_s`) or after
+    verifying (`verify_s`): inside the step's measured time but outside the cost model's draft and verify timings,
+    like the stalls the realized-rate guard is there for (a first-seen shape, a catch-up, host work)."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+@dataclass
 class Slot:
     """One KV slot's state: the token context whose prefix both caches hold, and its session's policy."""
 
@@ -92,10 +108,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Engine:
     """Target + optional draft resident on one device, with preallocated KV slots."""
 
-    def __init__(self, target: CausalLM, draft: CausalLM | None, config: EngineConfig) -> None:
+    def __init__(self, target: CausalLM, draft: CausalLM | None, config: EngineConfig,
+                 verifier: Verifier = verify) -> None:
+        """`verifier`: the acceptance decision; `verify` (exact) except in benchmarks that simulate acceptance."""
         self.target = target
         self.draft = draft
         self.config = config
+        self.verifier = verifier
+        self.stall: Stall | None = None  # test hook, see Stall
         self.max_k = 0 if config.speculation == "off" else config.max_draft_tokens
         self.costs = CostModel()
         self.lookup = PromptLookupProposer()
@@ -274,11 +294,13 @@ class Generation:
         target = engine.target
         step_t0 = time.perf_counter()
         proposal = self._propose()
+        if engine.stall is not None and len(proposal):
+            time.sleep(engine.stall.draft_s)
         n = len(slot.tokens)
         ids = torch.tensor([slot.tokens[-1], *proposal.token_ids], dtype=torch.long, device=target.device)  # [k+1]
         t0 = time.perf_counter()
         logits = target.forward(ids, n - 1, slot.index, num_logits=len(ids))  # [k+1, V]
-        result = verify(
+        result = engine.verifier(
             torch.tensor(proposal.token_ids, dtype=torch.long, device=target.device),  # [k]
             self._pad_probs(proposal.probs),
             self._pad_logits(logits),
@@ -286,13 +308,15 @@ class Generation:
             self.generator,
         )
         slot.policy.costs.observe_target(len(ids), time.perf_counter() - t0)
+        if engine.stall is not None and len(proposal):
+            time.sleep(engine.stall.verify_s)
         if len(proposal):
             slot.policy.observe(proposal.source, len(proposal), result.accepted)
         self.stats.verify_steps += 1
         self.stats.last_k = len(proposal)
         self.stats.accepted_lengths.append(result.accepted + 1)
         slot.policy.observe_step(proposal.source if len(proposal) else "plain", time.perf_counter() - step_t0,
-                                 len(result.tokens))
+                                 len(result.tokens), proposal.catch_up_s)
         return self._commit(result.tokens, accepted=result.accepted, proposed=len(proposal))
 
     def _pad_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ whose text became predictable comes back.
 
 The model can miss costs it does not see (a draft catching up after sitting out, a GPU stalling on a shape met for
 the first time, host work between kernels), so the policy also keeps the realized seconds per committed token of
-each proposer's whole steps and switches a proposer off when it is not faster than plain decoding in fact.
+each proposer's whole steps and switches a proposer off when it is not faster than plain decoding in fact. While a
+proposer is off, what was measured before is stale: each probe restarts its realized rate from the probe's own step,
+so a proposer comes back at the first good probe once the stall is gone, and stays off while probes are slow.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ class AdaptivePolicy:
     min_realized_steps: int = 4  # whole steps of a proposer before its realized rate can switch it off
     realized: dict[str, RealizedRate] = field(default_factory=dict)  # per proposer, and "plain" for k = 0
     _steps_off: dict[str, int] = field(default_factory=dict)
+    _probing: set[str] = field(default_factory=set)  # proposers whose next step is a probe
 
     def _alpha(self, source: str) -> AcceptanceEstimate:
         return self.acceptance.setdefault(source, AcceptanceEstimate())
@@ -154,18 +157,28 @@ class AdaptivePolicy:
             off = self._steps_off.get(source, 0) + 1
             if off >= self.probe_every * max(1, load):
                 self._steps_off[source] = 0
+                self._probing.add(source)
                 return min(self.probe_k, self.max_k)
             self._steps_off[source] = off
+            self._probing.discard(source)
             return 0
         self._steps_off[source] = 0
+        self._probing.discard(source)
         return best_k
 
     def observe(self, source: str, proposed: int, accepted: int) -> None:
         """Record a verify step's outcome for the proposer that drafted."""
         self._alpha(source).observe(proposed, accepted)
 
-    def observe_step(self, source: str, seconds: float, tokens: int) -> None:
-        """A whole step with `source`'s drafts ("plain": none) took `seconds` and committed `tokens`."""
+    def observe_step(self, source: str, seconds: float, tokens: int, catch_up_s: float = 0.0) -> None:
+        """A whole step with `source`'s drafts ("plain": none) took `seconds` and committed `tokens`, `catch_up_s` of
+        it a draft catching up on tokens. A probe's step alone decides the rate (counted as judged:
+        `min_realized_steps` - 1 earlier steps, with no weight), without its catch-up: that is the one-off price of
+        having sat out, not what speculating costs from here on."""
+        if source in self._probing:
+            self._probing.discard(source)
+            self.realized[source] = RealizedRate(steps=self.min_realized_steps - 1)
+            seconds -= catch_up_s
         self.realized.setdefault(source, RealizedRate()).observe(seconds, tokens)
 
     def realized_speedup(self, source: str) -> float:

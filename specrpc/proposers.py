@@ -15,12 +15,14 @@ from specrpc.sampling import SamplingParams, logits_to_probs, sample
 @dataclass(frozen=True)
 class Proposal:
     """k proposed tokens; `probs` [k, V] is the proposer's distribution (None: a point mass at each token);
-    `step_s`: a draft model's measured seconds per forward step (None: nothing measured)."""
+    `step_s`: a draft model's measured seconds per forward step (None: nothing measured); `catch_up_s`: seconds a
+    draft model spent catching up on more than the last step's tokens first (after sitting out, or a new prompt)."""
 
     token_ids: list[int]
     probs: torch.Tensor | None
     source: str
     step_s: float | None = None
+    catch_up_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -75,12 +77,15 @@ class DraftModelProposer:
         # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
         # (the draft sat out steps, or a new prompt) is prefill, not drafting: leave it out of the step time.
         steady = len(tokens) - start <= 2
+        catch_up_s = 0.0
         if not steady:
-            t0 = time.perf_counter()
+            catch_up_s = time.perf_counter() - t0
+            t0 += catch_up_s
         position = len(tokens)
-        drafted: list[torch.Tensor] = []
+        looped = self._greedy_loop(logits, position, slot, k) if params.greedy else None
+        drafted: list[torch.Tensor] = [] if looped is None else [looped]
         rows: list[torch.Tensor] = []
-        for i in range(k):  # tokens stay on the device: on a GPU the k steps queue without waiting on the host
+        for i in range(k if looped is None else 0):  # tokens stay on the device: on a GPU the steps queue unsynced
             if params.greedy:  # verify ignores draft probabilities when greedy
                 token = logits[0].argmax().view(1)  # [1]
             else:
@@ -94,7 +99,17 @@ class DraftModelProposer:
         probs_out = None if params.greedy else torch.stack(rows)  # [k, V]
         forwards = k if steady else k - 1
         step_s = (time.perf_counter() - t0) / forwards if forwards else None
-        return Proposal(ids, probs_out, self.name, step_s)
+        return Proposal(ids, probs_out, self.name, step_s, catch_up_s)
+
+
+    def _greedy_loop(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
+        """k greedy tokens [k] from one replay of the model's captured k-step loop (a lean model on CUDA), or None
+        where the model has none (then the caller drafts step by step)."""
+        loop = getattr(self.model, "greedy_draft", None)  # optional: not part of the CausalLM protocol
+        if loop is None:
+            return None
+        tokens: torch.Tensor | None = loop(logits, position, slot, k)
+        return tokens
 
 
 class PromptLookupProposer:

@@ -7,7 +7,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,10 @@ from transformers import PreTrainedTokenizerBase
 
 from specrpc.config import Config
 from specrpc.engine import Engine, GenerationRequest, GenerationStats
+from specrpc.fim import FimFormat, InfillInput, InfillPrompt, NoInfillSupport, load_format
 from specrpc.models import CausalLM, load_model, load_tokenizer
+from specrpc.models.cuda_graphs import CHUNKS
+from specrpc.models.llama import bucket_sizes
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.openmp import release_workers
 from specrpc.policy import CostModel
@@ -29,20 +32,11 @@ from specrpc.text import IncrementalDetokenizer, StopMatcher
 
 log = structlog.get_logger(__name__)
 
-FIM_NAMES = [
-    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
-    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-    ("<|fim▁begin|>", "<|fim▁hole|>", "<|fim▁end|>"),
-]
 FILE_SEP_NAMES = ["<|file_sep|>", "<file_sep>", "<|file_separator|>"]
 
 
 SEEDED_DRAFT_TOKENS = 4
 """Draft tokens per step for seeded sampled requests left to the adaptive policy (see `Runtime._speculation`)."""
-
-
-class NoInfillSupport(Exception):
-    """The loaded tokenizer has no fill-in-the-middle tokens."""
 
 
 @dataclass(frozen=True)
@@ -54,14 +48,7 @@ class DecodeParams:
     stop: tuple[str, ...] = ()
     num_draft_tokens: int | None = None
     proposer: str | None = None
-
-
-@dataclass(frozen=True)
-class ExtraFile:
-    """A file given as context to Infill."""
-
-    path: str
-    text: str
+    stop_token_ids: frozenset[int] = frozenset()  # end tokens besides the model's own (a FIM family's)
 
 
 @dataclass(frozen=True)
@@ -94,7 +81,7 @@ def checkpoint_info(path: str, model: CausalLM, dtype: torch.dtype) -> Checkpoin
         vocab_size=model.vocab_size,
         weight_bytes=count * torch.tensor([], dtype=dtype).element_size(),
         context_length=int(config.get("max_position_embeddings", 0)),
-        lean=type(model).__name__ == "LlamaLM",
+        lean=model.lean_forward,
     )
 
 
@@ -158,26 +145,36 @@ class Runtime:
         self.stream_decoder = StreamDecoder(self.tokenizer)
         capacity = ec.max_context + ec.max_draft_tokens + 1
         graph_tokens = ec.max_draft_tokens + 1 if ec.cuda_graphs else 0  # a verify step's width at most
+        # On CUDA, no shape is met first in a request: prefill chunks and catch-ups longer than the graphs cover are
+        # padded to a few sizes run at load, and a greedy draft's k steps replay one captured loop.
+        graphed = ec.cuda_graphs and self.device.type == "cuda"
+        buckets = bucket_sizes(CHUNKS * graph_tokens + 1, ec.prefill_chunk) if graphed else ()
         self.target: CausalLM = load_model(ec.target, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
-                                           max_context=capacity, lean=ec.lean, graph_tokens=graph_tokens)
+                                           max_context=capacity, lean=ec.lean, graph_tokens=graph_tokens,
+                                           buckets=buckets)
         self.draft: CausalLM | None = None
         if ec.draft and ec.draft.lower() != "none":
             check_tokenizers_match(self.tokenizer, load_tokenizer(ec.draft), self.target.vocab_size,
                                    self._vocab_rows(ec.draft))
             self.draft = load_model(ec.draft, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
                                     max_context=capacity, lean=ec.lean, int8_decode=ec.draft_int8,
-                                    graph_tokens=graph_tokens)
+                                    graph_tokens=graph_tokens, buckets=buckets,
+                                    draft_loop_steps=ec.max_draft_tokens - 1 if graphed else 0)
         self.target_info = checkpoint_info(ec.target, self.target, self.dtype)
         self.draft_info = checkpoint_info(ec.draft, self.draft, self.dtype) if self.draft is not None else None
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
         self.scheduler = Scheduler(self.engine)
         self.stop_token_ids = self._stop_token_ids()
-        self.fim_ids = self._special_ids_any(FIM_NAMES)
         file_sep = [self._special_id(n) for n in FILE_SEP_NAMES]
         self.file_sep_id = next((i for i in file_sep if i is not None), None)
         bos = self.tokenizer.bos_token_id
         self.bos_ids = [bos] if bos is not None and self.encode("x")[:1] == [bos] else []  # what encode() prepends
+        eos = self.tokenizer.eos_token_id
+        self.fim: FimFormat | None
+        self.fim, self.no_fim_reason = load_format(
+            ec.target, self.tokenizer.get_vocab(), self.encode_plain, self.encode_plain_many, ec.fim_template,
+            self.bos_ids, int(eos) if eos is not None else None)
         self.warm = False
         release_workers()  # loading ran torch on this thread: leave the device thread the only OpenMP team
 
@@ -187,13 +184,6 @@ class Runtime:
     def _special_id(self, token: str) -> int | None:
         vocab = self.tokenizer.get_vocab()
         return vocab.get(token)
-
-    def _special_ids_any(self, names: Sequence[tuple[str, str, str]]) -> tuple[int, int, int] | None:
-        for triple in names:
-            ids = [self._special_id(t) for t in triple]
-            if all(i is not None for i in ids):
-                return (ids[0], ids[1], ids[2])  # type: ignore[return-value]
-        return None
 
     def _stop_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -239,6 +229,12 @@ class Runtime:
         """Most committed tokens per slot."""
         return self.config.engine.max_context
 
+    @property
+    def prompt_cap(self) -> int:
+        """Most prompt tokens a request may have: the context less one, or --max-prompt-tokens when smaller."""
+        room = self.context_limit - 1
+        return min(room, self.config.limits.max_prompt_tokens or room)
+
     # ---- prompt formatting -------------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
@@ -263,27 +259,23 @@ class Runtime:
         """Tokens of a piece of text inside a larger prompt (no special tokens added)."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def infill_prompt(self, prefix: str, suffix: str, extra: Sequence[ExtraFile], path: str) -> list[int]:
-        """Prefix-suffix-middle with extra files first:
-        [SEP path\\n text EOT]* PRE [SEP path\\n] prefix SUF suffix MID."""
-        if self.fim_ids is None:
-            raise NoInfillSupport("the loaded tokenizer has no fill-in-the-middle tokens "
-                                  "(<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>); load a FIM-trained model")
-        pre, suf, mid = self.fim_ids
-        ids: list[int] = []
-        eos = self.tokenizer.eos_token_id
-        for f in extra:
-            ids += self._file_ids(f.path, f.text)
-            if eos is not None:
-                ids.append(int(eos))
-        ids.append(pre)
-        if path and self.file_sep_id is not None:
-            ids += self._file_ids(path, "")
-        ids += self.encode_plain(prefix)
-        ids.append(suf)
-        ids += self.encode_plain(suffix)
-        ids.append(mid)
-        return ids
+    def encode_plain_many(self, texts: list[str]) -> list[list[int]]:
+        """`encode_plain` of each text, in one tokenizer call."""
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
+
+    def infill_prompt(self, infill: InfillInput, truncate: bool = False, max_new_tokens: int = 0) -> InfillPrompt:
+        """The fill-in-the-middle prompt for `infill` in the loaded model's template (specrpc/fim.py), at most
+        `prompt_cap` tokens; with `truncate`, trimmed in coarse steps to also leave `max_new_tokens` of room.
+        NoInfillSupport (also UnsupportedLayout) when the model cannot; PromptTooLong when it does not fit."""
+        if self.fim is None:
+            raise NoInfillSupport(f"{self.no_fim_reason}; load a model trained for fill-in-the-middle, or set "
+                                  f"--fim-template if its family's tokens are there")
+        budget = self.prompt_cap
+        note = f" (context {self.context_limit}, --max-prompt-tokens)"
+        if truncate:
+            budget = min(budget, self.context_limit - max_new_tokens)
+            note = f" (context {self.context_limit} less max_new_tokens {max_new_tokens}, --max-prompt-tokens)"
+        return self.fim.prompt(infill, budget, truncate, note)
 
     # ---- generation --------------------------------------------------------------------------------------------
 
@@ -325,7 +317,7 @@ class Runtime:
             sampling=params.sampling,
             num_draft_tokens=num_draft_tokens,
             proposer=proposer,
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=self.stop_token_ids | params.stop_token_ids,
         )
         job = Job(lease.slot, request, IncrementalDetokenizer(self.stream_decoder, prompt), StopMatcher(params.stop),
                   loop, arrival=arrival)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -18,9 +18,10 @@ from specrpc.auth import StreamQuota, TooManyStreams, metadata_values
 from specrpc.config import Config
 from specrpc.conversation import Conversation, Event, Phrase, Started, TurnDone, reply_stops
 from specrpc.engine import FINISH_LENGTH, FINISH_STOP
+from specrpc.fim import ExtraFile, InfillInput, InfillPrompt, NoInfillSupport, PromptTooLong
 from specrpc.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
 from specrpc.metrics import Metrics
-from specrpc.runtime import CheckpointInfo, DecodeParams, ExtraFile, NoInfillSupport, Runtime
+from specrpc.runtime import CheckpointInfo, DecodeParams, Runtime
 from specrpc.sampling import SamplingParams
 from specrpc.scheduler import FINISH_CANCELLED, Chunk, Done
 from specrpc.sessions import SlotsExhausted, UnknownSession
@@ -43,10 +44,18 @@ PROPOSERS = {
     pb.PROPOSER_COMBINED: "combined",
 }
 PROTOCOL = "grpc"  # the metrics' protocol label for this edge
+FIM_LAYOUTS = {
+    pb.FIM_LAYOUT_UNSPECIFIED: "auto",
+    pb.FIM_LAYOUT_PSM: "psm",
+    pb.FIM_LAYOUT_SPM: "spm",
+    pb.FIM_LAYOUT_TYPED_LINE: "typed_line",
+}
+FIM_LAYOUT_VALUES = {v: k for k, v in FIM_LAYOUTS.items()}
 
 ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (MalformedRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (PromptTooLong, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownSession, grpc.StatusCode.INVALID_ARGUMENT),
     (SlotsExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TooManyStreams, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -246,9 +255,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     # ---- domain → proto ----------------------------------------------------------------------------------------
 
-    def _summary(self, done: Done, session_id: str) -> pb.GenerationSummary:
+    def _summary(self, done: Done, session_id: str, fim: InfillPrompt | None = None) -> pb.GenerationSummary:
         s = done.stats
         first = done.first_token_at
+        trimmed = fim.trimmed if fim is not None else None
         return pb.GenerationSummary(
             finish_reason=FINISH[done.finish],
             prompt_tokens=s.prompt_tokens,
@@ -269,6 +279,11 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             ),
             session_id=session_id,
             stop_sequence=done.stop_sequence,
+            trimmed_prefix_chars=trimmed.prefix_chars if trimmed else 0,
+            trimmed_suffix_chars=trimmed.suffix_chars if trimmed else 0,
+            trimmed_extra_files=trimmed.extra_files if trimmed else 0,
+            trimmed_prompt_tokens=trimmed.tokens if trimmed else 0,
+            fim_layout=FIM_LAYOUT_VALUES[fim.layout] if fim is not None else pb.FIM_LAYOUT_UNSPECIFIED,
         )
 
     @staticmethod
@@ -276,12 +291,13 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         return pb.TokenChunk(text=event.text, token_ids=event.token_ids, accepted_draft_tokens=event.accepted)
 
     async def _generate_responses(self, prompt: list[int], params: DecodeParams, session_id: str,
-                                  rpc: str, context: Context) -> AsyncIterator[pb.GenerateResponse]:
+                                  rpc: str, context: Context, fim: InfillPrompt | None = None
+                                  ) -> AsyncIterator[pb.GenerateResponse]:
         async for event in self.gateway.stream(prompt, params, session_id, rpc, rpc_gone(context)):
             if isinstance(event, Chunk):
                 yield pb.GenerateResponse(chunk=self._chunk(event))
             else:
-                yield pb.GenerateResponse(summary=self._summary(event, session_id))
+                yield pb.GenerateResponse(summary=self._summary(event, session_id, fim))
 
     # ---- handlers ------------------------------------------------------------------------------------------------
 
@@ -304,12 +320,19 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         params = self._decode_params(request.max_new_tokens, request.sampling if request.HasField("sampling")
                                      else None, list(request.stop),
                                      request.speculation if request.HasField("speculation") else None)
-        extra = [ExtraFile(f.path, f.text) for f in request.extra]
-        prompt = self.runtime.infill_prompt(request.prefix, request.suffix, extra, request.path)
-        prompt = self._fit_prompt(prompt, truncate=False, too_long="send fewer or shorter extra files, or a "
-                                  "shorter prefix and suffix")
-        async for response in self._generate_responses(prompt, params, session_id, "Infill", context):
+        fim = self.runtime.infill_prompt(self._infill_input(request), request.truncate, params.max_new_tokens)
+        params = replace(params, stop_token_ids=fim.stop_ids)
+        async for response in self._generate_responses(fim.ids, params, session_id, "Infill", context, fim):
             yield response
+
+    def _infill_input(self, request: pb.InfillRequest) -> InfillInput:
+        if request.layout not in FIM_LAYOUTS:
+            raise InvalidRequest(f"layout {request.layout} is not a FimLayout value; use FIM_LAYOUT_PSM, "
+                                 f"FIM_LAYOUT_SPM, FIM_LAYOUT_TYPED_LINE or leave it unspecified")
+        return InfillInput(prefix=request.prefix, suffix=request.suffix,
+                           extra=tuple(ExtraFile(f.path, f.text) for f in request.extra), path=request.path,
+                           repo_name=validation.repo_name(request.repo_name), typed_line=request.typed_line,
+                           layout=FIM_LAYOUTS[request.layout])
 
     @unary_errors("GetModelInfo")
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
@@ -333,9 +356,13 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             kv_slots_total=rt.registry.total,
             kv_slots_in_use=rt.registry.in_use,
             kv_cache_bytes=rt.target.cache_bytes() + (rt.draft.cache_bytes() if rt.draft else 0),
-            supports_infill=rt.fim_ids is not None,
+            supports_infill=rt.fim is not None,
             tokenizer_vocab_size=len(rt.tokenizer),
         )
+        if rt.fim is not None:
+            info.fim_template = rt.fim.name
+            info.fim_orders.extend(rt.fim.orders)
+            info.fim_default_layout = FIM_LAYOUT_VALUES[rt.fim.default_layout]
         if rt.draft_info is not None:
             info.draft.CopyFrom(describe(rt.draft_info))
         return info

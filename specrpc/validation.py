@@ -11,6 +11,7 @@ from specrpc.runtime import DecodeParams
 from specrpc.sampling import SamplingParams
 
 MAX_SESSION_ID = 128
+MAX_REPO_NAME = 256
 SESSION_HEADER = "x-session-id"  # request metadata / HTTP header that load balancers hash on (deploy/README.md)
 
 
@@ -103,3 +104,11 @@ def extra_files(count: int, limits: Limits, name: str = "extra") -> None:
     if count > limits.max_extra_files:
         raise InvalidRequest(f"{name}: at most {limits.max_extra_files} extra files allowed "
                              f"(--max-extra-files); got {count}")
+
+
+def repo_name(value: str, name: str = "repo_name") -> str:
+    """A repository name for the FIM template's repository token: one line, at most MAX_REPO_NAME characters."""
+    if len(value) > MAX_REPO_NAME or "\n" in value:
+        raise InvalidRequest(f"{name} must be one line of at most {MAX_REPO_NAME} characters; got "
+                             f"{len(value)} characters")
+    return value

@@ -10,9 +10,10 @@ import pytest
 from specrpc.bench.run import main
 from specrpc.config import ASSETS
 
-pytestmark = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="default models missing")
+SHIPPED = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="default models missing")
 
 
+@SHIPPED
 def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert main(["--cases", "1", "--workloads", "code,infill", "--max-new-tokens", "12", "--ks", "2",
                  "--concurrency", "1,2", "--threads", "1", "--out", str(tmp_path)]) == 0
@@ -27,3 +28,74 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     for chart in ("tokens_per_s.png", "accepted_length.png", "speedup_vs_k.png"):
         assert (tmp_path / chart).stat().st_size > 0
     assert "| adaptive |" in (tmp_path / "results.md").read_text()
+
+
+def test_keystroke_replay_runs_through_grpc_from_another_process(tmp_path: Path) -> None:
+    """The workload runs end to end (timings are the integrator's to measure, not asserted here)."""
+    assert main(["--keystrokes", "--keystroke-files", "1", "--keystroke-chars", "4", "--keystroke-intervals", "120",
+                 "--keystroke-layouts", "typed_line,spm,psm", "--max-new-tokens", "4", "--threads", "1",
+                 "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "keystrokes.json").read_text())
+    assert results["fim_template"] == "specrpc" and results["lines"]
+    runs = results["runs"]
+    assert set(runs) == {"typed_line@120ms", "psm@120ms"}  # the shipped pair is trained prefix-first only
+    for run in runs.values():
+        assert run["keystrokes"] == 4
+        assert all(k["prompt_tokens"] > 0 and k["finish"] for line in run["keystrokes_detail"] for k in line)
+    assert "| typed_line | 120 ms | 4 |" in (tmp_path / "keystrokes.md").read_text()
+
+
+def test_realistic_mode_reports_costs_and_simulated_speedups_at_scaled_shapes(tmp_path: Path) -> None:
+    """`specrpc bench realistic --quick` on CPU: random-weight 7B/0.5B shapes divided by 32, simulated acceptance."""
+    from specrpc.cli import main as cli_main
+
+    assert cli_main(["bench", "realistic", "--quick", "--scale", "32", "--device", "cpu", "--threads", "1",
+                     "--pair", "qwen2.5-coder-7b/0.5b", "--alphas", "0.8", "--ks", "2", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "realistic.json").read_text())
+    r = results["pairs"]["qwen2.5-coder-7b/0.5b"]
+    assert r["c"] > 0 and list(r["V"]) == [str(k) for k in range(1, 9)]
+    rows = r["alphas"]["0.8"]
+    assert set(rows) == {"adaptive", "k=2"} and rows["k=2"]["bound"] > 0 and rows["k=2"]["mean_k"] > 0
+    assert "measured costs, simulated acceptance" in (tmp_path / "realistic.md").read_text()
+
+
+def test_simulated_verifier_accepts_until_the_first_rejection() -> None:
+    import torch
+
+    from specrpc.bench.simulated import simulated_verifier
+    from specrpc.sampling import SamplingParams
+
+    logits = torch.zeros(5, 10)
+    logits[:, 7] = 1.0  # the target's argmax is 7 everywhere
+    drafts = torch.tensor([1, 2, 3, 4])
+    all_in = simulated_verifier(1.0)(drafts, None, logits, SamplingParams(temperature=0.0), None)
+    assert all_in.accepted == 4 and all_in.tokens == [1, 2, 3, 4, 7] and all_in.bonus
+    none_in = simulated_verifier(0.0)(drafts, None, logits, SamplingParams(temperature=0.0), None)
+    assert none_in.accepted == 0 and none_in.tokens == [7]
+    counts = [simulated_verifier(0.5, seed)(drafts, None, logits, SamplingParams(temperature=0.0), None).accepted
+              for seed in range(400)]
+    assert 0.35 < sum(c >= 1 for c in counts) / 400 < 0.65 and sum(c >= 2 for c in counts) < sum(c >= 1 for c in counts)
+
+
+def test_random_checkpoint_of_a_published_shape_loads_in_transformers_and_matches_the_lean_forward(
+        tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specrpc.bench.families import config
+    from specrpc.models import load_model
+    from specrpc.models.random_weights import random_lm, write_checkpoint
+
+    for name in ("qwen2.5-coder-1.5b", "llama-3.2-1b"):
+        cfg = config(name, 32)
+        path = write_checkpoint(cfg, tmp_path / name, seed=1, dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        cpu = torch.device("cpu")
+        loaded = load_model(path, device=cpu, dtype=torch.float32, num_slots=1, max_context=32)
+        built = random_lm(cfg, name, seed=1, num_slots=1, max_context=32, device=cpu, dtype=torch.float32)
+        ids = torch.randint(0, cfg["vocab_size"], (12,), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = model(ids[None]).logits[0]
+        assert torch.equal(loaded.forward(ids, 0, 0, num_logits=12), built.forward(ids, 0, 0, num_logits=12))
+        assert (built.forward(ids, 0, 0, num_logits=12) - ref).abs().max().item() < 1e-4

@@ -20,6 +20,7 @@ from specrpc_client import (
     AsyncClient,
     Client,
     DeadlineExceeded,
+    FimLayout,
     FinishReason,
     InvalidArgument,
     Phrase,
@@ -91,6 +92,20 @@ async def test_infill_streams_the_middle(client: AsyncClient, long_streams: floa
     summary = await gen.result()
     assert summary is not None and summary.completion_tokens == 12
     assert summary.finish_reason is FinishReason.LENGTH and summary.prompt_tokens > 0
+
+
+async def test_infill_fim_fields_round_trip(client: AsyncClient) -> None:
+    info = await client.model_info()
+    if not info.supports_infill:
+        pytest.skip("the served tokenizer has no fill-in-the-middle tokens")
+    assert info.fim_template and info.fim_orders and info.fim_default_layout is not FimLayout.UNSPECIFIED
+    lines = "".join(f"item_{i} = build({i}, size={i * 5})\n" for i in range(120))
+    summary = await client.infill(lines + "last = ", "\n" + lines, typed_line="build(", repo_name="demo",
+                                  truncate=True, layout="psm", max_new_tokens=4).result()
+    assert summary is not None and summary.fim_layout is FimLayout.PSM
+    assert summary.trimmed_prompt_tokens > 0 and summary.trimmed_prefix_chars > 0
+    with pytest.raises(InvalidArgument, match="truncate"):
+        await client.infill(lines + "last = ", "\n" + lines, max_new_tokens=4).result()
 
 
 async def test_sync_client_streams_too(server: Running, long_streams: float) -> None:
@@ -353,6 +368,16 @@ async def test_cli_complete_streams_and_prints_stats(server: Running) -> None:
     for word in ("tokens ·", "TTFT", "tokens/s", "acceptance"):
         assert word in stats
     assert out.endswith("\n")
+
+
+async def test_cli_complete_fills_in_the_middle_with_repository_context(server: Running, tmp_path: Path) -> None:
+    util = tmp_path / "util.py"
+    util.write_text("def square(x):\n    return x * x\n")
+    rc, _, err = await _run(str(BIN / "specrpc"), "complete", "def area(w, h):\n    return ", "--suffix", "\n",
+                            "--extra", str(util), "--repo-name", "geometry", "--layout", "typed_line", "--truncate",
+                            "--port", str(server.port), "--max-new-tokens", "6", "--timeout", "30")
+    assert rc == 0, err
+    assert "TTFT" in err.strip().splitlines()[-1]
 
 
 async def test_cli_complete_reports_errors(server: Running) -> None:

@@ -4,26 +4,32 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from engine_helpers import decode
 
 import specrpc
+from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import EngineConfig
-from specrpc.engine import Engine, GenerationRequest
+from specrpc.engine import Engine, GenerationRequest, Stall
 from specrpc.models import load_model
-from specrpc.models.llama import LlamaLM
+from specrpc.models.llama import LlamaLM, bucket_sizes
 from specrpc.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 ASSETS = Path(specrpc.__file__).parent / "assets"
 CUDA = torch.device("cuda")
 
 
 def _pair(dtype: torch.dtype, graphs: bool) -> tuple[LlamaLM, LlamaLM]:
-    kw = {"device": CUDA, "dtype": dtype, "num_slots": 2, "max_context": 400, "graph_tokens": 9 if graphs else 0}
-    target, draft = load_model(ASSETS / "target", **kw), load_model(ASSETS / "draft", **kw)
+    """The shipped pair on CUDA; with `graphs` as the server loads it there (graphs, padded eager shapes, one-replay
+    greedy draft loops)."""
+    kw: dict[str, Any] = {"device": CUDA, "dtype": dtype, "num_slots": 2, "max_context": 400,
+                          "graph_tokens": 9 if graphs else 0, "buckets": bucket_sizes(37, 256) if graphs else ()}
+    target = load_model(ASSETS / "target", **kw)
+    draft = load_model(ASSETS / "draft", **kw, draft_loop_steps=7 if graphs else 0)
     assert isinstance(target, LlamaLM) and isinstance(draft, LlamaLM)
     assert (target.graphs is not None) == graphs
     return target, draft
@@ -72,3 +78,48 @@ def test_greedy_speculation_with_graphs_equals_target_only(dtype: torch.dtype) -
         mismatches += outs[1] != outs[0] or outs[2] != outs[0]
     # float32 must be exact; bf16 verify (k+1 rows) and decode (1 row) round differently, so near-ties may flip
     assert mismatches == 0 if dtype == torch.float32 else mismatches <= 1
+
+
+@pytest.mark.parametrize("where", ["draft_s", "verify_s"])
+def test_guard_both_ways_on_the_gpu(where: str) -> None:
+    """With graphs and bf16, every draft accepted (simulated): a stall switches speculation off within a bounded
+    number of steps, and it comes back once the stall is gone."""
+    target, draft = _pair(torch.bfloat16, graphs=True)
+    engine = Engine(target, draft, replace(EngineConfig(), max_sessions=2, max_context=390, proposer="draft"),
+                    verifier=simulated_verifier(1.0, vocab=min(target.vocab_size, draft.vocab_size)))
+    engine.calibrate()
+    slot = engine.new_slot(0)
+    policy = slot.policy
+    policy.probe_every, policy.probe_k = 4, 4
+    gen = engine.start(slot, GenerationRequest([1, 2, 3], 380, SamplingParams(temperature=0.0), proposer="draft"))
+    gen.step()
+    engine.stall = Stall(**{where: 0.05})
+    stalled = [gen.step().proposed for _ in range(5 * policy.probe_every)]
+    assert sum(k > 0 for k in stalled[-policy.probe_every :]) <= 1, stalled
+    engine.stall = None
+    after = [gen.step().proposed for _ in range(5 * policy.probe_every)]
+    assert sum(k > 0 for k in after[-2 * policy.probe_every :]) >= policy.probe_every, after
+
+
+def test_draft_loop_replay_equals_step_by_step_and_padded_prefill_equals_exact() -> None:
+    graphed_target, graphed = _pair(torch.float32, graphs=True)
+    eager_target, eager = _pair(torch.float32, graphs=False)
+    assert graphed.draft_loop is not None and len(graphed.draft_loop.graphs) == 2 * 7
+    ids = torch.randint(0, graphed.vocab_size, (150,), generator=torch.Generator().manual_seed(1)).to(CUDA)
+    for lm in (graphed, eager):
+        lm.forward(ids[:100], 0, 1)  # 100 tokens: padded to 128 on the graphed model
+    a, b = graphed_target.forward(ids[:100], 0, 1), eager_target.forward(ids[:100], 0, 1)
+    assert (a - b).abs().max().item() < 1e-3 * max(1.0, b.abs().max().item())
+    last = eager.forward(ids[100:101], 100, 1)  # [1, V]
+    first = last[0].argmax().view(1)
+    graphed.forward(ids[100:101], 100, 1)
+    assert graphed.greedy_draft(last, 101, 1, 1) is None, "k = 1 needs no forward: nothing to replay"
+    for k in (2, 5, 8):
+        for lm in (graphed, eager):
+            lm.truncate(1, 101)
+        looped = graphed.greedy_draft(last, 101, 1, k)
+        expected = [first]
+        for i in range(k - 1):
+            expected.append(eager.forward(expected[-1], 101 + i, 1)[0].argmax().view(1))
+        assert looped is not None and looped.tolist() == torch.cat(expected).tolist()
+        assert graphed.length(1) == 101 + k - 1

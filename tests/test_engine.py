@@ -14,8 +14,9 @@ from engine_helpers import decode
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import EngineConfig
-from specrpc.engine import Engine, GenerationRequest, Slot
+from specrpc.engine import Engine, GenerationRequest, Slot, Stall
 from specrpc.models import load_model
 from specrpc.models.llama import LlamaLM
 from specrpc.policy import CostModel
@@ -26,11 +27,12 @@ VOCAB = 6
 CAPACITY = 64
 
 
-def tiny_llama(path: Path, seed: int, hidden: int = 32, layers: int = 2, vocab: int = VOCAB) -> Path:
+def tiny_llama(path: Path, seed: int, hidden: int = 32, layers: int = 2, vocab: int = VOCAB, positions: int = 128
+               ) -> Path:
     """A random Llama with well-separated logits (large init) saved as a Hugging Face directory."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                          initializer_range=0.4, tie_word_embeddings=False, bos_token_id=0, eos_token_id=None,
                          pad_token_id=None)
     model = LlamaForCausalLM(config).eval()
@@ -135,6 +137,35 @@ def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path]
     assert counts[False] >= 15, "the cost model alone keeps drafting through the stalls"
     assert counts[True] <= slot.policy.min_realized_steps + 3, "off after a few measured steps, then probes"
     assert slot.policy.realized_speedup("lookup") < 1.0
+
+
+@pytest.mark.parametrize("where", ["draft_s", "verify_s"])
+def test_adaptive_falls_back_under_a_stall_and_comes_back_when_it_goes(tmp_path: Path, where: str) -> None:
+    """The guard both ways through the engine's stall hook: every draft is accepted (simulated α = 1), so only the
+    stall makes speculating lose; it must switch off within min_realized_steps steps and come back at the first
+    probe once the stall is gone."""
+    cpu, capacity = torch.device("cpu"), 256
+    target = load_model(tiny_llama(tmp_path / "t", seed=3, hidden=256, layers=8, positions=capacity), device=cpu,
+                        dtype=torch.float32, num_slots=1, max_context=capacity)
+    draft = load_model(tiny_llama(tmp_path / "d", seed=4, hidden=16, layers=1, positions=capacity), device=cpu,
+                       dtype=torch.float32, num_slots=1, max_context=capacity)
+    config = EngineConfig(max_sessions=1, max_context=capacity - 5, max_draft_tokens=4, prefill_chunk=16)
+    engine = Engine(target, draft, config, verifier=simulated_verifier(1.0))
+    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=1e-4, verify_s=dict.fromkeys(range(1, 6), 1e-3))
+    slot = engine.new_slot(0)
+    policy = slot.policy
+    policy.probe_every, policy.probe_k = 4, 4
+    gen = engine.start(slot, GenerationRequest([1, 2, 3], capacity, GREEDY, proposer="draft"))
+    gen.step()  # prefill
+    assert gen.step().proposed > 0, "speculating before the stall"
+    engine.stall = Stall(**{where: 0.2})  # far above any noise of this shared CPU
+    stalled = [gen.step().proposed for _ in range(5 * policy.probe_every)]
+    assert sum(k > 0 for k in stalled) <= policy.min_realized_steps + 6, stalled  # the stalled steps, probes
+    assert sum(k > 0 for k in stalled[-policy.probe_every :]) <= 1, stalled  # off, but for a probe
+    engine.stall = None
+    after = [gen.step().proposed for _ in range(5 * policy.probe_every)]
+    # back once a probe finds the stall gone: most steps speculate, not just the probes (at most 2 of these)
+    assert sum(k > 0 for k in after[-2 * policy.probe_every :]) >= policy.probe_every, after
 
 
 def sequence_probs(path: Path, prompt: list[int], length: int, params: SamplingParams) -> dict[tuple[int, ...], float]:

@@ -137,10 +137,16 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     return msg
 
 
+FIM_LAYOUT = mostly(st.sampled_from(list(pb.FimLayout.values())), st.integers(-3, 50))
+REPO_NAMES = mostly(st.one_of(st.just(""), st.sampled_from(["specrpc", "org/lib"])),
+                    st.one_of(SHORT_TEXT, st.text(CHARS, min_size=250, max_size=300)))
+
+
 @st.composite
 def infill_requests(draw: st.DrawFn) -> pb.InfillRequest:
     msg = pb.InfillRequest(prefix=draw(texts()), suffix=draw(texts()), path=draw(SHORT_TEXT),
-                           session_id=draw(SESSION_IDS))
+                           session_id=draw(SESSION_IDS), typed_line=draw(mostly(SHORT_TEXT, texts())),
+                           repo_name=draw(REPO_NAMES), truncate=draw(st.booleans()), layout=draw(FIM_LAYOUT))
     for _ in range(draw(mostly(st.integers(0, 3), st.integers(0, 6)))):
         msg.extra.add(path=draw(SHORT_TEXT), text=draw(texts(24)))
     _set_common(msg, draw)
@@ -266,9 +272,16 @@ async def fuzz_channel(fuzz_server: Running) -> AsyncIterator[grpc.aio.Channel]:
         yield channel
 
 
-def allowed(server: Running, rpc: str) -> set[grpc.StatusCode]:
-    if rpc == "Infill" and server.runtime.fim_ids is None:
-        return OK_CODES | {grpc.StatusCode.FAILED_PRECONDITION}
+LAYOUT_ORDER = {pb.FIM_LAYOUT_PSM: "psm", pb.FIM_LAYOUT_TYPED_LINE: "psm", pb.FIM_LAYOUT_SPM: "spm"}
+
+
+def allowed(server: Running, rpc: str, request: Any = None) -> set[grpc.StatusCode]:
+    """Infill may also be FAILED_PRECONDITION: without FIM tokens, or for a layout the model was not trained for."""
+    fim = server.runtime.fim
+    if rpc == "Infill":
+        order = LAYOUT_ORDER.get(request.layout) if isinstance(request, pb.InfillRequest) else None
+        if fim is None or order not in (None, *fim.orders) or request is None:
+            return OK_CODES | {grpc.StatusCode.FAILED_PRECONDITION}
     return OK_CODES
 
 
@@ -334,7 +347,7 @@ async def test_fuzz_infill(fuzz_server: Running, fuzz_channel: grpc.aio.Channel,
     SENT["infill"] += 1
     code, details = await status_of(pb_grpc.GeneratorStub(fuzz_channel).Infill(request, timeout=30))
     OUTCOMES["infill", code.name] += 1
-    assert code in allowed(fuzz_server, "Infill"), (code, details)
+    assert code in allowed(fuzz_server, "Infill", request), (code, details)
     await settled(fuzz_server)
 
 
@@ -395,7 +408,8 @@ async def test_fuzz_raw_bytes(fuzz_server: Running, fuzz_channel: grpc.aio.Chann
     else:
         code, details = await status_of(getattr(fuzz_channel, shape)(path)(payloads[0], timeout=30))
     OUTCOMES["raw", code.name] += 1
-    assert code in allowed(fuzz_server, method), (code, details)
+    request = kind.FromString(payloads[0]) if method == "Infill" and parses(kind, payloads[0]) else None
+    assert code in allowed(fuzz_server, method, request), (code, details)
     if not parses(kind, payloads[0]) and code != grpc.StatusCode.RESOURCE_EXHAUSTED and "race" not in details:
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid protobuf message" in details, details
     await settled(fuzz_server)

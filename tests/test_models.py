@@ -22,6 +22,10 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Starcoder2Config,
+    Starcoder2ForCausalLM,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -30,7 +34,8 @@ import specrpc
 from specrpc.models import CausalLM, load_model
 from specrpc.models import llama as llama_mod
 from specrpc.models.hf_fallback import HFCausalLM
-from specrpc.models.llama import LlamaArgs, LlamaLM, rope_inv_freq
+from specrpc.models.llama import LlamaArgs, LlamaLM, bucket_for, bucket_sizes, rope_inv_freq
+from specrpc.runtime import checkpoint_info
 
 CPU, F32 = torch.device("cpu"), torch.float32
 VOCAB, N, CAPACITY = 96, 40, 48
@@ -55,6 +60,13 @@ CASES: dict[str, tuple[type[PreTrainedModel], PreTrainedConfig]] = {
     "qwen2-bias": (Qwen2ForCausalLM, Qwen2Config(**{**TINY, "num_key_value_heads": 1})),
     "qwen2-window": (Qwen2ForCausalLM, Qwen2Config(**TINY, use_sliding_window=True, sliding_window=5,
                                                    max_window_layers=1)),
+    "qwen3-qk-norm": (Qwen3ForCausalLM, Qwen3Config(**TINY, head_dim=16)),
+    "qwen3-head-dim-bias-window": (Qwen3ForCausalLM, Qwen3Config(**TINY, head_dim=24, attention_bias=True,
+                                                                 use_sliding_window=True, sliding_window=5,
+                                                                 max_window_layers=1)),
+    "starcoder2": (Starcoder2ForCausalLM, Starcoder2Config(**TINY, tie_word_embeddings=False)),
+    "starcoder2-tied-window": (Starcoder2ForCausalLM, Starcoder2Config(**TINY, sliding_window=6)),
+    "starcoder2-no-bias": (Starcoder2ForCausalLM, Starcoder2Config(**TINY, use_bias=False)),
 }
 
 
@@ -74,7 +86,7 @@ def save(tmp: Path, cls: type[PreTrainedModel], config: PreTrainedConfig, **kw: 
     model.train(False)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight"):  # also LayerNorm's ("…layernorm.weight") and Qwen3's q/k norms
                 p.copy_(1 + 0.5 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
@@ -134,12 +146,30 @@ def test_lean_matches_transformers(case: str, tmp_path: Path) -> None:
     cls, config = CASES[case]
     path, model = save(tmp_path, cls, config)
     lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY)
-    assert isinstance(lm, LlamaLM) and isinstance(lm, CausalLM)
+    assert isinstance(lm, LlamaLM) and isinstance(lm, CausalLM) and lm.lean_forward
     assert lm.vocab_size == VOCAB and lm.max_context == CAPACITY and lm.name == tmp_path.name
     check_against_reference(lm, model)
 
 
-@pytest.mark.parametrize("case", ["llama-tied-gqa", "llama3-rope", "mistral-window", "qwen2-window"])
+@pytest.mark.parametrize("case", ["qwen3-qk-norm", "starcoder2-tied-window"])
+def test_lean_greedy_decode_equals_transformers_generate(case: str, tmp_path: Path) -> None:
+    """Greedy-exact: the lean path's token-by-token argmax equals transformers' generate."""
+    cls, config = CASES[case]
+    path, model = save(tmp_path, cls, config)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY)
+    assert isinstance(lm, LlamaLM) and checkpoint_info(str(path), lm, F32).lean, "ModelInfo.lean_forward"
+    prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(6))
+    expected = model.generate(prompt[None], max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                              pad_token_id=0)[0, 9:].tolist()
+    out, token = [], int(lm.forward(prompt, 0, 0)[0].argmax())
+    for t in range(9, 9 + 30):
+        out.append(token)
+        token = int(lm.forward(torch.tensor([token]), t, 0)[0].argmax())
+    assert out == expected
+
+
+@pytest.mark.parametrize("case", ["llama-tied-gqa", "llama3-rope", "mistral-window", "qwen2-window",
+                                  "qwen3-head-dim-bias-window", "starcoder2-tied-window"])
 def test_static_forward_matches_transformers(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fixed-shape forward that CUDA graphs capture, run eagerly on CPU for every call pattern."""
     cls, config = CASES[case]
@@ -148,7 +178,8 @@ def test_static_forward_matches_transformers(case: str, tmp_path: Path, monkeypa
     assert isinstance(lm, LlamaLM)
 
     def static(w: llama_mod.LlamaWeights, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, start: int,
-               num_logits: int) -> torch.Tensor:
+               num_logits: int, valid: int | None = None) -> torch.Tensor:
+        assert valid in (None, ids.shape[0]), "no padding without buckets"
         return llama_mod.llama_forward_static(w, k, v, ids, w.positions[start : start + ids.shape[0]], num_logits)
 
     monkeypatch.setattr(llama_mod, "llama_forward", static)
@@ -173,7 +204,7 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
 def test_fallback_matches_transformers(cls: type[PreTrainedModel], config: PreTrainedConfig, tmp_path: Path) -> None:
     path, model = save(tmp_path, cls, config)
     lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY, lean=False)
-    assert isinstance(lm, HFCausalLM) and isinstance(lm, CausalLM)
+    assert isinstance(lm, HFCausalLM) and isinstance(lm, CausalLM) and not lm.lean_forward
     check_against_reference(lm, model)
 
 
@@ -273,3 +304,51 @@ def test_shipped_target_lean_matches_transformers() -> None:
     close(lm.forward(ids[31:37], 31, 0, num_logits=6), ref[31:37], atol)
     lm.truncate(0, 33)
     close(lm.forward(ids[33:], 33, 0, num_logits=7), ref[33:], atol)
+
+
+def test_bucket_sizes_and_choice() -> None:
+    assert bucket_sizes(37, 512) == (64, 128, 256, 512)
+    assert bucket_sizes(1, 6) == (1, 2, 4, 6)
+    assert bucket_sizes(600, 512) == ()
+    sizes = (64, 128, 256, 512)
+    assert bucket_for(37, sizes, room=1000) == 64
+    assert bucket_for(64, sizes, room=1000) == 64
+    assert bucket_for(65, sizes, room=1000) == 128
+    assert bucket_for(100, sizes, room=120) == 100, "no bucket fits the room: the exact count"
+    assert bucket_for(600, sizes, room=1000) == 600
+
+
+def test_padded_forwards_give_the_unpadded_logits_and_leave_no_trace(tmp_path: Path) -> None:
+    """Eager forwards padded to a bucket: the last real token's logits, the slot length of the real tokens, and the
+    padding's K/V (written past the length) never read by later forwards."""
+    path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    lm = LlamaLM.load(path, json.loads((path / "config.json").read_text()), num_slots=1, max_context=CAPACITY,
+                      device=CPU, dtype=F32, buckets=(8, 16, 32))
+    ids = torch.randint(0, VOCAB, (CAPACITY - 1,), generator=torch.Generator().manual_seed(7))
+    ref = reference(model, ids)
+    assert lm.length(0) == 0, "the warm-up at load leaves slot 0 empty"
+    close(lm.forward(ids[:5], 0, 0), ref[4:5])  # padded to 8
+    assert lm.length(0) == 5
+    close(lm.forward(ids[5:17], 5, 0), ref[16:17])  # padded to 16
+    for t in range(17, 20):  # decode over the padding's stale K/V
+        close(lm.forward(ids[t : t + 1], t, 0), ref[t : t + 1])
+    close(lm.forward(ids[20:44], 20, 0, num_logits=24), ref[20:44])  # all logits: never padded
+    close(lm.forward(ids[44:], 44, 0), ref[-1:])  # 3 tokens with 4 positions left: 8 does not fit, run as 3
+    assert lm.length(0) == CAPACITY - 1
+
+
+def test_greedy_draft_loop_equals_step_by_step_greedy(tmp_path: Path) -> None:
+    """The loop CUDA graphs capture (no host sync: each step feeds the previous argmax), run eagerly on CPU."""
+    path, _ = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY)
+    assert isinstance(lm, LlamaLM)
+    prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(8))
+    expected = [int(lm.forward(prompt, 0, 0)[0].argmax())]
+    for i in range(5):
+        expected.append(int(lm.forward(torch.tensor(expected[-1:]), 10 + i, 0)[0].argmax()))
+    lm.forward(prompt, 0, 1)
+    w, cache = lm.weights, lm.cache
+    with torch.inference_mode():
+        tokens = llama_mod.greedy_draft_static(w, cache.slot_k[1], cache.slot_v[1], torch.tensor(expected[:1]),
+                                               torch.tensor([10]), 5)
+    assert tokens.tolist() == expected

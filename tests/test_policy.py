@@ -84,3 +84,27 @@ def test_realized_rate_switches_off_a_proposer_slower_than_plain_decoding() -> N
         policy.observe_step("plain", seconds=5.0, tokens=1)  # plain steps measured slower still: back on
     assert policy.realized_speedup("draft") == pytest.approx(2.5)
     assert policy.choose() > 0
+
+
+def test_realized_guard_comes_back_at_the_first_good_probe_and_stays_off_while_probes_are_slow() -> None:
+    """Both ways: a stall switches the proposer off within min_realized_steps steps; slow probes keep it off; once
+    the stall is gone, the first probe's own step brings it back (the stalled history does not hold it off)."""
+    policy = AdaptivePolicy(max_k=8, costs=costs(c=0.05, v_per_token=0.02), probe_every=4,
+                            acceptance={"draft": AcceptanceEstimate(accepted=95, trials=100)})
+    steps_on = 0
+    while (k := policy.choose()) > 0:  # stalled: 20 s per step of k+1 tokens against a 1 s target step
+        policy.observe_step("draft", seconds=20.0, tokens=k + 1)
+        steps_on += 1
+    assert steps_on == policy.min_realized_steps  # the loop's last choice was the first step off
+    for cycle in range(3):  # still stalled: every probe is slow, so it stays off between probes
+        ks = [policy.choose() for _ in range(policy.probe_every - (cycle == 0))]
+        assert ks[-1] == policy.probe_k and set(ks[:-1]) == {0}
+        policy.observe_step("draft", seconds=20.0, tokens=policy.probe_k + 1)
+    ks = [policy.choose() for _ in range(policy.probe_every)]  # the stall is gone: the next probe is fast
+    assert ks[-1] == policy.probe_k and set(ks[:-1]) == {0}
+    # the probe's step included 5 s of the draft catching up on the tokens it sat out: a one-off, left out
+    policy.observe_step("draft", seconds=1.2 + 5.0, tokens=policy.probe_k + 1, catch_up_s=5.0)
+    assert policy.realized_speedup("draft") == pytest.approx((policy.probe_k + 1) / 1.2)
+    assert policy.choose() > policy.probe_k, "back on, at the model's k"
+    policy.observe_step("draft", seconds=1.0 + 5.0, tokens=3, catch_up_s=5.0)  # not a probe: counted whole
+    assert policy.realized.get("draft") is not None and policy.realized["draft"].seconds > 5.0

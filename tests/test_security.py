@@ -223,7 +223,7 @@ async def test_auth_refuses_missing_and_wrong_tokens_and_accepts_each_valid_one(
 ) -> None:
     port, _ = await auth_server()
     ok = grpc.StatusCode.OK
-    infill = ok if server.runtime.fim_ids is not None else grpc.StatusCode.FAILED_PRECONDITION
+    infill = ok if server.runtime.fim is not None else grpc.StatusCode.FAILED_PRECONDITION
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         unauth = {name: grpc.StatusCode.UNAUTHENTICATED for name in ("Generate", "Infill", "GetModelInfo",
                                                                       "Converse")}

@@ -38,6 +38,7 @@ from service_helpers import (
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.engine import GenerationRequest, GenerationStats, StepResult
+from specrpc.fim import declare_fim
 from specrpc.server import Running, start_server
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
@@ -267,8 +268,9 @@ async def test_multibyte_characters_split_across_chunks_arrive_whole(
 
 
 def fim_prompt(tokenizer: PreTrainedTokenizerBase, prefix: str, suffix: str, path: str = "",
-               extra: tuple[tuple[str, str], ...] = ()) -> list[int]:
-    """The documented layout: [SEP path\\n text EOS]* PRE [SEP path\\n] prefix SUF suffix MID."""
+               extra: tuple[tuple[str, str], ...] = (), typed: str = "") -> list[int]:
+    """The documented layout of the shipped pair: [SEP path\\n text EOS]* PRE [SEP path\\n] prefix SUF suffix MID,
+    then the typed line (the current line's text before the cursor) in the typed-line layout."""
     pre, suf, mid = tokenizer.convert_tokens_to_ids(list(FIM_TOKENS))
     sep = tokenizer.convert_tokens_to_ids("<|file_sep|>")
 
@@ -281,26 +283,85 @@ def fim_prompt(tokenizer: PreTrainedTokenizerBase, prefix: str, suffix: str, pat
     ids.append(pre)
     if path:
         ids += [sep, *plain(f"{path}\n")]
-    return [*ids, *plain(prefix), suf, *plain(suffix), mid]
+    return [*ids, *plain(prefix), suf, *plain(suffix), mid, *(plain(typed) if typed else [])]
 
 
 async def test_infill_formats_the_prompt_with_fim_tokens(stub: Stub, tokenizer: PreTrainedTokenizerBase) -> None:
-    prefix, suffix = "def area(w, h):\n    return ", "\n\n\nprint(area(2, 3))\n"
+    lines, typed, suffix = "def area(w, h):\n", "    return ", "\n\n\nprint(area(2, 3))\n"
+    prefix = lines + typed
     extra = (("geometry/util.py", "def square(x):\n    return x * x\n"), ("README.md", "Area helpers.\n"))
+    psm = pb.FIM_LAYOUT_PSM
     cases = [
-        (pb.InfillRequest(prefix=prefix, suffix=suffix, max_new_tokens=16), fim_prompt(tokenizer, prefix, suffix)),
-        (pb.InfillRequest(prefix=prefix, suffix=suffix, max_new_tokens=16, path="geometry/area.py",
+        (pb.InfillRequest(prefix=prefix, suffix=suffix, max_new_tokens=16, layout=psm),
+         fim_prompt(tokenizer, prefix, suffix), psm),
+        (pb.InfillRequest(prefix=prefix, suffix=suffix, max_new_tokens=16, path="geometry/area.py", layout=psm,
                           extra=[pb.ExtraFile(path=p, text=t) for p, t in extra]),
-         fim_prompt(tokenizer, prefix, suffix, "geometry/area.py", extra)),
+         fim_prompt(tokenizer, prefix, suffix, "geometry/area.py", extra), psm),
+        # unspecified: this prefix-first pair gets the typed-line layout, split by the server or by the client
+        (pb.InfillRequest(prefix=prefix, suffix=suffix, max_new_tokens=16),
+         fim_prompt(tokenizer, lines, suffix, typed=typed), pb.FIM_LAYOUT_TYPED_LINE),
+        (pb.InfillRequest(prefix=lines, typed_line=typed, suffix=suffix, max_new_tokens=16),
+         fim_prompt(tokenizer, lines, suffix, typed=typed), pb.FIM_LAYOUT_TYPED_LINE),
     ]
-    for request, expected in cases:
+    for request, expected, layout in cases:
         chunks, summary = await collect(stub.Infill(request))
         assert summary.prompt_tokens == len(expected)
         assert summary.completion_tokens == len(ids_of(chunks))
+        assert summary.fim_layout == layout and summary.trimmed_prompt_tokens == 0
         # the same ids through Generate give the same middle: the prompt was exactly this
         same, _ = await collect(stub.Generate(pb.GenerateRequest(prompt_token_ids=expected, max_new_tokens=16)))
         assert ids_of(same) == ids_of(chunks)
         assert text_of(same) == text_of(chunks)
+
+
+async def test_infill_model_info_and_layouts_the_model_was_not_trained_for(stub: Stub) -> None:
+    info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.supports_infill and info.fim_template == "specrpc" and list(info.fim_orders) == ["psm"]
+    assert info.fim_default_layout == pb.FIM_LAYOUT_TYPED_LINE
+    error = await rpc_error(stub.Infill(pb.InfillRequest(prefix="def f(", suffix=")\n", layout=pb.FIM_LAYOUT_SPM)))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "spm" in (error.details() or "")
+
+
+def keystroke_requests(session: str, n: int = 10) -> list[pb.InfillRequest]:
+    """A line typed character by character in the middle of a small file, one Infill per keystroke."""
+    above = "".join(f"def step_{i}(value):\n    return value * {i} + {i * 3}\n\n" for i in range(6))
+    below = "".join(f"\n\ndef after_{i}(value):\n    return value - {i}\n" for i in range(4))
+    line = "total = step_1(4) + step_2(5)"
+    return [pb.InfillRequest(prefix=above + line[:i], suffix=below, max_new_tokens=4, session_id=session)
+            for i in range(len(line) - n, len(line) + 1)]
+
+
+async def assert_a_keystroke_prefills_only_its_own_tokens(stub: Stub, layout: int) -> None:
+    session = f"keys-{uuid.uuid4().hex}"
+    previous = 0
+    for i, request in enumerate(keystroke_requests(session)):
+        _, summary = await collect(stub.Infill(request))
+        assert summary.fim_layout == layout
+        prefilled = summary.prompt_tokens - summary.cached_prompt_tokens
+        if i:
+            assert prefilled <= max(0, summary.prompt_tokens - previous) + 4, (i, summary)
+        previous = summary.prompt_tokens
+
+
+async def test_infill_keystrokes_prefill_only_their_own_tokens(stub: Stub) -> None:
+    await assert_a_keystroke_prefills_only_its_own_tokens(stub, pb.FIM_LAYOUT_TYPED_LINE)
+
+
+async def test_infill_truncate_fits_the_context_and_reports_the_trim(stub: Stub, server: Running) -> None:
+    lines = "".join(f"value_{i} = compute({i}, scale={i * 3})\n" for i in range(120))
+    request = pb.InfillRequest(prefix=lines + "result = ", suffix="\n" + lines, max_new_tokens=8)
+    error = await rpc_error(stub.Infill(request))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "truncate" in (error.details() or "")
+    request.truncate = True
+    chunks, summary = await collect(stub.Infill(request))
+    assert summary.prompt_tokens + 8 <= server.runtime.context_limit
+    assert summary.trimmed_prefix_chars > 0 and summary.trimmed_suffix_chars > 0
+    assert summary.trimmed_prompt_tokens > 0 and summary.completion_tokens == len(ids_of(chunks)) > 0
+    # what was reported as trimmed is what was left out: the rest, sent as is, is the same prompt
+    kept = pb.InfillRequest(prefix=request.prefix[summary.trimmed_prefix_chars:], max_new_tokens=8,
+                            suffix=request.suffix[:len(request.suffix) - summary.trimmed_suffix_chars])
+    same, kept_summary = await collect(stub.Infill(kept))
+    assert kept_summary.prompt_tokens == summary.prompt_tokens and ids_of(same) == ids_of(chunks)
 
 
 async def test_generate_with_a_path_opens_that_file(stub: Stub, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -345,6 +406,45 @@ async def no_fim_server(server: Running, tmp_path_factory: pytest.TempPathFactor
     running = await start_server(config)
     yield running
     await running.stop(0.5)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def spm_server(server: Running, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
+    """A second server on a copy of the shipped pair declared trained in both orders (random-quality for SPM until
+    the second-generation pair, exact all the same): Infill lays prompts out suffix first."""
+    root = tmp_path_factory.mktemp("spm")
+    engine = server.runtime.config.engine
+    for role, path in (("target", engine.target), ("draft", engine.draft)):
+        shutil.copytree(path, root / role)
+        declare_fim(root / role, "specrpc", ["psm", "spm"])
+    config = make_config()
+    config = replace(config, engine=replace(config.engine, target=str(root / "target"), draft=str(root / "draft"),
+                                            max_sessions=1),
+                     server=replace(config.server, metrics_port=0))
+    running = await start_server(config)
+    yield running
+    await running.stop(0.5)
+
+
+async def test_spm_infill_appends_per_keystroke_and_is_exact(spm_server: Running,
+                                                              tokenizer: PreTrainedTokenizerBase) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{spm_server.port}") as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert list(info.fim_orders) == ["psm", "spm"] and info.fim_default_layout == pb.FIM_LAYOUT_SPM
+        await assert_a_keystroke_prefills_only_its_own_tokens(stub, pb.FIM_LAYOUT_SPM)
+        prefix, suffix = "def area(w, h):\n    return ", "\n\nprint(area(2, 3))\n"
+        pre, suf, mid = tokenizer.convert_tokens_to_ids(list(FIM_TOKENS))
+        plain = tokenizer(suffix, add_special_tokens=False).input_ids
+        expected = [suf, *plain, pre, *tokenizer(prefix, add_special_tokens=False).input_ids, mid]
+        reference, _ = await collect(stub.Generate(pb.GenerateRequest(prompt_token_ids=expected, max_new_tokens=12,
+                                                                      speculation=GREEDY_K0)))
+        for speculation in (None, pb.SpeculationParams(num_draft_tokens=6)):
+            request = pb.InfillRequest(prefix=prefix, suffix=suffix, max_new_tokens=12)
+            if speculation is not None:
+                request.speculation.CopyFrom(speculation)
+            chunks, summary = await collect(stub.Infill(request))
+            assert summary.prompt_tokens == len(expected) and ids_of(chunks) == ids_of(reference)
 
 
 async def test_infill_without_fim_tokens_is_failed_precondition(no_fim_server: Running) -> None:
@@ -722,6 +822,7 @@ async def test_model_info(stub: Stub, server: Running, tokenizer: PreTrainedToke
     assert info.target.vocab_size == target_config["vocab_size"]
     assert info.target.parameters > 0 and info.target.weight_bytes >= 4 * info.target.parameters
     assert info.target.context_length == target_config["max_position_embeddings"]
+    assert info.target.lean_forward == server.runtime.target.lean_forward  # the model's own property
     assert info.HasField("draft") == (server.runtime.draft is not None)
     if info.HasField("draft"):
         assert info.draft.name == Path(engine.draft).name and info.draft.parameters > 0
@@ -787,6 +888,11 @@ async def test_invalid_infill_requests(stub: Stub) -> None:
     assert "extra files" in (error.details() or "") and "truncate_prompt" not in (error.details() or "")
     error = await rpc_error(stub.Infill(pb.InfillRequest(prefix="a", session_id="x" * 200), timeout=10))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in (error.details() or "")
+    for bad, field_name in ((pb.InfillRequest(prefix="a", layout=99), "layout"),  # type: ignore[arg-type]
+                            (pb.InfillRequest(prefix="a", repo_name="org\nrepo"), "repo_name"),
+                            (pb.InfillRequest(prefix="a", repo_name="r" * 300), "repo_name")):
+        error = await rpc_error(stub.Infill(bad, timeout=10))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and field_name in (error.details() or "")
 
 
 async def test_truncate_prompt_keeps_the_last_tokens(stub: Stub, server: Running,

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specrpc.config import Config, EngineConfig
 from specrpc.engine import GenerationRequest
+from specrpc.fim import InfillInput
 from specrpc.runtime import Runtime
 from specrpc.sampling import SamplingParams
 from specrpc.training.tokenizer import SPECIAL_TOKENS
@@ -72,7 +73,8 @@ def test_the_server_runs_the_exported_pair(trained: tuple[Path, str, str]) -> No
     tokens = decode(engine, engine.new_slot(0), GenerationRequest(runtime.encode("def f(x):"), 8,
                                                                   SamplingParams(temperature=0.0)))
     assert len(tokens) == 8
-    assert runtime.infill_prompt("a", "b", [], "x.py")  # the FIM tokens are there
+    assert runtime.fim is not None and runtime.fim.name == "specrpc"  # the export declares its FIM template
+    assert runtime.infill_prompt(InfillInput("a", "b", path="x.py")).ids
 
 
 def test_model_card_renders(trained: tuple[Path, str, str]) -> None:

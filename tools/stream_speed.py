@@ -5,7 +5,8 @@ prompts (code completion, fill-in-the-middle, prose) streamed one at a time, gre
     .venv/bin/python tools/stream_speed.py --target 127.0.0.1:50051 --ks adaptive,0 --rounds 2
 
 Prints, per setting: decode tokens/s (tokens after the first ÷ time from the first to the last token), TTFT p50,
-streamed messages and tokens. Run two servers (say, two commits) on different ports and alternate `--target`s to
+the client's TTFT beyond the server's own (median of client TTFT − the summary's ttft_ms), streamed messages and
+tokens. Run two servers (say, two commits) on different ports and alternate `--target`s to
 compare them on a noisy machine.
 """
 
@@ -25,8 +26,8 @@ from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
 
 def stream(stub: pb_grpc.GeneratorStub, case: Case, k: int | None, metadata: tuple[tuple[str, str], ...],
-           timeout_s: float) -> tuple[int, float, float, int]:
-    """One greedy request: (tokens, TTFT s, first-to-last-token s, messages with tokens)."""
+           timeout_s: float) -> tuple[int, float, float, int, float]:
+    """One greedy request: (tokens, TTFT s, first-to-last-token s, messages with tokens, the server's TTFT s)."""
     spec = pb.SpeculationParams() if k is None else pb.SpeculationParams(num_draft_tokens=k)
     common: dict[str, Any] = {"max_new_tokens": case.max_new_tokens,
                               "sampling": pb.SamplingParams(temperature=0.0), "speculation": spec}
@@ -35,7 +36,7 @@ def stream(stub: pb_grpc.GeneratorStub, case: Case, k: int | None, metadata: tup
             if case.suffix is None else
             stub.Infill(pb.InfillRequest(prefix=case.prompt, suffix=case.suffix, **common), metadata=metadata,
                         timeout=timeout_s))
-    first = last = 0.0
+    first = last = server_ttft = 0.0
     tokens = messages = 0
     for response in call:
         if response.HasField("chunk") and response.chunk.token_ids:
@@ -44,7 +45,9 @@ def stream(stub: pb_grpc.GeneratorStub, case: Case, k: int | None, metadata: tup
             last = now
             tokens += len(response.chunk.token_ids)
             messages += 1
-    return tokens, first, last - first, messages
+        elif response.HasField("summary"):
+            server_ttft = response.summary.timing.ttft_ms / 1e3
+    return tokens, first, last - first, messages, server_ttft
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,20 +71,24 @@ def main(argv: list[str] | None = None) -> int:
             tokens = decode_tokens = messages = 0
             decode_s = 0.0
             ttfts: list[float] = []
+            beyond: list[float] = []
             for _ in range(args.rounds):
                 for case in cases:
-                    n, ttft, span, m = stream(stub, case, k, metadata, args.timeout)
+                    n, ttft, span, m, server_ttft = stream(stub, case, k, metadata, args.timeout)
                     tokens += n
                     decode_tokens += max(0, n - 1)
                     decode_s += span
                     messages += m
                     if n:  # a reply without tokens has no first token
                         ttfts.append(ttft)
+                        if server_ttft > 0:
+                            beyond.append(ttft - server_ttft)
             rate = decode_tokens / decode_s if decode_s else 0.0
             name = "adaptive" if k is None else f"k={k}"
             ttft = statistics.median(ttfts) * 1e3 if ttfts else float("nan")
-            print(f"{name}: {rate:.1f} decode tokens/s, TTFT p50 {ttft:.1f} ms, {messages} messages, {tokens} tokens "
-                  f"over {args.rounds * len(cases)} requests", flush=True)
+            edge = statistics.median(beyond) * 1e3 if beyond else float("nan")
+            print(f"{name}: {rate:.1f} decode tokens/s, TTFT p50 {ttft:.1f} ms ({edge:.2f} ms beyond the server's "
+                  f"own), {messages} messages, {tokens} tokens over {args.rounds * len(cases)} requests", flush=True)
     return 0
 
 

@@ -20,6 +20,7 @@ import torch
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.workloads import Case, build_cases
 from specrpc.config import Config, EngineConfig, Limits, ServerConfig
+from specrpc.fim import InfillInput
 from specrpc.openmp import release_workers
 from specrpc.policy import expected_tokens
 from specrpc.runtime import Runtime
@@ -63,7 +64,7 @@ def prompt_ids(runtime: Runtime, case: Case) -> list[int]:
     """Token ids of a case as the service would build them."""
     if case.suffix is None:
         return runtime.encode(case.prompt)
-    return runtime.infill_prompt(case.prompt, case.suffix, [], "")
+    return runtime.infill_prompt(InfillInput(case.prompt, case.suffix, layout="psm")).ids
 
 
 def run_contenders(runtime: Runtime, contenders: dict[str, Runner], cases: list[Case], params: SamplingParams,
@@ -268,6 +269,14 @@ def markdown(results: dict[str, Any]) -> str:
             a, t = sweep[f"{int(streams)}:adaptive"], sweep[f"{int(streams)}:target-only"]
             lines.append(f"| {int(streams)} | {a['aggregate_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
                          f"{a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} |")
+    if "workloads" in results:
+        lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
+                  "| --- | --- | --- | --- | --- |"]
+        for w, per in results["workloads"].items():
+            base = per["target-only"]["tokens_per_s"]
+            for name, s in per.items():
+                lines.append(f"| {w} | {name} | {s['tokens_per_s']:.1f} | "
+                             f"{s['tokens_per_s'] / base if base else 0.0:.2f}× | {s['itl_p99_ms']:.2f} |")
     c = results["costs"]
     lines += ["", f"Calibrated costs: draft step c = {c['c']:.3f} target steps; verifying k+1 tokens V(k) = "
               + ", ".join(f"{k}: {v:.2f}" for k, v in c["V"].items()) + " target steps."]
@@ -334,7 +343,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--max-new-tokens", type=int, default=0, help="override every case's length (0: keep)")
     parser.add_argument("--workloads", default="code,infill,text", help="comma-separated subset of code,infill,text")
+    keys = parser.add_argument_group("keystroke replay (specrpc/bench/keystrokes.py)")
+    keys.add_argument("--keystrokes", action="store_true",
+                      help="run only the keystroke replay: lines typed in held-out files, an Infill per key through "
+                           "gRPC to a `specrpc serve` in another process, each layout against prefix-first")
+    keys.add_argument("--keystroke-files", type=int, default=4, help="held-out files, one line typed in each")
+    keys.add_argument("--keystroke-layouts", default="typed_line,spm,psm",
+                      help="layouts to compare (those the model was not trained for are skipped)")
+    keys.add_argument("--keystroke-intervals", default="120,900", help="milliseconds between keys")
+    keys.add_argument("--keystroke-chars", type=int, default=0, help="characters typed per line (0: the whole line)")
     args = parser.parse_args(argv)
+    if args.keystrokes:
+        from specrpc.bench.keystrokes import markdown as keystroke_table
+        from specrpc.bench.keystrokes import run as replay_keystrokes
+
+        replayed = replay_keystrokes(args.target, args.draft, args.out, args.keystroke_files,
+                                     [x for x in args.keystroke_layouts.split(",") if x],
+                                     [int(x) for x in args.keystroke_intervals.split(",") if x], threads=args.threads,
+                                     max_new_tokens=args.max_new_tokens or 16, limit=args.keystroke_chars)
+        print(keystroke_table(replayed))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",") if k]
@@ -393,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
             entry["predicted_speedup"] = predicted_speedup(s["alpha"], k, runtime)
             entry["efficiency"] = entry["speedup"] / entry["predicted_speedup"]
         results["contenders"][name] = entry
+    results["workloads"] = {  # per workload: where a contender wins or loses, and its ITL tail
+        w: {name: summarize([r for r, c in zip(rs, cases * args.rounds, strict=True) if c.workload == w])
+            for name, rs in runs.items()}
+        for w in dict.fromkeys(c.workload for c in cases)
+    }
     results["memory"] = {
         "weight_bytes": runtime.target_info.weight_bytes + (runtime.draft_info.weight_bytes if runtime.draft_info
                                                             else 0),

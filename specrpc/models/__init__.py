@@ -22,6 +22,7 @@ class CausalLM(Protocol):
     num_slots: int
     device: torch.device
     dtype: torch.dtype
+    lean_forward: bool  # specrpc's own forward (CUDA graphs possible), not the transformers fallback
 
     @property
     def cache(self) -> SlotLengths:

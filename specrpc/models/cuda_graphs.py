@@ -1,4 +1,5 @@
-"""CUDA graphs for the short forwards of decoding: a draft step (1 token) and a verify step (k+1 tokens).
+"""CUDA graphs for the short forwards of decoding: a draft step (1 token), a verify step (k+1 tokens), and a greedy
+draft's whole k-step loop (one replay per proposal).
 
 A small model's decode step on a GPU is bound by launching its ~15 kernels per layer, not by the GPU; replaying a
 captured graph launches them all at once. `llama_forward_static` has shapes that depend only on the token count, so
@@ -6,7 +7,7 @@ one graph per (slot, tokens, logits) serves every position. All of them (tokens 
 when the model is built: a capture in the middle of a request would stall it for milliseconds and teach the
 speculation policy that verifying is dear. A forward of a shape met for the first time also stalls on the GPU
 (kernels load lazily), so short forwards that ask only their last logits replay graphs piece by piece; longer ones
-(prefill chunks) run eagerly.
+(prefill chunks) run eagerly, padded to a few sizes met at load (`LlamaLM.buckets`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specrpc.models.llama import LlamaWeights, llama_forward_static
+from specrpc.models.llama import LlamaWeights, greedy_draft_static, llama_forward_static
 
 CHUNKS = 4
 """Forwards of up to CHUNKS × max_tokens tokens that ask only the last logits replay graphs in pieces."""
@@ -86,3 +87,51 @@ class GraphedForward:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = llama_forward_static(w, k, v, static_ids, static_pos, num_logits)  # [num_logits, V]
         return _Graph(graph, static_ids, static_pos, logits)
+
+
+@dataclass(frozen=True)
+class _LoopGraph:
+    graph: torch.cuda.CUDAGraph
+    first: torch.Tensor  # [1] int64, static input: the first drafted token
+    base: torch.Tensor  # [1] int64, static input: its position
+    tokens: torch.Tensor  # [steps + 1] int64, static output
+
+
+class GraphedDraftLoop:
+    """A greedy draft's k-step loop (`greedy_draft_static`) as one graph replay per proposal: one launch instead of
+    one per token per layer, and no host sync until the proposal's tokens are read."""
+
+    def __init__(self, weights: LlamaWeights, slot_k: list[torch.Tensor], slot_v: list[torch.Tensor],
+                 max_steps: int) -> None:
+        """Capture every (slot, 1..max_steps forwards); writes only stale K/V (empty slots)."""
+        self.weights = weights
+        self.slot_k, self.slot_v = slot_k, slot_v
+        self.max_steps = max_steps
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], _LoopGraph] = {}
+        with torch.inference_mode():
+            for slot in range(len(slot_k)):
+                for steps in range(1, max_steps + 1):
+                    self.graphs[slot, steps] = self._capture(slot, steps)
+
+    def run(self, first: torch.Tensor, position: int, slot: int, steps: int) -> torch.Tensor:
+        """Tokens [steps + 1]: `first` [1] at `position` and the `steps` greedy tokens after it (a copy)."""
+        g = self.graphs[slot, steps]
+        g.first.copy_(first, non_blocking=True)
+        g.base.copy_(self.weights.positions[position : position + 1], non_blocking=True)
+        g.graph.replay()
+        return g.tokens.clone()
+
+    def _capture(self, slot: int, steps: int) -> _LoopGraph:
+        w, k, v = self.weights, self.slot_k[slot], self.slot_v[slot]
+        first = torch.zeros(1, dtype=torch.long, device=w.embed.device)  # [1]
+        base = torch.zeros(1, dtype=torch.long, device=w.embed.device)  # [1]
+        side = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(first.device))
+        with torch.cuda.stream(side):
+            greedy_draft_static(w, k, v, first, base, steps)
+        torch.cuda.current_stream(first.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            tokens = greedy_draft_static(w, k, v, first, base, steps)  # [steps + 1]
+        return _LoopGraph(graph, first, base, tokens)

@@ -50,6 +50,8 @@ class StaticSlotCache(SlotLengths):
 class HFCausalLM:
     """CausalLM over a transformers model; every slot is allocated at construction."""
 
+    lean_forward = False
+
     def __init__(self, name: str, model: PreTrainedModel, *, num_slots: int, max_context: int) -> None:
         self.name = name
         self.model = model

@@ -1,9 +1,13 @@
-"""Lean forward for Llama-family checkpoints (Llama, Mistral, Qwen2), weights read straight from safetensors.
+"""Lean forward for Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3, StarCoder2), weights read straight from
+safetensors.
 
-RMSNorm, RoPE (default / linear / dynamic / llama3, as transformers computes them), grouped-query attention against a
-preallocated per-slot KV cache, SwiGLU, optional q/k/v/o and MLP biases, tied or untied embeddings, per-layer sliding
-windows. q/k/v and gate/up are fused into one weight each. `llama_forward` is a plain function of tensors;
-`llama_forward_static` is its fixed-shape twin that `cuda_graphs.GraphedForward` captures on CUDA.
+RoPE (default / linear / dynamic / llama3, as transformers computes them), grouped-query attention against a
+preallocated per-slot KV cache, optional biases on every projection, tied or untied embeddings, per-layer sliding
+windows. What differs between the families is data on the weights, not branches in the forward: the norm (`Norm`:
+RMSNorm, or LayerNorm with a bias for StarCoder2), the MLP (`LlamaArgs.gated`: SwiGLU's gate·up, or StarCoder2's
+c_fc → GELU(tanh) → c_proj), and Qwen3's per-head q/k RMSNorm before RoPE (`Layer.qk_norm`). q/k/v and gate/up are
+fused into one weight each. `llama_forward` is a plain function of tensors; `llama_forward_static` is its
+fixed-shape twin that `cuda_graphs.GraphedForward` captures on CUDA.
 
 Matrix products (`_linear`): weights are kept transposed, `wt` [K, N]. On CPU in float32 `wt` is contiguous (MKL
 gemv for one row) and a second, oneDNN-blocked copy `packed` serves every product with more than one row (verify,
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import statistics
 import time
@@ -34,9 +39,12 @@ from safetensors import safe_open
 from specrpc.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from specrpc.models.cuda_graphs import GraphedForward
+    from specrpc.models.cuda_graphs import GraphedDraftLoop, GraphedForward
 
-LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+log = logging.getLogger(__name__)
+
+LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "starcoder2"})
+LAYER_NORM_TYPES = frozenset({"starcoder2"})  # LayerNorm with bias, plain MLP; the rest: RMSNorm, SwiGLU
 ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3"})
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -64,6 +72,9 @@ class LlamaArgs:
     ffn: int
     eps: float
     act: str
+    layer_norm: bool  # LayerNorm with bias (StarCoder2), else RMSNorm
+    gated: bool  # MLP down(act(gate(x)) · up(x)) (SwiGLU), else down(act(up(x))) (StarCoder2's c_fc / c_proj)
+    qk_norm: bool  # RMSNorm per head on q and k before RoPE (Qwen3)
     tie_embeddings: bool
     max_position_embeddings: int
     rope: dict[str, Any]  # rope_type, rope_theta and the type's parameters
@@ -71,13 +82,15 @@ class LlamaArgs:
 
     @staticmethod
     def from_config(cfg: dict[str, Any]) -> LlamaArgs:
-        """Parse a Llama / Mistral / Qwen2 config.json dict; raise UnsupportedModelError for anything else."""
+        """Parse a Llama / Mistral / Qwen2 / Qwen3 / StarCoder2 config.json dict; raise UnsupportedModelError for
+        anything else."""
         model_type = cfg.get("model_type")
         if model_type not in LEAN_MODEL_TYPES:
             raise UnsupportedModelError(f"model_type {model_type!r} is not one of {sorted(LEAN_MODEL_TYPES)}")
         heads = int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
-        act = cfg.get("hidden_act", "silu")
+        layer_norm = model_type in LAYER_NORM_TYPES
+        act = cfg.get("hidden_act", "gelu_pytorch_tanh" if layer_norm else "silu")
         if act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {act!r} is not one of {sorted(ACTIVATIONS)}")
         return LlamaArgs(
@@ -87,8 +100,11 @@ class LlamaArgs:
             kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             ffn=int(cfg["intermediate_size"]),
-            eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            eps=float(cfg.get("norm_epsilon", 1e-5) if layer_norm else cfg.get("rms_norm_eps", 1e-6)),
             act=act,
+            layer_norm=layer_norm,
+            gated=not layer_norm,
+            qk_norm=model_type == "qwen3",
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=_rope_parameters(cfg),
@@ -116,11 +132,12 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sliding_windows(cfg: dict[str, Any], layers: int) -> tuple[int | None, ...]:
-    """Per-layer sliding window: Mistral uses it on every layer, Qwen2 only with use_sliding_window on late layers."""
+    """Per-layer sliding window: Mistral and StarCoder2 use it on every layer, Qwen2 and Qwen3 only with
+    use_sliding_window on late layers."""
     window = cfg.get("sliding_window")
     if cfg["model_type"] == "llama" or window is None:
         return (None,) * layers
-    if cfg["model_type"] == "mistral":
+    if cfg["model_type"] in ("mistral", "starcoder2"):
         return (int(window),) * layers
     if not cfg.get("use_sliding_window", False):
         return (None,) * layers
@@ -214,7 +231,7 @@ def with_int8_decode(w: LlamaWeights) -> LlamaWeights:
 def _map_linears(w: LlamaWeights, fn: Callable[[Linear], Linear]) -> LlamaWeights:
     """`w` with `fn` applied to every projection and the head."""
     layers = tuple(
-        dataclasses.replace(layer, qkv=fn(layer.qkv), o=fn(layer.o), gate_up=fn(layer.gate_up), down=fn(layer.down))
+        dataclasses.replace(layer, qkv=fn(layer.qkv), o=fn(layer.o), up=fn(layer.up), down=fn(layer.down))
         for layer in w.layers
     )
     return dataclasses.replace(w, layers=layers, head=fn(w.head))
@@ -228,14 +245,32 @@ def with_packed_decode(w: LlamaWeights, on: bool = True) -> LlamaWeights:
 
 
 @dataclass(frozen=True)
+class Norm:
+    """RMSNorm (no bias) or LayerNorm (`layer`, with an optional bias) over the last dimension."""
+
+    weight: torch.Tensor  # [d]
+    bias: torch.Tensor | None  # [d]
+    layer: bool
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] normalised."""
+        shape = (x.shape[-1],)
+        if self.layer:
+            return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
+        return F.rms_norm(x, shape, self.weight, self.eps)
+
+
+@dataclass(frozen=True)
 class Layer:
     """One decoder layer."""
 
-    attn_norm: torch.Tensor  # [d]
+    attn_norm: Norm
     qkv: Linear  # K=d, N=(heads + 2·kv_heads)·head_dim
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: Qwen3's q_norm per query head, k_norm per KV head
     o: Linear  # K=heads·head_dim, N=d
-    mlp_norm: torch.Tensor  # [d]
-    gate_up: Linear  # K=d, N=2·ffn
+    mlp_norm: Norm
+    up: Linear  # K=d, N=2·ffn (gate and up fused, gated MLP) or ffn (plain MLP)
     down: Linear  # K=ffn, N=d
     window: int | None  # sliding window, None = full causal attention
 
@@ -247,7 +282,7 @@ class LlamaWeights:
     args: LlamaArgs
     embed: torch.Tensor  # [V, d]
     layers: tuple[Layer, ...]
-    norm: torch.Tensor  # [d]
+    norm: Norm
     head: Linear  # K=d, N=V
     cos: torch.Tensor  # [C, D]
     sin: torch.Tensor  # [C, D], sign folded
@@ -338,8 +373,10 @@ def _decoder(
     sin: torch.Tensor,
     attend: Callable[[int, int | None, torch.Tensor, torch.Tensor], Attended],
     num_logits: int,
+    valid: int | None = None,
 ) -> torch.Tensor:
-    """The layers over ids [T] with RoPE rows cos, sin [T, D] → logits [num_logits, V] (float32).
+    """The layers over ids [T] with RoPE rows cos, sin [T, D] → logits [num_logits, V] (float32) of the last
+    `num_logits` of the first `valid` rows (all T by default; fewer when ids end in padding).
 
     attend(layer index, window, k_new [hkv, T, D], v_new [hkv, T, D]) stores the new K/V and returns the keys and
     values to attend to ([1, hkv, S, D] each) and a bool mask [rep·T, S] (None: all visible).
@@ -352,9 +389,11 @@ def _decoder(
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
     x = F.embedding(ids, w.embed)  # [T, d]
     for i, layer in enumerate(w.layers):
-        h = F.rms_norm(x, (a.hidden,), layer.attn_norm, a.eps)  # [T, d]
+        h = layer.attn_norm(x)  # [T, d]
         qkv = _linear(h, layer.qkv)  # [T, (hq + 2·hkv)·D]
         qk = qkv[:, :nqk].view(count, hq + hkv, dh)  # [T, hq + hkv, D]
+        if layer.qk_norm is not None:
+            qk = F.rms_norm(qk, (dh,), None, a.eps).mul_(layer.qk_norm)  # per head, [T, hq + hkv, D]
         qk = torch.addcmul(qk * cos, qk.roll(dh // 2, -1), sin)  # rotary, [T, hq + hkv, D]
         k, v, mask = attend(i, layer.window, qk[:, hq:].transpose(0, 1),  # [hkv, T, D]
                             qkv[:, nqk:].view(count, hkv, dh).transpose(0, 1))  # [hkv, T, D]
@@ -362,17 +401,20 @@ def _decoder(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [1, hkv, rep·T, D] (4-D: fused CPU kernel)
         o = o.view(hkv, rep, count, dh).permute(2, 0, 1, 3).reshape(count, hq * dh)  # [T, hq·D]
         x = _linear_add(o, layer.o, x)  # [T, d]
-        h = F.rms_norm(x, (a.hidden,), layer.mlp_norm, a.eps)
-        gu = _linear(h, layer.gate_up)  # [T, 2·ffn]
-        x = _linear_add(w.act(gu[:, : a.ffn]).mul_(gu[:, a.ffn :]), layer.down, x)  # [T, d]
-    x = F.rms_norm(x[count - num_logits :], (a.hidden,), w.norm, a.eps)  # [num_logits, d]
+        up = _linear(layer.mlp_norm(x), layer.up)  # [T, 2·ffn] gated, [T, ffn] plain
+        hidden = w.act(up[:, : a.ffn]).mul_(up[:, a.ffn :]) if a.gated else w.act(up)  # [T, ffn]
+        x = _linear_add(hidden, layer.down, x)  # [T, d]
+    end = count if valid is None else valid
+    x = w.norm(x[end - num_logits : end])  # [num_logits, d]
     return _linear(x, w.head).float()  # [num_logits, V]
 
 
 def llama_forward(
-    w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor, start: int, num_logits: int
+    w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor, start: int, num_logits: int,
+    valid: int | None = None,
 ) -> torch.Tensor:
-    """ids [T] at positions start..start+T-1 → logits [num_logits, V] (float32) for the last positions.
+    """ids [T] at positions start..start+T-1 → logits [num_logits, V] (float32) for the last positions (of the first
+    `valid` ids, when the rest is padding: its K/V lie past the slot's length, where nothing reads them).
 
     k_cache, v_cache: one slot's [L, H_kv, C, D]; positions start..start+T-1 are written, [0, start) are read
     (only the span a layer can see, so the cost grows with the context, not the capacity).
@@ -386,7 +428,7 @@ def llama_forward(
         lo, mask = spans[window]
         return k_cache[i, None, :, lo:end], v_cache[i, None, :, lo:end], mask  # [1, hkv, S, D]
 
-    return _decoder(w, ids, w.cos[start:end], w.sin[start:end], attend, num_logits)
+    return _decoder(w, ids, w.cos[start:end], w.sin[start:end], attend, num_logits, valid)
 
 
 def llama_forward_static(
@@ -409,6 +451,35 @@ def llama_forward_static(
         return k_cache[i, None], v_cache[i, None], masks[window]  # [1, hkv, C, D]
 
     return _decoder(w, ids, w.cos[pos], w.sin[pos], attend, num_logits)
+
+
+def greedy_draft_static(
+    w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, first: torch.Tensor, base: torch.Tensor, steps: int
+) -> torch.Tensor:
+    """A greedy draft's loop with no host sync: `first` [1] (the token drafted from the catch-up's logits) at
+    position `base` [1], then `steps` forwards, each feeding the previous argmax → tokens [steps + 1]. Shapes depend
+    on `steps` alone, so `cuda_graphs.GraphedDraftLoop` captures it once per (slot, steps)."""
+    tokens = [first]
+    for i in range(steps):
+        logits = llama_forward_static(w, k_cache, v_cache, tokens[-1], base + i, 1)  # [1, V]
+        tokens.append(logits[0].argmax().view(1))
+    return torch.cat(tokens)  # [steps + 1]
+
+
+def bucket_sizes(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from the first one >= `smallest` up to `largest`, and `largest` itself: the token counts eager
+    forwards are padded to, so that every shape a request can meet was met at load."""
+    if largest < smallest:
+        return ()
+    sizes = [1 << max(0, smallest - 1).bit_length()]
+    while sizes[-1] * 2 < largest:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sorted({*(s for s in sizes if s < largest), largest}))
+
+
+def bucket_for(count: int, sizes: tuple[int, ...], room: int) -> int:
+    """The smallest size >= `count` that fits in `room` positions; `count` itself when none does."""
+    return next((s for s in sizes if count <= s <= room), count)
 
 
 def _effective_window(window: int | None, capacity: int) -> int | None:
@@ -434,62 +505,129 @@ def _tensor_reader(path: Path, stack: ExitStack) -> Callable[[str], torch.Tensor
     return get
 
 
+TensorSource = Callable[[str], torch.Tensor | None]
+"""Checkpoint tensor name → tensor (in the checkpoint's [N, K] layout), None when the checkpoint has no such tensor."""
+
+
+def _mlp_names(args: LlamaArgs) -> tuple[list[str], str]:
+    """The MLP's input projections (fused in this order) and its output projection."""
+    return (["gate_proj", "up_proj"], "down_proj") if args.gated else (["c_fc"], "c_proj")
+
+
+def checkpoint_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor a transformers checkpoint of this config holds, by name, with its shape (the biases and norms
+    its family's config switches on; no lm_head when the embeddings are tied)."""
+    a = LlamaArgs.from_config(cfg)
+    d, q, kv = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    model_type = cfg["model_type"]
+    attn_bias = bool(cfg.get("use_bias", True) if a.layer_norm else cfg.get("attention_bias", False))
+    qkv_bias = attn_bias or model_type == "qwen2"  # Qwen2 always has q/k/v biases, never an o bias
+    mlp_bias = bool(cfg.get("use_bias", True)) if a.layer_norm else bool(cfg.get("mlp_bias", False))
+    ins, out = _mlp_names(a)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (int(cfg["vocab_size"]), d)}
+    for i in range(a.layers):
+        p = f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shapes[f"{p}.{norm}.weight"] = (d,)
+            if a.layer_norm:
+                shapes[f"{p}.{norm}.bias"] = (d,)
+        for name, n, k, bias in (("q_proj", q, d, qkv_bias), ("k_proj", kv, d, qkv_bias), ("v_proj", kv, d, qkv_bias),
+                                 ("o_proj", d, q, attn_bias)):
+            shapes[f"{p}.self_attn.{name}.weight"] = (n, k)
+            if bias:
+                shapes[f"{p}.self_attn.{name}.bias"] = (n,)
+        if a.qk_norm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = shapes[f"{p}.self_attn.k_norm.weight"] = (a.head_dim,)
+        for name, n, k in [*((m, a.ffn, d) for m in ins), (out, d, a.ffn)]:
+            shapes[f"{p}.mlp.{name}.weight"] = (n, k)
+            if mlp_bias:
+                shapes[f"{p}.mlp.{name}.bias"] = (n,)
+    shapes["model.norm.weight"] = (d,)
+    if a.layer_norm:
+        shapes["model.norm.bias"] = (d,)
+    if not a.tie_embeddings:
+        shapes["lm_head.weight"] = (int(cfg["vocab_size"]), d)
+    return shapes
+
+
+def build_llama_weights(
+    get: TensorSource, args: LlamaArgs, *, capacity: int, device: torch.device, dtype: torch.dtype, where: str
+) -> LlamaWeights:
+    """Fuse and lay out the weights `get` returns (`where` names their origin in errors)."""
+
+    def need(name: str) -> torch.Tensor:
+        t = get(name)
+        if t is None:
+            raise UnsupportedModelError(f"{where}: tensor {name!r} missing from the checkpoint")
+        return t
+
+    def fused(names: list[str], prefix: str) -> Linear:
+        ws = [need(f"{prefix}.{n}.weight") for n in names]  # each [N_i, K]
+        bs = [get(f"{prefix}.{n}.bias") for n in names]
+        bias = None
+        if any(b is not None for b in bs):
+            bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b.to(w) for w, b in zip(ws, bs, strict=True)])
+        return _make_linear(torch.cat(ws) if len(ws) > 1 else ws[0], bias, device, dtype)
+
+    def vec(name: str) -> torch.Tensor:
+        return need(name).to(device=device, dtype=dtype)
+
+    def norm(prefix: str) -> Norm:
+        bias = get(f"{prefix}.bias") if args.layer_norm else None
+        return Norm(vec(f"{prefix}.weight"), None if bias is None else bias.to(device=device, dtype=dtype),
+                    args.layer_norm, args.eps)
+
+    def qk_norm(prefix: str) -> torch.Tensor | None:
+        if not args.qk_norm:
+            return None
+        q, k = vec(f"{prefix}.q_norm.weight"), vec(f"{prefix}.k_norm.weight")  # [D] each
+        return torch.cat([q.expand(args.heads, -1), k.expand(args.kv_heads, -1)])  # [hq + hkv, D]
+
+    mlp_in, mlp_out = _mlp_names(args)
+    layers = tuple(
+        Layer(
+            attn_norm=norm(f"model.layers.{i}.input_layernorm"),
+            qkv=fused(["q_proj", "k_proj", "v_proj"], f"model.layers.{i}.self_attn"),
+            qk_norm=qk_norm(f"model.layers.{i}.self_attn"),
+            o=fused(["o_proj"], f"model.layers.{i}.self_attn"),
+            mlp_norm=norm(f"model.layers.{i}.post_attention_layernorm"),
+            up=fused(mlp_in, f"model.layers.{i}.mlp"),
+            down=fused([mlp_out], f"model.layers.{i}.mlp"),
+            window=_effective_window(args.windows[i], capacity),
+        )
+        for i in range(args.layers)
+    )
+    embed = need("model.embed_tokens.weight")
+    head = get("lm_head.weight")
+    if args.tie_embeddings or head is None:
+        head = embed
+    cos, sin = rope_tables(args, capacity, device, dtype)
+    return LlamaWeights(
+        args=args,
+        embed=embed.to(device=device, dtype=dtype),
+        layers=layers,
+        norm=norm("model.norm"),
+        head=_make_linear(head, None, device, dtype),
+        cos=cos,
+        sin=sin,
+        positions=torch.arange(capacity, device=device),
+        act=ACTIVATIONS[args.act],
+    )
+
+
 def load_llama_weights(
     path: Path, args: LlamaArgs, *, capacity: int, device: torch.device, dtype: torch.dtype
 ) -> LlamaWeights:
     """Read, fuse and lay out the weights of a Llama-family checkpoint directory."""
     with ExitStack() as stack:
-        get = _tensor_reader(path, stack)
-
-        def need(name: str) -> torch.Tensor:
-            t = get(name)
-            if t is None:
-                raise UnsupportedModelError(f"{path}: tensor {name!r} missing from the checkpoint")
-            return t
-
-        def fused(names: list[str], prefix: str) -> Linear:
-            ws = [need(f"{prefix}.{n}.weight") for n in names]  # each [N_i, K]
-            bs = [get(f"{prefix}.{n}.bias") for n in names]
-            bias = None
-            if any(b is not None for b in bs):
-                bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b for w, b in zip(ws, bs, strict=True)])
-            return _make_linear(torch.cat(ws), bias, device, dtype)
-
-        def vec(name: str) -> torch.Tensor:
-            return need(name).to(device=device, dtype=dtype)
-
-        layers = tuple(
-            Layer(
-                attn_norm=vec(f"model.layers.{i}.input_layernorm.weight"),
-                qkv=fused(["q_proj", "k_proj", "v_proj"], f"model.layers.{i}.self_attn"),
-                o=fused(["o_proj"], f"model.layers.{i}.self_attn"),
-                mlp_norm=vec(f"model.layers.{i}.post_attention_layernorm.weight"),
-                gate_up=fused(["gate_proj", "up_proj"], f"model.layers.{i}.mlp"),
-                down=fused(["down_proj"], f"model.layers.{i}.mlp"),
-                window=_effective_window(args.windows[i], capacity),
-            )
-            for i in range(args.layers)
-        )
-        embed = need("model.embed_tokens.weight")
-        head = get("lm_head.weight")
-        if args.tie_embeddings or head is None:
-            head = embed
-        cos, sin = rope_tables(args, capacity, device, dtype)
-        return LlamaWeights(
-            args=args,
-            embed=embed.to(device=device, dtype=dtype),
-            layers=layers,
-            norm=vec("model.norm.weight"),
-            head=_make_linear(head, None, device, dtype),
-            cos=cos,
-            sin=sin,
-            positions=torch.arange(capacity, device=device),
-            act=ACTIVATIONS[args.act],
-        )
+        return build_llama_weights(_tensor_reader(path, stack), args, capacity=capacity, device=device, dtype=dtype,
+                                   where=str(path))
 
 
 class LlamaLM:
     """CausalLM over the lean Llama-family forward with a preallocated per-slot KV cache."""
+
+    lean_forward = True
 
     def __init__(
         self,
@@ -501,7 +639,13 @@ class LlamaLM:
         device: torch.device,
         dtype: torch.dtype,
         graph_tokens: int = 0,
+        buckets: tuple[int, ...] = (),
+        draft_loop_steps: int = 0,
     ) -> None:
+        """`graph_tokens`, `draft_loop_steps` (CUDA only): forwards of up to that many tokens, and greedy draft loops
+        of up to that many forwards, replay CUDA graphs. `buckets`: eager forwards asking for their last logits are
+        padded to the smallest of these token counts that fits (each one run once here, so no count is met first
+        in a request)."""
         a = weights.args
         self.name = name
         self.weights = weights
@@ -520,10 +664,24 @@ class LlamaLM:
             dtype=dtype,
         )
         self.graphs: GraphedForward | None = None
-        if graph_tokens > 0 and device.type == "cuda":
-            from specrpc.models.cuda_graphs import GraphedForward
+        self.draft_loop: GraphedDraftLoop | None = None
+        self.buckets = buckets
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            from specrpc.models.cuda_graphs import GraphedDraftLoop, GraphedForward
 
-            self.graphs = GraphedForward(weights, self.cache.slot_k, self.cache.slot_v, graph_tokens)
+            if graph_tokens > 0:
+                self.graphs = GraphedForward(weights, self.cache.slot_k, self.cache.slot_v, graph_tokens)
+            if draft_loop_steps > 0:
+                self.draft_loop = GraphedDraftLoop(weights, self.cache.slot_k, self.cache.slot_v, draft_loop_steps)
+        for size in buckets:  # meet every padded shape once now (slot 0, left empty)
+            self.forward(torch.zeros(min(size, max_context), dtype=torch.long, device=device), 0, 0)
+            self.truncate(0, 0)
+        if self.graphs is not None or self.draft_loop is not None or buckets:
+            log.info("%s: CUDA graphs (%d forwards, %d draft loops) and %d padded sizes %s ready in %.2f s", name,
+                     len(self.graphs.graphs) if self.graphs else 0,
+                     len(self.draft_loop.graphs) if self.draft_loop else 0, len(buckets), list(buckets),
+                     time.perf_counter() - t0)
 
     @classmethod
     def load(
@@ -537,16 +695,18 @@ class LlamaLM:
         dtype: torch.dtype,
         int8_decode: bool = False,
         graph_tokens: int = 0,
+        buckets: tuple[int, ...] = (),
+        draft_loop_steps: int = 0,
     ) -> LlamaLM:
         """Build from a checkpoint directory and its parsed config.json; each slot holds `max_context` positions.
         `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target).
-        `graph_tokens`: on CUDA, forwards of up to this many tokens replay CUDA graphs (0: never)."""
+        `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off)."""
         args = LlamaArgs.from_config(cfg)
         weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype)
         if int8_decode:
             weights = with_int8_decode(weights)
         lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
-                 graph_tokens=graph_tokens)
+                 graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
         if weights.head.packed is not None and weights.head.q8 is None:
             lm.tune_decode()
         return lm
@@ -586,11 +746,24 @@ class LlamaLM:
             if self.graphs is not None and self.graphs.covers(count, num_logits):
                 logits = self.graphs.forward(ids, start, slot, num_logits)
             else:
+                size = bucket_for(count, self.buckets, self.max_context - start) if num_logits == 1 else count
+                padded = ids if size == count else torch.cat([ids, ids.new_zeros(size - count)])  # [size]
                 logits = llama_forward(
-                    self.weights, self.cache.slot_k[slot], self.cache.slot_v[slot], ids, start, num_logits
+                    self.weights, self.cache.slot_k[slot], self.cache.slot_v[slot], padded, start, num_logits, count
                 )
         self.cache.commit(slot, start + count)
         return logits
+
+    def greedy_draft(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
+        """k greedy draft tokens [k] on the device: the argmax of `logits` [1, V] (the catch-up's) at `position` and
+        k-1 more, as one graph replay; None when no loop of k-1 forwards was captured (draft step by step)."""
+        if self.draft_loop is None or not 1 <= k - 1 <= self.draft_loop.max_steps:
+            return None
+        self.cache.begin_write(slot, position, k - 1)
+        with torch.inference_mode():
+            tokens = self.draft_loop.run(logits[0].argmax().view(1), position, slot, k - 1)  # [k]
+        self.cache.commit(slot, position + k - 1)
+        return tokens
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll `slot` back to `length` positions."""

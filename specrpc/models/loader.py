@@ -29,18 +29,24 @@ def load_model(
     lean: bool = True,
     int8_decode: bool = False,
     graph_tokens: int = 0,
+    buckets: tuple[int, ...] = (),
+    draft_loop_steps: int = 0,
 ) -> CausalLM:
     """Load `path` with `num_slots` KV slots of `max_context` positions each (include the verify reserve:
-    max_context + k_max + 1). Llama / Mistral / Qwen2 take the lean forward unless `lean` is False or the config
-    needs something it lacks; anything else runs through transformers. `int8_decode` (lean path on CPU only): serve
-    products of a few rows from int8 weight copies, which changes the model's outputs slightly; for drafts.
-    `graph_tokens` (lean path on CUDA only): forwards of up to that many tokens replay CUDA graphs."""
+    max_context + k_max + 1). Llama / Mistral / Qwen2 / Qwen3 / StarCoder2 take the lean forward unless `lean` is
+    False or the config needs something it lacks; anything else runs through transformers. `int8_decode` (lean
+    path on CPU only): serve products of a few rows from int8 weight copies, which changes the model's outputs
+    slightly; for drafts.
+    `graph_tokens` (lean path on CUDA only): forwards of up to that many tokens replay CUDA graphs; `buckets` (lean
+    path): eager forwards are padded to these token counts, each met once at load; `draft_loop_steps` (lean path on
+    CUDA only): greedy draft loops of up to that many forwards replay one graph."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     if lean and cfg.get("model_type") in LEAN_MODEL_TYPES:
         try:
             return LlamaLM.load(path, cfg, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
-                                int8_decode=int8_decode and int8_available(device), graph_tokens=graph_tokens)
+                                int8_decode=int8_decode and int8_available(device), graph_tokens=graph_tokens,
+                                buckets=buckets, draft_loop_steps=draft_loop_steps)
         except UnsupportedModelError as e:
             log.warning("%s: lean forward unavailable (%s); using transformers", path.name, e)
     return HFCausalLM.load(path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context)

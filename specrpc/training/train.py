@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from specrpc.fim import declare_fim
 from specrpc.training.corpus import SourceFile, iter_sources, split_sources
 from specrpc.training.tokenizer import (
     EOT,
@@ -250,6 +251,7 @@ def export(model: LlamaForCausalLM, tokenizer_dir: Path, out_dir: Path, special:
     )
     model.save_pretrained(str(out_dir), max_shard_size=16 * 1024 * 1024)
     PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out_dir))
+    declare_fim(out_dir, "specrpc", ["psm"])  # trained prefix-first only (fim_permute)
     model.to(torch.float32)  # type: ignore[arg-type]
 
 

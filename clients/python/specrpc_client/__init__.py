@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from specrpc_client.types import (
         Chunk,
         ExtraFile,
+        FimLayout,
         FinishReason,
         ModelDescription,
         ModelInfo,
@@ -51,9 +52,9 @@ _WHERE = {
                               "PermissionDenied", "ResourceExhausted", "SpecrpcError", "Unauthenticated",
                               "Unavailable"],
     "specrpc_client.sync": ["Client", "Conversation", "Generation"],
-    "specrpc_client.types": ["Chunk", "ExtraFile", "FinishReason", "ModelDescription", "ModelInfo", "Phrase",
-                             "Proposer", "Rewound", "Sampling", "SessionStarted", "Speculation", "SpeculationPolicy",
-                             "SpeculationStats", "Summary", "Timing", "TurnSummary"],
+    "specrpc_client.types": ["Chunk", "ExtraFile", "FimLayout", "FinishReason", "ModelDescription", "ModelInfo",
+                             "Phrase", "Proposer", "Rewound", "Sampling", "SessionStarted", "Speculation",
+                             "SpeculationPolicy", "SpeculationStats", "Summary", "Timing", "TurnSummary"],
 }
 _MODULE = {name: module for module, names in _WHERE.items() for name in names}
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "DeadlineExceeded",
     "ExtraFile",
     "FailedPrecondition",
+    "FimLayout",
     "FinishReason",
     "Generation",
     "InvalidArgument",

@@ -10,12 +10,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import grpc
 
 from specrpc_client._stubs import pb
-from specrpc_client.types import ExtraFile, Sampling, Speculation, extra_to_proto
+from specrpc_client.types import ExtraFile, FimLayout, Sampling, Speculation, extra_to_proto
 
 USER_AGENT = "specrpc-client-python/0.1"
 SESSION_HEADER = "x-session-id"
@@ -203,10 +203,14 @@ def generate_request(prompt: str | Sequence[int], *, max_new_tokens: int = 0, sa
 def infill_request(prefix: str, suffix: str = "", *, extra_files: Sequence[ExtraFile | tuple[str, str]] = (),
                    path: str = "", max_new_tokens: int = 0, sampling: Sampling | None = None,
                    stop: Sequence[str] = (), speculation: Speculation | None = None,
-                   session_id: str = "") -> pb.InfillRequest:
-    """An InfillRequest (fill-in-the-middle)."""
+                   session_id: str = "", typed_line: str = "", repo_name: str = "", truncate: bool = False,
+                   layout: FimLayout | str = FimLayout.UNSPECIFIED) -> pb.InfillRequest:
+    """An InfillRequest (fill-in-the-middle). `typed_line`: the current line's text before the cursor when sent
+    apart from `prefix`; `truncate`: trim the prompt to fit instead of failing; `layout`: a FimLayout or its name."""
+    kind = FimLayout.parse(layout) if isinstance(layout, str) else layout
     return pb.InfillRequest(prefix=prefix, suffix=suffix, extra=extra_to_proto(extra_files), path=path,
-                            session_id=session_id,
+                            session_id=session_id, typed_line=typed_line, repo_name=repo_name, truncate=truncate,
+                            layout=cast("pb.FimLayout.ValueType", int(kind)),
                             **_common(max_new_tokens, sampling, stop, speculation))  # type: ignore[arg-type]
 
 

@@ -19,6 +19,7 @@ from specrpc_client.errors import SpecrpcError, from_rpc_error
 from specrpc_client.types import (
     Chunk,
     ExtraFile,
+    FimLayout,
     FinishReason,
     ModelInfo,
     Phrase,
@@ -263,12 +264,17 @@ class AsyncClient:
 
     def infill(self, prefix: str, suffix: str = "", *, extra_files: Sequence[ExtraFile | tuple[str, str]] = (),
                path: str = "", max_new_tokens: int = 0, sampling: Sampling | None = None, stop: Sequence[str] = (),
-               speculation: Speculation | None = None, session_id: str = "",
+               speculation: Speculation | None = None, session_id: str = "", typed_line: str = "",
+               repo_name: str = "", truncate: bool = False, layout: FimLayout | str = FimLayout.UNSPECIFIED,
                timeout: Timeout = UNSET) -> AsyncGeneration:
-        """Fill in the middle between prefix and suffix (extra_files: other files as context)."""
+        """Fill in the middle between prefix and suffix (extra_files: other files as context; typed_line: the
+        current line's text before the cursor when sent apart from prefix; repo_name: the repository, for families
+        with a repository token; truncate: trim the prompt to fit the context instead of failing; layout: a
+        FimLayout or 'psm', 'spm', 'typed_line' — unset is the server's choice)."""
         request = _core.infill_request(prefix, suffix, extra_files=extra_files, path=path,
                                        max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                                       speculation=speculation, session_id=session_id)
+                                       speculation=speculation, session_id=session_id, typed_line=typed_line,
+                                       repo_name=repo_name, truncate=truncate, layout=layout)
         return self._stream("Infill", request, session_id, self._timeout(timeout))
 
     def completion_session(self, session_id: str | None = None, **defaults: Any) -> CompletionSession:

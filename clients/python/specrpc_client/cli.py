@@ -51,6 +51,14 @@ def add_commands(commands: Any) -> None:
     complete.add_argument("prompt", help="text to continue ('-' reads stdin)")
     complete.add_argument("--suffix", default=None, help="text after the cursor: use Infill (fill-in-the-middle)")
     complete.add_argument("--path", default="", help="path of the file the prompt belongs to (shown to the model)")
+    fim = complete.add_argument_group("fill-in-the-middle (with --suffix)")
+    fim.add_argument("--extra", action="append", default=[], type=Path, metavar="FILE",
+                     help="a file given as repository context (repeatable; read from disk, its path as given)")
+    fim.add_argument("--repo-name", default="", help="repository name, for families with a repository token")
+    fim.add_argument("--truncate", action="store_true",
+                     help="trim the prompt to fit the context (far ends first) instead of failing")
+    fim.add_argument("--layout", choices=["auto", "psm", "spm", "typed_line"], default="auto",
+                     help="prompt layout (default: the server's choice)")
     _connection_arguments(complete)
     _generation_arguments(complete)
     complete.set_defaults(func=run_complete)
@@ -96,8 +104,9 @@ def stats_line(summary: Any, ttft_ms: float | None, elapsed_s: float) -> str:
     ttft = summary.timing.ttft_ms if ttft_ms is None else ttft_ms
     tps = summary.completion_tokens / elapsed_s if elapsed_s > 0 else 0.0
     cached = f" · cached {summary.cached_prompt_tokens}" if summary.cached_prompt_tokens else ""
+    trimmed = f" · trimmed {summary.trimmed_prompt_tokens} prompt tokens" if summary.trimmed_prompt_tokens else ""
     return (f"[{summary.completion_tokens} tokens · TTFT {ttft:.1f} ms · {tps:.1f} tokens/s · acceptance {rate} · "
-            f"{summary.finish_reason.name.lower()}{cached}]")
+            f"{summary.finish_reason.name.lower()}{cached}{trimmed}]")
 
 
 def _fail(exc: Exception) -> int:
@@ -115,7 +124,10 @@ def run_complete(args: argparse.Namespace) -> int:
             if args.suffix is None:
                 gen = client.generate(prompt, session_id=args.session_id, path=args.path, **options)
             else:
-                gen = client.infill(prompt, args.suffix, session_id=args.session_id, path=args.path, **options)
+                extra = [(str(f), f.read_text()) for f in args.extra]
+                gen = client.infill(prompt, args.suffix, session_id=args.session_id, path=args.path,
+                                    extra_files=extra, repo_name=args.repo_name, truncate=args.truncate,
+                                    layout=args.layout, **options)
             try:
                 for chunk in gen:
                     sys.stdout.write(chunk.text)

@@ -17,6 +17,7 @@ from specrpc_client.errors import SpecrpcError, Unavailable, from_rpc_error
 from specrpc_client.types import (
     Chunk,
     ExtraFile,
+    FimLayout,
     FinishReason,
     ModelInfo,
     Phrase,
@@ -217,11 +218,14 @@ class Client:
 
     def infill(self, prefix: str, suffix: str = "", *, extra_files: Sequence[ExtraFile | tuple[str, str]] = (),
                path: str = "", max_new_tokens: int = 0, sampling: Sampling | None = None, stop: Sequence[str] = (),
-               speculation: Speculation | None = None, session_id: str = "",
+               speculation: Speculation | None = None, session_id: str = "", typed_line: str = "",
+               repo_name: str = "", truncate: bool = False, layout: FimLayout | str = FimLayout.UNSPECIFIED,
                timeout: Timeout = UNSET) -> Generation:
+        """Fill in the middle between prefix and suffix (the parameters of AsyncClient.infill)."""
         request = _core.infill_request(prefix, suffix, extra_files=extra_files, path=path,
                                        max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                                       speculation=speculation, session_id=session_id)
+                                       speculation=speculation, session_id=session_id, typed_line=typed_line,
+                                       repo_name=repo_name, truncate=truncate, layout=layout)
         return self._stream("Infill", request, session_id, self._timeout(timeout))
 
     def conversation(self, session_id: str | None = None, **options: Any) -> Conversation:

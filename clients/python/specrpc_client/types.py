@@ -37,6 +37,21 @@ class Proposer(enum.IntEnum):
         return cls[key.upper().removeprefix("PROPOSER_")]
 
 
+class FimLayout(enum.IntEnum):
+    """How an Infill prompt is laid out (UNSPECIFIED: the server's choice, ModelInfo.fim_default_layout)."""
+
+    UNSPECIFIED = 0
+    PSM = 1
+    SPM = 2
+    TYPED_LINE = 3
+
+    @classmethod
+    def parse(cls, name: str) -> FimLayout:
+        """'psm', 'spm', 'typed_line' (or 'typed-line'), '' / 'auto' for unspecified, or an enum name."""
+        key = name.strip().upper().replace("-", "_").removeprefix("FIM_LAYOUT_")
+        return cls.UNSPECIFIED if key in ("", "AUTO") else cls[key]
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How tokens are chosen; the defaults mean greedy."""
@@ -117,6 +132,11 @@ class Summary:
     timing: Timing = field(default_factory=Timing)
     session_id: str = ""
     stop_sequence: str = ""
+    trimmed_prefix_chars: int = 0
+    trimmed_suffix_chars: int = 0
+    trimmed_extra_files: int = 0
+    trimmed_prompt_tokens: int = 0
+    fim_layout: FimLayout = FimLayout.UNSPECIFIED
 
 
 @dataclass(frozen=True)
@@ -197,6 +217,9 @@ class ModelInfo:
     kv_cache_bytes: int
     supports_infill: bool
     tokenizer_vocab_size: int
+    fim_template: str = ""
+    fim_orders: tuple[str, ...] = ()
+    fim_default_layout: FimLayout = FimLayout.UNSPECIFIED
 
 
 # ---- proto → dataclass ----------------------------------------------------------------------------------------
@@ -216,7 +239,8 @@ def chunk_from(msg: pb.TokenChunk) -> Chunk:
 
 def summary_from(msg: pb.GenerationSummary) -> Summary:
     return _flat(Summary, msg, finish_reason=FinishReason(msg.finish_reason),
-                 speculation=_flat(SpeculationStats, msg.speculation), timing=_flat(Timing, msg.timing))
+                 speculation=_flat(SpeculationStats, msg.speculation), timing=_flat(Timing, msg.timing),
+                 fim_layout=FimLayout(msg.fim_layout))
 
 
 def phrase_from(msg: pb.Phrase, received_ms: float = 0.0) -> Phrase:
@@ -234,6 +258,7 @@ def model_info_from(msg: pb.ModelInfo) -> ModelInfo:
         target=_flat(ModelDescription, msg.target),
         draft=_flat(ModelDescription, msg.draft) if msg.HasField("draft") else None,
         speculation_policy=_flat(SpeculationPolicy, policy, proposer=Proposer(policy.proposer)),
+        fim_orders=tuple(msg.fim_orders), fim_default_layout=FimLayout(msg.fim_default_layout),
     )
 
 

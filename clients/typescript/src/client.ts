@@ -30,6 +30,7 @@ import {
   chunkFrom,
   modelInfoFrom,
   phraseFrom,
+  fimLayoutToProto,
   samplingToProto,
   speculationToProto,
   summaryFrom,
@@ -469,12 +470,15 @@ export class SpecrpcClient {
       options.signal, this.retry, options.timeoutMs ?? this.timeoutMs);
   }
 
-  /** Fill in the middle between prefix and suffix (extraFiles: other files as context). */
+  /** Fill in the middle between prefix and suffix (extraFiles: other files as context; typedLine, repoName,
+   * truncate and layout as InfillOptions says). */
   infill(prefix: string, suffix: string, options: InfillOptions = {}): Generation {
     const request = {
       prefix, suffix, extra: options.extraFiles ?? [], path: options.path ?? "",
       maxNewTokens: options.maxNewTokens ?? 0, sampling: samplingToProto(options.sampling),
       stop: options.stop ?? [], speculation: speculationToProto(options.speculation), sessionId: options.sessionId ?? "",
+      typedLine: options.typedLine ?? "", repoName: options.repoName ?? "", truncate: options.truncate ?? false,
+      layout: fimLayoutToProto(options.layout),
     };
     const headers = sessionHeaders(options.sessionId);
     return new Generation((signal, timeoutMs) => this.generator.infill(request, { headers, timeoutMs, signal }),

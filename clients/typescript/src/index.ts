@@ -17,6 +17,7 @@ export type {
   Chunk,
   ConverseEvent,
   ExtraFile,
+  FimLayout,
   FinishReason,
   GenerateOptions,
   GenerationEvent,

@@ -11,12 +11,17 @@ import {
   SpeculationParamsSchema,
   type TokenChunk,
   type TurnSummary as TurnSummaryMsg,
+  FimLayout as FimLayoutEnum,
   FinishReason as FinishReasonEnum,
   Proposer as ProposerEnum,
 } from "./gen/specrpc/v1/generator_pb.js";
 
 /** Why generation ended. */
 export type FinishReason = "unspecified" | "length" | "stop" | "cancelled";
+
+/** How an infill prompt is laid out ("auto": the server's choice; "spm": suffix first; "typed_line": the current
+ * line's text after the middle token; "psm": prefix, suffix, middle). */
+export type FimLayout = "auto" | "psm" | "spm" | "typed_line";
 
 /** Which proposer drafts tokens ("default": the server's). */
 export type ProposerName = "default" | "draft" | "lookup" | "combined";
@@ -73,6 +78,14 @@ export interface InfillOptions extends RequestOptions {
   extraFiles?: ExtraFile[];
   /** Path of the file being edited. */
   path?: string;
+  /** The current line's text before the cursor, when sent apart from the prefix (llama.cpp's `/infill` `prompt`). */
+  typedLine?: string;
+  /** Repository name, for model families with a repository token. */
+  repoName?: string;
+  /** Trim the prompt to fit the context (far ends first, in coarse steps) instead of failing. */
+  truncate?: boolean;
+  /** Prompt layout; unset is the server's choice. */
+  layout?: FimLayout;
 }
 
 /** The tokens of one verify step and the text they complete. */
@@ -110,6 +123,14 @@ export interface Summary {
   timing: Timing;
   sessionId: string;
   stopSequence: string;
+  /** Infill with `truncate`: characters trimmed from the prefix's start and the suffix's end, extra files left out,
+   * prompt tokens trimmed in all. */
+  trimmedPrefixChars: number;
+  trimmedSuffixChars: number;
+  trimmedExtraFiles: number;
+  trimmedPromptTokens: number;
+  /** Infill: the layout the prompt was built in ("auto" for Generate and Converse). */
+  fimLayout: FimLayout;
 }
 
 export type GenerationEvent = Chunk | Summary;
@@ -171,6 +192,11 @@ export interface ModelInfo {
   kvCacheBytes: number;
   supportsInfill: boolean;
   tokenizerVocabSize: number;
+  /** The fill-in-the-middle template ("" without infill), the orders its model was trained with, and the layout
+   * infill uses by default. */
+  fimTemplate: string;
+  fimOrders: string[];
+  fimDefaultLayout: FimLayout;
 }
 
 // ---- conversions ------------------------------------------------------------------------------------------------
@@ -188,6 +214,22 @@ const PROPOSER_TO: Record<ProposerName, ProposerEnum> = {
   lookup: ProposerEnum.PROMPT_LOOKUP,
   combined: ProposerEnum.COMBINED,
 };
+
+const FIM_LAYOUT_TO: Record<FimLayout, FimLayoutEnum> = {
+  auto: FimLayoutEnum.UNSPECIFIED,
+  psm: FimLayoutEnum.PSM,
+  spm: FimLayoutEnum.SPM,
+  typed_line: FimLayoutEnum.TYPED_LINE,
+};
+
+export function fimLayoutToProto(layout: FimLayout | undefined): FimLayoutEnum {
+  return FIM_LAYOUT_TO[layout ?? "auto"];
+}
+
+function fimLayoutName(l: FimLayoutEnum): FimLayout {
+  const found = (Object.keys(FIM_LAYOUT_TO) as FimLayout[]).find((k) => FIM_LAYOUT_TO[k] === l);
+  return found ?? "auto";
+}
 
 function proposerName(p: ProposerEnum): ProposerName {
   const found = (Object.keys(PROPOSER_TO) as ProposerName[]).find((k) => PROPOSER_TO[k] === p);
@@ -235,6 +277,11 @@ export function summaryFrom(s: GenerationSummary): Summary {
     timing: { ttftMs: s.timing?.ttftMs ?? 0, totalMs: s.timing?.totalMs ?? 0, queueMs: s.timing?.queueMs ?? 0 },
     sessionId: s.sessionId,
     stopSequence: s.stopSequence,
+    trimmedPrefixChars: s.trimmedPrefixChars ?? 0,
+    trimmedSuffixChars: s.trimmedSuffixChars ?? 0,
+    trimmedExtraFiles: s.trimmedExtraFiles ?? 0,
+    trimmedPromptTokens: s.trimmedPromptTokens ?? 0,
+    fimLayout: fimLayoutName(s.fimLayout ?? FimLayoutEnum.UNSPECIFIED),
   };
 }
 
@@ -282,5 +329,8 @@ export function modelInfoFrom(m: ModelInfoMsg): ModelInfo {
     kvCacheBytes: Number(m.kvCacheBytes),
     supportsInfill: m.supportsInfill,
     tokenizerVocabSize: m.tokenizerVocabSize,
+    fimTemplate: m.fimTemplate,
+    fimOrders: [...m.fimOrders],
+    fimDefaultLayout: fimLayoutName(m.fimDefaultLayout),
   };
 }

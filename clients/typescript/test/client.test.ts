@@ -118,6 +118,21 @@ describe("SpecrpcClient against specrpc serve", { skip }, () => {
     assert.ok(summary && summary.promptTokens > 0 && summary.completionTokens <= 8);
   });
 
+  test("infill: layout, typed line, repository name and truncation", async (t) => {
+    const info = await client.modelInfo();
+    if (!info.supportsInfill) return t.skip("no fill-in-the-middle tokens");
+    assert.ok(info.fimTemplate !== "" && info.fimOrders.length > 0 && info.fimDefaultLayout !== "auto");
+    let lines = "";
+    for (let i = 0; i < 120; i++) lines += `item_${i} = build(${i}, size=${i * 5})\n`;
+    const summary = await client.infill(lines + "last = ", "\n" + lines, {
+      maxNewTokens: 4, typedLine: "build(", repoName: "demo", truncate: true, layout: "psm",
+    }).result();
+    assert.ok(summary && summary.fimLayout === "psm");
+    assert.ok(summary.trimmedPromptTokens > 0 && summary.trimmedPrefixChars > 0);
+    await assert.rejects(client.infill(lines, "\n" + lines, { maxNewTokens: 4 }).result(),
+      (e: unknown) => e instanceof ConnectError && e.code === Code.InvalidArgument && e.message.includes("truncate"));
+  });
+
   test("AbortSignal mid-stream ends the iteration quietly as cancelled", async () => {
     const controller = new AbortController();
     const gen = client.complete("Once upon a time", {
