@@ -20,7 +20,7 @@ from __future__ import annotations
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -35,6 +35,7 @@ from specrpc import validation
 from specrpc.auth import TokenAuth, bearer_token
 from specrpc.config import Config
 from specrpc.conversation import chat_prompt, reply_stops
+from specrpc.fim import ExtraFile, InfillInput, Trimmed
 from specrpc.gateway import Gateway, NotReady, ShuttingDown
 from specrpc.http_replies import LlamaReply, OpenAIReply, Reply
 from specrpc.http_wire import (
@@ -52,7 +53,7 @@ from specrpc.http_wire import (
     kind_of,
     read_json,
 )
-from specrpc.runtime import DecodeParams, ExtraFile
+from specrpc.runtime import DecodeParams
 from specrpc.sampling import SamplingParams
 from specrpc.validation import SESSION_HEADER
 
@@ -256,14 +257,13 @@ class HttpApi:
             raise bad("prompt", "prompt must be a string (or a list of one string)")
         sampling, budget = openai_sampling(body, 16, self.config.limits.max_new_tokens)  # OpenAI's default: 16
         options = openai_editor_options(body, chat=False)
-        if body.has("suffix"):
-            ids = rt.infill_prompt(text, body.text("suffix"), [], "")
-            ids = validation.fit_prompt(ids, rt.context_limit, self.config.limits, truncate=False,
-                                        too_long="send a shorter prompt and suffix", empty="set prompt")
+        params = apply_editor_options(decode(self, sampling, budget), options)
+        if body.has("suffix"):  # fill-in-the-middle, as gRPC Infill: the model family's template
+            fim = rt.infill_prompt(InfillInput(prefix=text, suffix=body.text("suffix")))
+            ids, params = fim.ids, replace(params, stop_token_ids=fim.stop_ids)
         else:
             ids = validation.fit_prompt(rt.encode(text), rt.context_limit, self.config.limits, truncate=False,
                                         too_long="send a shorter prompt", empty="set prompt")
-        params = apply_editor_options(decode(self, sampling, budget), options)
         stream, usage = stream_flags(body)
         reply = OpenAIReply(chat=False, model=rt.target_info.name, include_usage=usage)
         return self._generation(request, "Completions", ids, params, session, reply, stream)
@@ -281,12 +281,14 @@ class HttpApi:
         for i, item in enumerate(extra_items):
             chunk = Body(item, f"input_extra[{i}]")
             extra.append(ExtraFile(chunk.text("filename"), chunk.text("text")))
-        typed_line = body.text("prompt")
-        ids = infill_ids(self, body.text("input_prefix"), body.text("input_suffix"), extra, typed_line)
-        ids = validation.fit_prompt(ids, rt.context_limit, self.config.limits, truncate=False,
-                                    too_long="send fewer or shorter input_extra chunks, or a shorter input_prefix "
-                                             "and input_suffix", empty="set input_prefix or input_suffix")
-        return self._llama(request, body, "LlamaInfill", ids, session)
+        params, reply = self._llama_params(body)
+        # llama.cpp's `prompt` is the current line up to the cursor; like llama.cpp, trim the context to fit
+        infill = InfillInput(prefix=body.text("input_prefix"), suffix=body.text("input_suffix"), extra=tuple(extra),
+                             typed_line=body.text("prompt"))
+        fim = rt.infill_prompt(infill, truncate=True, max_new_tokens=params.max_new_tokens)
+        reply.prompt_ids, reply.truncated = len(fim.ids), fim.trimmed != Trimmed()
+        params = replace(params, stop_token_ids=fim.stop_ids)
+        return self._generation(request, "LlamaInfill", fim.ids, params, session, reply, body.flag("stream"))
 
     async def llama_completion(self, request: Request) -> Response:
         """llama.cpp's /completion: a plain prompt, the same reply shape as /infill."""
@@ -295,9 +297,12 @@ class HttpApi:
         rt = self.gateway.runtime
         ids = validation.fit_prompt(rt.encode(body.text("prompt")), rt.context_limit, self.config.limits,
                                     truncate=False, too_long="send a shorter prompt", empty="set prompt")
-        return self._llama(request, body, "LlamaCompletion", ids, session)
+        params, reply = self._llama_params(body)
+        reply.prompt_ids = len(ids)
+        return self._generation(request, "LlamaCompletion", ids, params, session, reply, body.flag("stream"))
 
-    def _llama(self, request: Request, body: Body, rpc: str, ids: list[int], session: str) -> Response:
+    def _llama_params(self, body: Body) -> tuple[DecodeParams, LlamaReply]:
+        """llama.cpp's generation fields (its defaults where absent), and the reply they shape."""
         limits = self.config.limits
         n_predict = body.integer("n_predict", -1, -1, 2**31 - 1)
         if n_predict > limits.max_new_tokens:
@@ -322,8 +327,8 @@ class HttpApi:
                     "top_p": sampling.top_p, "seed": sampling.seed, "n_indent": options.n_indent,
                     "t_max_predict_ms": options.max_time_ms, "stop": sampling.stop}
         reply = LlamaReply(model=self.gateway.runtime.target_info.name, fields=fields,
-                           prefill_only=options.prefill_only, settings=settings, prompt_ids=len(ids))
-        return self._generation(request, rpc, ids, params, session, reply, body.flag("stream"))
+                           prefill_only=options.prefill_only, settings=settings, prompt_ids=0)
+        return params, reply
 
     # ---- running a generation ------------------------------------------------------------------------------------
 
@@ -354,15 +359,6 @@ def message_text(message: Body) -> str:
             parts.append(piece.text("text"))
         return "".join(parts)
     raise bad(message.name("content"), f"{message.name('content')} must be a string or a list of text parts")
-
-
-def infill_ids(api: HttpApi, prefix: str, suffix: str, extra: Sequence[ExtraFile], typed_line: str) -> list[int]:
-    """The fill-in-the-middle prompt: the same runtime function as gRPC Infill, and llama.cpp's `prompt` (the
-    current line up to the cursor) after the middle token. PENDING: the FIM template module (SPM order, repo name,
-    truncation of extra files) replaces this once it lands."""
-    rt = api.gateway.runtime
-    ids = rt.infill_prompt(prefix, suffix, extra, "")
-    return ids + rt.encode_plain(typed_line) if typed_line else ids
 
 
 def peer_of(scope: Scope) -> str:

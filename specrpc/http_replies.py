@@ -97,6 +97,7 @@ class LlamaReply(Reply):
     prefill_only: bool
     settings: dict[str, Any]
     prompt_ids: int
+    truncated: bool = False
     predicted: int = 0
 
     def chunk(self, text: str, chunk: Chunk) -> list[dict[str, Any]]:
@@ -120,7 +121,7 @@ class LlamaReply(Reply):
             "index": 0, "content": content, "tokens": [], "id_slot": -1, "stop": True, "model": self.model,
             "tokens_predicted": predicted, "tokens_evaluated": s.prompt_tokens,
             "generation_settings": self.settings,
-            "prompt": "", "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type,
+            "prompt": "", "has_new_line": "\n" in text, "truncated": self.truncated, "stop_type": stop_type,
             "stopping_word": done.stop_sequence, "tokens_cached": s.prompt_tokens + predicted,
             "timings": {
                 "cache_n": s.cached_prompt_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,

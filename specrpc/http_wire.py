@@ -16,9 +16,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from specrpc.auth import TooManyStreams
+from specrpc.fim import NoInfillSupport, PromptTooLong
 from specrpc.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
 from specrpc.http_replies import Reply
-from specrpc.runtime import DecodeParams, NoInfillSupport
+from specrpc.runtime import DecodeParams
 from specrpc.scheduler import FINISH_CANCELLED, Chunk
 from specrpc.sessions import SlotsExhausted, UnknownSession
 from specrpc.validation import InvalidRequest
@@ -45,6 +46,7 @@ class ErrorKind:
 
 ERRORS: list[tuple[type[BaseException], ErrorKind]] = [
     (InvalidRequest, ErrorKind(400, "invalid_request_error", "invalid_value", "INVALID_ARGUMENT")),
+    (PromptTooLong, ErrorKind(400, "invalid_request_error", "prompt_too_long", "INVALID_ARGUMENT")),
     (UnknownSession, ErrorKind(400, "invalid_request_error", "unknown_session", "INVALID_ARGUMENT")),
     (NoInfillSupport, ErrorKind(400, "invalid_request_error", "infill_unsupported", "FAILED_PRECONDITION")),
     (SlotsExhausted, ErrorKind(429, "rate_limit_error", "kv_slots_exhausted", "RESOURCE_EXHAUSTED")),

@@ -21,8 +21,8 @@ from process_helpers import have_openssl, make_certs
 from service_helpers import LONG_TOKENS, Conversation, collect, text_of, wait_until
 
 from specrpc.auth import StreamQuota, TokenAuth
+from specrpc.fim import ExtraFile, InfillInput
 from specrpc.http_api import HttpApi, HttpServer
-from specrpc.runtime import ExtraFile
 from specrpc.server import Running
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
@@ -167,7 +167,7 @@ def llama_vim_warmup(extra: list[dict[str, Any]]) -> dict[str, Any]:
 async def test_llama_vim_warmup_then_completion_reads_flattened_fields(
     http: httpx2.AsyncClient, server: Running
 ) -> None:
-    if server.runtime.fim_ids is None:
+    if server.runtime.fim is None:
         pytest.skip("the served model has no FIM tokens")
     extra = [{"text": f"def helper_{uuid.uuid4().hex[:8]}(x):\n    return x * 2\n", "time": [1, 2],
               "filename": "util.py"}]
@@ -180,15 +180,27 @@ async def test_llama_vim_warmup_then_completion_reads_flattened_fields(
     assert set(reply) == set(LLAMA_VIM_FIELDS)
     assert isinstance(reply["content"], str) and reply["truncated"] is False
     rt = server.runtime
-    prompt = rt.infill_prompt(prefix, suffix, [ExtraFile("util.py", extra[0]["text"])], "") + rt.encode_plain(middle)
-    extra_tokens = prompt.index(rt.fim_ids[0])  # [<|file_sep|>util.py\n text <|endoftext|>] before <|fim_prefix|>
-    assert reply["timings/prompt_n"] <= len(prompt) - extra_tokens  # the warmed-up extra context was cached
+    files = (ExtraFile("util.py", extra[0]["text"]),)
+    prompt = rt.infill_prompt(InfillInput(prefix, suffix, files, typed_line=middle), truncate=True).ids
+    warmed = rt.infill_prompt(InfillInput("", "", files), truncate=True).ids
+    shared = next((i for i, (a, b) in enumerate(zip(prompt, warmed, strict=False)) if a != b), len(warmed))
+    assert shared > 0 and reply["timings/prompt_n"] <= len(prompt) - shared  # the warmed-up extra files were cached
     assert reply["tokens_cached"] == len(prompt) + reply["timings/predicted_n"]
     assert reply["timings/predicted_n"] >= 1 and reply["timings/predicted_ms"] >= 0
 
 
+async def test_llama_infill_trims_extra_context_that_does_not_fit(http: httpx2.AsyncClient, server: Running) -> None:
+    if server.runtime.fim is None:
+        pytest.skip("the served model has no FIM tokens")
+    extra = [{"filename": f"f{i}.py", "text": f"def f{i}(x):\n    return x + {i}\n" * 12} for i in range(8)]
+    body = {"input_prefix": "import f0\n", "input_suffix": "\n", "input_extra": extra, "prompt": "y = ",
+            "n_predict": 4, "temperature": 0, "response_fields": ["content", "truncated", "tokens_cached"]}
+    reply = (await http.post("/infill", json=body)).json()
+    assert reply["truncated"] is True and reply["tokens_cached"] < server.runtime.context_limit
+
+
 async def test_llama_infill_streams_when_asked(http: httpx2.AsyncClient, server: Running) -> None:
-    if server.runtime.fim_ids is None:
+    if server.runtime.fim is None:
         pytest.skip("the served model has no FIM tokens")
     body = {"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "prompt": "    return ", "n_predict": 8,
             "temperature": 0, "stream": True}
