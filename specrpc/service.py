@@ -7,7 +7,7 @@ import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -16,13 +16,13 @@ import torch
 
 from specrpc.auth import StreamQuota, TooManyStreams, metadata_values
 from specrpc.config import Config, parse_networks
-from specrpc.engine import FINISH_LENGTH, FINISH_STOP
+from specrpc.engine import FINISH_LENGTH, FINISH_STOP, MAX_TOP_LOGPROBS
 from specrpc.metrics import Metrics
 from specrpc.runtime import CheckpointInfo, DecodeParams, ExtraFile, NoInfillSupport, Runtime
 from specrpc.sampling import SamplingParams
 from specrpc.scheduler import FINISH_CANCELLED, Chunk, Done, Failed
 from specrpc.sessions import SlotsExhausted, UnknownSession
-from specrpc.text import PhraseSegmenter
+from specrpc.text import FINISH_INDENT, FINISH_TIME_LIMIT, PhraseSegmenter
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 from specrpc.wire import MalformedRequest
@@ -33,6 +33,8 @@ FINISH = {
     FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
     FINISH_STOP: pb.FINISH_REASON_STOP,
     FINISH_CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FINISH_INDENT: pb.FINISH_REASON_INDENT,
+    FINISH_TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
 }
 PROPOSERS = {
     pb.PROPOSER_UNSPECIFIED: None,
@@ -41,6 +43,8 @@ PROPOSERS = {
     pb.PROPOSER_COMBINED: "combined",
 }
 MAX_SESSION_ID = 128
+MAX_N_INDENT = 1024  # characters of indentation; deeper is no editor's indentation
+MAX_TIME_MS = 600_000  # ten minutes: a longer budget for one completion is a mistake, not a wish
 SESSION_HEADER = "x-session-id"  # request metadata that load balancers hash on (deploy/README.md)
 
 
@@ -298,6 +302,30 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             proposer=proposer,
         )
 
+    def _editor_params(self, request: pb.GenerateRequest | pb.InfillRequest, params: DecodeParams) -> DecodeParams:
+        """`params` with the editor fields of a Generate or Infill request (n_indent, max_time_ms, prefill_only,
+        logprobs, top_logprobs), validated."""
+        n_indent, max_time_ms, top = request.n_indent, request.max_time_ms, request.top_logprobs
+        if not 0 <= n_indent <= MAX_N_INDENT:
+            raise InvalidRequest(f"n_indent must be in 0..{MAX_N_INDENT} (the indentation, in characters, a new line "
+                                 f"needs to go on; 0 = off); got {n_indent}")
+        if not 0 <= max_time_ms <= MAX_TIME_MS:
+            raise InvalidRequest(f"max_time_ms must be in 0..{MAX_TIME_MS} (milliseconds from the first token, "
+                                 f"ended at the next newline; 0 = no budget); got {max_time_ms}")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token); got {top}")
+        if top and not request.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: set logprobs = true, or leave top_logprobs 0")
+        if request.prefill_only:
+            wanted = [name for name, value in (("max_new_tokens", request.max_new_tokens), ("stop", len(request.stop)),
+                                               ("n_indent", n_indent), ("max_time_ms", max_time_ms),
+                                               ("logprobs", request.logprobs)) if value]
+            if wanted:
+                raise InvalidRequest(f"prefill_only generates nothing, so {', '.join(wanted)} cannot apply: leave "
+                                     f"{'it' if len(wanted) == 1 else 'them'} unset, or set prefill_only = false")
+        return replace(params, n_indent=n_indent, max_time_ms=max_time_ms, prefill_only=request.prefill_only,
+                       logprobs=request.logprobs, top_logprobs=top)
+
     def _check_session_id(self, session_id: str, name: str = "session_id", header: str = "") -> str:
         """The request's session id: the field, or the `x-session-id` metadata when the field is empty. Both set
         and different is refused: a load balancer routes by the header and this server caches by the id."""
@@ -403,14 +431,27 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             ),
             session_id=session_id,
             stop_sequence=done.stop_sequence,
+            tokens_cached=s.tokens_cached,
+            suggestion_tokens_accepted=s.suggestion_accepted,
         )
+
+    def _chunk(self, chunk: Chunk) -> pb.TokenChunk:
+        """TokenChunk of a Chunk, with its tokens' log-probabilities when the request asked for them."""
+        msg = pb.TokenChunk(text=chunk.text, token_ids=chunk.token_ids, accepted_draft_tokens=chunk.accepted)
+        if chunk.logprobs:
+            text = self.runtime.token_text
+            msg.logprobs.extend(
+                pb.TokenLogprob(token_id=lp.token_id, text=text(lp.token_id), logprob=lp.logprob,
+                                top_logprobs=[pb.TokenAlternative(token_id=a.token_id, text=text(a.token_id),
+                                                                  logprob=a.logprob) for a in lp.top])
+                for lp in chunk.logprobs)
+        return msg
 
     async def _generate_responses(self, prompt: list[int], params: DecodeParams, session_id: str,
                                   rpc: str, context: Context) -> AsyncIterator[pb.GenerateResponse]:
         async for event in self._stream(prompt, params, session_id, rpc, rpc_gone(context)):
             if isinstance(event, Chunk):
-                yield pb.GenerateResponse(chunk=pb.TokenChunk(text=event.text, token_ids=event.token_ids,
-                                                              accepted_draft_tokens=event.accepted))
+                yield pb.GenerateResponse(chunk=self._chunk(event))
             else:
                 yield pb.GenerateResponse(summary=self._summary(event, session_id))
 
@@ -418,9 +459,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: Context) -> AsyncIterator[pb.GenerateResponse]:
         session_id = self._check_session_id(request.session_id, header=session_header(context))
-        params = self._decode_params(request.max_new_tokens, request.sampling if request.HasField("sampling")
-                                     else None, list(request.stop),
-                                     request.speculation if request.HasField("speculation") else None)
+        params = self._editor_params(request, self._decode_params(
+            request.max_new_tokens, request.sampling if request.HasField("sampling") else None, list(request.stop),
+            request.speculation if request.HasField("speculation") else None))
         prompt = self._prompt_ids(request)
         async for response in self._generate_responses(prompt, params, session_id, "Generate", context):
             yield response
@@ -432,9 +473,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         if len(request.extra) > self.limits.max_extra_files:
             raise InvalidRequest(f"extra: at most {self.limits.max_extra_files} extra files allowed "
                                  f"(--max-extra-files); got {len(request.extra)}")
-        params = self._decode_params(request.max_new_tokens, request.sampling if request.HasField("sampling")
-                                     else None, list(request.stop),
-                                     request.speculation if request.HasField("speculation") else None)
+        params = self._editor_params(request, self._decode_params(
+            request.max_new_tokens, request.sampling if request.HasField("sampling") else None, list(request.stop),
+            request.speculation if request.HasField("speculation") else None))
         extra = [ExtraFile(f.path, f.text) for f in request.extra]
         prompt = self.runtime.infill_prompt(request.prefix, request.suffix, extra, request.path)
         prompt = self._fit_prompt(prompt, truncate=False, too_long="send fewer or shorter extra files, or a "

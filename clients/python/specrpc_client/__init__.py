@@ -41,6 +41,8 @@ if TYPE_CHECKING:
         SpeculationStats,
         Summary,
         Timing,
+        TokenAlternative,
+        TokenLogprob,
         TurnSummary,
     )
 
@@ -53,7 +55,8 @@ _WHERE = {
     "specrpc_client.sync": ["Client", "Conversation", "Generation"],
     "specrpc_client.types": ["Chunk", "ExtraFile", "FinishReason", "ModelDescription", "ModelInfo", "Phrase",
                              "Proposer", "Rewound", "Sampling", "SessionStarted", "Speculation", "SpeculationPolicy",
-                             "SpeculationStats", "Summary", "Timing", "TurnSummary"],
+                             "SpeculationStats", "Summary", "Timing", "TokenAlternative", "TokenLogprob",
+                             "TurnSummary"],
 }
 _MODULE = {name: module for module, names in _WHERE.items() for name in names}
 __all__ = [
@@ -89,6 +92,8 @@ __all__ = [
     "SpeculationStats",
     "Summary",
     "Timing",
+    "TokenAlternative",
+    "TokenLogprob",
     "TurnSummary",
     "Unauthenticated",
     "Unavailable",

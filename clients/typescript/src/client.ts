@@ -28,6 +28,7 @@ import {
   type SpeculationOptions,
   type Summary,
   chunkFrom,
+  editorToProto,
   modelInfoFrom,
   phraseFrom,
   samplingToProto,
@@ -463,6 +464,7 @@ export class SpecrpcClient {
       prompt, maxNewTokens: options.maxNewTokens ?? 0, sampling: samplingToProto(options.sampling),
       stop: options.stop ?? [], speculation: speculationToProto(options.speculation),
       sessionId: options.sessionId ?? "", truncatePrompt: options.truncatePrompt ?? false, path: options.path ?? "",
+      ...editorToProto(options),
     };
     const headers = sessionHeaders(options.sessionId);
     return new Generation((signal, timeoutMs) => this.generator.generate(request, { headers, timeoutMs, signal }),
@@ -475,6 +477,7 @@ export class SpecrpcClient {
       prefix, suffix, extra: options.extraFiles ?? [], path: options.path ?? "",
       maxNewTokens: options.maxNewTokens ?? 0, sampling: samplingToProto(options.sampling),
       stop: options.stop ?? [], speculation: speculationToProto(options.speculation), sessionId: options.sessionId ?? "",
+      ...editorToProto(options),
     };
     const headers = sessionHeaders(options.sessionId);
     return new Generation((signal, timeoutMs) => this.generator.infill(request, { headers, timeoutMs, signal }),

@@ -16,6 +16,7 @@ export {
 export type {
   Chunk,
   ConverseEvent,
+  EditorOptions,
   ExtraFile,
   FinishReason,
   GenerateOptions,
@@ -33,6 +34,8 @@ export type {
   SpeculationStats,
   Summary,
   Timing,
+  TokenAlternative,
+  TokenLogprob,
   TurnSummary,
 } from "./types.js";
 export { Code, ConnectError } from "@connectrpc/connect";
