@@ -309,7 +309,8 @@ class Generation:
         engine, slot = self.engine, self.slot
         suggestion = self.request.suggestion
         if suggestion is not None and engine.max_k > 0:
-            cap = MAX_SUGGESTION_TOKENS if self.fixed_k is None else self.fixed_k
+            asked = self.request.num_draft_tokens  # a request's own k bounds it; the policy's and `fixed` do not
+            cap = MAX_SUGGESTION_TOKENS if asked is None else asked
             k = max(0, min(cap, self._room()))
             found = suggestion.propose(slot.tokens, slot.index, k, self.params, self.generator) if k else EMPTY
             if found.token_ids:
@@ -349,14 +350,15 @@ class Generation:
         self.stats.verify_steps += 1
         self.stats.last_k = len(proposal)
         self.stats.accepted_lengths.append(result.accepted + 1)
-        if proposal.source == "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
-            self.stats.suggestion_accepted += result.accepted
-        else:
+        if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
             if len(proposal):
                 slot.policy.observe(proposal.source, len(proposal), result.accepted)
             slot.policy.observe_step(proposal.source if len(proposal) else "plain", time.perf_counter() - step_t0,
                                      len(result.tokens))
-        return self._commit(result.tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)
+        step = self._commit(result.tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)
+        if proposal.source == "suggestion":
+            self.stats.suggestion_accepted += step.accepted
+        return step
 
     def _pad_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Target logits [k+1, V_t] → [k+1, V] with -inf on rows the target does not have."""

@@ -324,11 +324,11 @@ class Runtime:
     def _remember(self, lease: Lease, job: Job) -> None:
         """Keep a session's completion (its slot's context: the prompt, then what was generated) as the draft for
         its next request. Called before the slot is released, so nothing has changed the context since."""
-        generation = job.generation
-        if lease.session is None or generation is None or generation.generated == 0:
+        generated = job.generation.stats.completion_tokens if job.generation is not None else 0
+        if lease.session is None or generated == 0:
             return
-        prompt_len = len(generation.request.prompt_ids)
-        if len(lease.slot.tokens) == prompt_len + generation.generated:
+        prompt_len = len(job.request.prompt_ids)
+        if len(lease.slot.tokens) == prompt_len + generated:
             lease.session.last_completion = LastCompletion(list(lease.slot.tokens), prompt_len)
 
     def decode_text(self, ids: list[int]) -> str:
@@ -376,8 +376,10 @@ class Runtime:
                   loop, guard=LineGuard(params.n_indent), max_time_s=params.max_time_ms / 1e3, arrival=arrival)
 
         def finished() -> None:
-            self._remember(lease, job)
-            self.registry.release(lease)
+            try:
+                self._remember(lease, job)
+            finally:
+                self.registry.release(lease)
 
         job.on_done = finished
         job.on_final = on_done
