@@ -18,7 +18,7 @@ import torch
 from specrpc.config import EngineConfig
 from specrpc.models import CausalLM
 from specrpc.policy import AdaptivePolicy, CostModel
-from specrpc.proposers import EMPTY, DraftModelProposer, PromptLookupProposer, Proposal, feed
+from specrpc.proposers import EMPTY, DraftModelProposer, PromptLookupProposer, Proposal, Proposer, feed
 from specrpc.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specrpc.verify import VerifyResult, verify
 
@@ -29,6 +29,31 @@ Verifier = Callable[
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask log-probabilities for (OpenAI's and vLLM's limit)."""
+
+MAX_SUGGESTION_TOKENS = 64
+"""Most tokens of the session's last suggestion verified in one step (it is a draft the editor already shows, so
+it is drafted whole rather than in the policy's k)."""
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token and the target's log-probability of it at one position."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's raw logits (log-softmax, before temperature, top-k and
+    top-p: what OpenAI and vLLM report) and the `top_logprobs` most likely tokens at that position, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[Logprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -41,6 +66,10 @@ class GenerationRequest:
     num_draft_tokens: int | None = None
     proposer: str | None = None
     stop_token_ids: frozenset[int] = frozenset()
+    prefill_only: bool = False  # cache the prompt (target and draft) and generate nothing
+    logprobs: bool = False  # report each emitted token's TokenLogprob
+    top_logprobs: int = 0  # with logprobs: alternatives per token, 0..MAX_TOP_LOGPROBS
+    suggestion: Proposer | None = None  # the session's last completion as a draft (proposers.SuggestionProposer)
 
 
 @dataclass
@@ -55,6 +84,8 @@ class GenerationStats:
     verify_steps: int = 0
     last_k: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
+    tokens_cached: int = 0  # positions of the slot's context in the target's KV cache when the request ended
+    suggestion_accepted: int = 0  # draft tokens accepted from the session's last suggestion
 
     @property
     def mean_accepted_length(self) -> float:
@@ -75,6 +106,7 @@ class StepResult:
     accepted: int
     proposed: int
     finish: str | None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for logprobs
 
 
 @dataclass
@@ -206,7 +238,10 @@ class Generation:
         if name not in engine.proposers:
             raise ValueError(f"proposer {name!r} is not available; loaded: {sorted(engine.proposers)}")
         self.proposer = name
-        self.fixed_k = request.num_draft_tokens
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
+        # the server's `--speculation off` wins over a request's num_draft_tokens: the operator turned it off
+        self.fixed_k = 0 if engine.max_k == 0 else request.num_draft_tokens
         if engine.config.speculation == "fixed" and self.fixed_k is None:
             self.fixed_k = engine.max_k
 
@@ -259,21 +294,47 @@ class Generation:
         self.prefill_pos = end
         if end < len(prompt):
             return StepResult([], 0, 0, None)
+        if self.request.prefill_only:
+            return self._prefilled()
         if self.params.greedy:
             token = int(logits[0].argmax())
         else:
             token = int(sample(logits_to_probs(logits, self.params), self.generator)[0])
-        return self._commit([token], accepted=0, proposed=0)
+        return self._commit([token], accepted=0, proposed=0, logits=logits)
+
+    def _prefilled(self) -> StepResult:
+        """End a prefill-only request: the whole prompt is in the target's cache (the next request on the slot
+        recomputes from its last token on), and in the draft's too when speculation can use it."""
+        engine, slot, prompt = self.engine, self.slot, self.request.prompt_ids
+        if engine.draft is not None and engine.max_k > 0:
+            start = engine.draft.length(slot.index)
+            if start < len(prompt):
+                feed(engine.draft, slot.index, prompt[start:], start, engine.config.prefill_chunk)
+        self.stats.tokens_cached = engine.target.length(slot.index)
+        self.finish = FINISH_LENGTH
+        return StepResult([], 0, 0, self.finish)
 
     def _k(self, source: str) -> int:
         """Draft tokens for `source` this step: the request's fixed k or the policy's, within the room left."""
-        room = min(self.request.max_new_tokens - self.generated - 1, self.engine.capacity - len(self.slot.tokens))
         k = self.fixed_k if self.fixed_k is not None else self.slot.policy.choose(source)
-        return max(0, min(k, room, self.engine.config.max_draft_tokens))
+        return max(0, min(k, self._room(), self.engine.max_k))
+
+    def _room(self) -> int:
+        """Draft tokens that fit this step: the bonus token must stay within max_new_tokens and the context."""
+        return min(self.request.max_new_tokens - self.generated - 1, self.engine.capacity - len(self.slot.tokens))
 
     def _propose(self) -> Proposal:
-        """Prompt lookup first when allowed (free to draft), else the draft model; EMPTY for plain decoding."""
+        """The session's last suggestion while it still matches, then prompt lookup when allowed (free to draft),
+        else the draft model; EMPTY for plain decoding."""
         engine, slot = self.engine, self.slot
+        suggestion = self.request.suggestion
+        if suggestion is not None and engine.max_k > 0:
+            asked = self.request.num_draft_tokens  # a request's own k bounds it; the policy's and `fixed` do not
+            cap = MAX_SUGGESTION_TOKENS if asked is None else asked
+            k = max(0, min(cap, self._room()))
+            found = suggestion.propose(slot.tokens, slot.index, k, self.params, self.generator) if k else EMPTY
+            if found.token_ids:
+                return found
         if self.proposer in ("lookup", "combined"):
             k = self._k("lookup")
             found = engine.lookup.propose(slot.tokens, slot.index, k, self.params, self.generator) if k else EMPTY
@@ -310,14 +371,18 @@ class Generation:
         slot.policy.costs.observe_target(len(ids), time.perf_counter() - t0)
         if engine.stall is not None and len(proposal):
             time.sleep(engine.stall.verify_s)
-        if len(proposal):
-            slot.policy.observe(proposal.source, len(proposal), result.accepted)
         self.stats.verify_steps += 1
         self.stats.last_k = len(proposal)
         self.stats.accepted_lengths.append(result.accepted + 1)
-        slot.policy.observe_step(proposal.source if len(proposal) else "plain", time.perf_counter() - step_t0,
-                                 len(result.tokens), proposal.catch_up_s)
-        return self._commit(result.tokens, accepted=result.accepted, proposed=len(proposal))
+        if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
+            if len(proposal):
+                slot.policy.observe(proposal.source, len(proposal), result.accepted)
+            slot.policy.observe_step(proposal.source if len(proposal) else "plain", time.perf_counter() - step_t0,
+                                     len(result.tokens), proposal.catch_up_s)
+        step = self._commit(result.tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)
+        if proposal.source == "suggestion":
+            self.stats.suggestion_accepted += step.accepted
+        return step
 
     def _pad_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Target logits [k+1, V_t] → [k+1, V] with -inf on rows the target does not have."""
@@ -332,8 +397,25 @@ class Generation:
             return probs
         return torch.nn.functional.pad(probs, (0, self.engine.vocab - probs.shape[-1]), value=0.0)
 
-    def _commit(self, tokens: list[int], accepted: int, proposed: int) -> StepResult:
-        """Append tokens (cut at a stop token or the length limit) and roll the caches back to the new context."""
+    def _logprobs(self, logits: torch.Tensor, tokens: list[int]) -> tuple[TokenLogprob, ...]:
+        """TokenLogprob of each token from the target's raw logits [>= n, V_t] at its position (row i: token i)."""
+        n = len(tokens)
+        if not self.request.logprobs or n == 0:
+            return ()
+        logp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, V_t]
+        ids = torch.tensor(tokens, dtype=torch.long, device=logp.device)  # [n]
+        chosen: list[float] = logp[torch.arange(n, device=logp.device), ids].tolist()  # [n]
+        top_n = min(self.request.top_logprobs, logp.shape[-1])
+        if top_n == 0:
+            return tuple(TokenLogprob(t, lp) for t, lp in zip(tokens, chosen, strict=True))
+        values, top_ids = logp.topk(top_n, dim=-1)  # [n, N], [n, N]
+        rows = zip(top_ids.tolist(), values.tolist(), strict=True)
+        return tuple(TokenLogprob(t, lp, tuple(Logprob(i, v) for i, v in zip(r_ids, r_vals, strict=True)))
+                     for t, lp, (r_ids, r_vals) in zip(tokens, chosen, rows, strict=True))
+
+    def _commit(self, tokens: list[int], accepted: int, proposed: int, logits: torch.Tensor) -> StepResult:
+        """Append tokens (cut at a stop token or the length limit) and roll the caches back to the new context.
+        `logits` [>= len(tokens), V_t]: the target's raw logits the tokens were chosen from, row i for token i."""
         slot, engine = self.slot, self.engine
         n_before = len(slot.tokens)
         limit = min(self.request.max_new_tokens - self.generated, engine.capacity - n_before)
@@ -351,6 +433,7 @@ class Generation:
         self.stats.completion_tokens += len(kept)
         self.stats.proposed += proposed
         self.stats.accepted += min(accepted, len(kept))
+        self.stats.tokens_cached = engine.target.length(slot.index)
         if self.finish is None and (self.generated >= self.request.max_new_tokens or n >= engine.capacity):
             self.finish = FINISH_LENGTH
-        return StepResult(kept, min(accepted, len(kept)), proposed, self.finish)
+        return StepResult(kept, min(accepted, len(kept)), proposed, self.finish, self._logprobs(logits, kept))

@@ -1,8 +1,10 @@
-"""Proposers draft tokens for the target to verify: the draft model and prompt lookup (the engine combines them)."""
+"""Proposers draft tokens for the target to verify: the draft model, prompt lookup and the session's last
+suggestion (the engine combines them)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -141,3 +143,93 @@ class PromptLookupProposer:
                 if ids:
                     return Proposal(ids, None, self.name)
         return EMPTY
+
+
+SUGGESTION_SLACK = 4
+"""Tokens at the end of the previous prompt that the new prompt may tokenize differently (typed characters merge
+with the token before them) and still follow the previous completion."""
+
+REPLACEMENT = "\ufffd"
+
+
+class SuggestionProposer:
+    """The session's last completion as a draft, for an editor's next keystroke: when the characters typed since
+    follow that completion (which the editor still shows), its remainder is proposed whole, a point mass like
+    prompt lookup, so the target accepts it in one or two verify steps. The target decides; nothing is assumed.
+
+    Alignment is by text, since typing inside a token retokenizes it: the characters typed past the common token
+    prefix plus the text generated so far must be a prefix of the previous text past it, and ending where one of
+    its tokens ends; then the tokens after that one are proposed. Once the text departs from the suggestion it is
+    dropped for the rest of the request.
+    """
+
+    name = "suggestion"
+
+    def __init__(self, rest: list[int], rest_text: str, typed: str, prompt_len: int,
+                 decode: Callable[[list[int]], str]) -> None:
+        self.rest = rest  # the previous prompt's tail and completion past the common prefix
+        self.rest_text = rest_text  # decode(rest)
+        self.typed = typed  # the new prompt's text past the common prefix (the typed characters)
+        self.prompt_len = prompt_len
+        self.alive = True
+        self._decode = decode
+        self._ends: dict[int, int] = {0: 0}  # characters of rest_text → tokens of rest whose text ends exactly there
+        self._scanned = 0  # prefixes of rest decoded so far
+        self._reach = 0  # the longest text among them
+
+    @classmethod
+    def follow(cls, previous: list[int], previous_prompt_len: int, prompt: list[int],
+               decode: Callable[[list[int]], str], special_ids: Collection[int]) -> SuggestionProposer | None:
+        """A proposer for `prompt` when it continues `previous` (the last prompt, then its completion from
+        `previous_prompt_len` on) along the completion's text, else None.
+
+        Special tokens that end both prompts alike (a FIM middle token after suffix-first prefix text) are set
+        aside: the typed characters come before them in the new prompt, the completion after them in the old."""
+        old_prompt = previous[:previous_prompt_len]
+        tail = 0
+        while (tail < min(SUGGESTION_SLACK, len(old_prompt) - 1, len(prompt) - 1)
+               and old_prompt[-1 - tail] in special_ids and prompt[-1 - tail] == old_prompt[-1 - tail]):
+            tail += 1
+        old = old_prompt[: len(old_prompt) - tail] + previous[previous_prompt_len:]
+        body = prompt[: len(prompt) - tail]
+        shared = 0
+        for a, b in zip(body, old, strict=False):
+            if a != b:
+                break
+            shared += 1
+        if shared == 0 or shared < len(old_prompt) - tail - SUGGESTION_SLACK:
+            return None
+        typed = decode(body[shared:])
+        rest = old[shared:]
+        rest_text = decode(rest)
+        if len(rest_text) <= len(typed) or not rest_text.startswith(typed) or REPLACEMENT in typed:
+            return None
+        return cls(rest, rest_text, typed, len(prompt), decode)
+
+    def propose(
+        self, tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        """Up to k tokens of the suggestion after the text typed and generated so far (EMPTY when that text ends
+        inside one of its tokens, or has left it)."""
+        if not self.alive or k == 0:
+            return EMPTY
+        done = self.typed
+        if len(tokens) > self.prompt_len:
+            done += self._decode(tokens[self.prompt_len :]).rstrip(REPLACEMENT)  # an unfinished character waits
+        if not self.rest_text.startswith(done):
+            self.alive = False
+            return EMPTY
+        at = self._token_end(len(done))
+        ids = self.rest[at : at + k] if at is not None else []
+        return Proposal(ids, None, self.name) if ids else EMPTY
+
+    def _token_end(self, chars: int) -> int | None:
+        """How many tokens of `rest` decode to exactly its first `chars` characters, None if no token ends there
+        (prefixes are decoded lazily, each once)."""
+        while self._scanned < len(self.rest) and self._reach < chars:
+            self._scanned += 1
+            text = self._decode(self.rest[: self._scanned])
+            if not text.endswith(REPLACEMENT) and self.rest_text.startswith(text):
+                self._ends.setdefault(len(text), self._scanned)
+                self._reach = max(self._reach, len(text))
+        return self._ends.get(chars)

@@ -25,10 +25,11 @@ from specrpc.models.llama import bucket_sizes
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.openmp import release_workers
 from specrpc.policy import CostModel
+from specrpc.proposers import SuggestionProposer
 from specrpc.sampling import SamplingParams
 from specrpc.scheduler import FINISH_CANCELLED, Done, Event, Failed, Job, Scheduler
-from specrpc.sessions import SessionRegistry, Superseded
-from specrpc.text import IncrementalDetokenizer, StopMatcher
+from specrpc.sessions import LastCompletion, Lease, SessionRegistry, Superseded
+from specrpc.text import IncrementalDetokenizer, LineGuard, StopMatcher
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +50,11 @@ class DecodeParams:
     num_draft_tokens: int | None = None
     proposer: str | None = None
     stop_token_ids: frozenset[int] = frozenset()  # end tokens besides the model's own (a FIM family's)
+    n_indent: int = 0  # end at a new line indented less than this many characters (spaces and tabs); 0: off
+    max_time_ms: int = 0  # from the first token, end at the next newline once this many ms have passed; 0: off
+    prefill_only: bool = False  # cache the prompt in the session's slot and generate nothing
+    logprobs: bool = False  # each emitted token's log-probability (Chunk.logprobs)
+    top_logprobs: int = 0  # with logprobs: this many most likely alternatives per token (at most 20)
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,8 @@ class Runtime:
         self.fim, self.no_fim_reason = load_format(
             ec.target, self.tokenizer.get_vocab(), self.encode_plain, self.encode_plain_many, ec.fim_template,
             self.bos_ids, int(eos) if eos is not None else None)
+        self.special_ids = frozenset(int(i) for i in self.tokenizer.all_special_ids)
+        self._token_texts: dict[int, str] = {}
         self.warm = False
         release_workers()  # loading ran torch on this thread: leave the device thread the only OpenMP team
 
@@ -293,6 +301,39 @@ class Runtime:
             proposer = "draft"
         return k, proposer
 
+    def _suggestion(self, lease: Lease, prompt: list[int], params: DecodeParams, num_draft_tokens: int | None,
+                    proposer: str | None) -> SuggestionProposer | None:
+        """The session's last completion as a draft when the new prompt follows it. Not for a request that pinned
+        the draft model or prompt lookup, asked for no speculation, or must repeat its seeded samples (a draft that
+        depends on the session's history would change how its random stream is consumed)."""
+        last = lease.session.last_completion if lease.session is not None else None
+        if (last is None or params.prefill_only or num_draft_tokens == 0 or self.engine.max_k == 0
+                or proposer not in (None, "combined")
+                or (not params.sampling.greedy and params.sampling.seed is not None)):
+            return None
+        return SuggestionProposer.follow(last.tokens, last.prompt_len, prompt, self.decode_text, self.special_ids)
+
+    def _remember(self, lease: Lease, job: Job) -> None:
+        """Keep a session's completion (its slot's context: the prompt, then what was generated) as the draft for
+        its next request. Called before the slot is released, so nothing has changed the context since."""
+        generated = job.generation.stats.completion_tokens if job.generation is not None else 0
+        if lease.session is None or generated == 0:
+            return
+        prompt_len = len(job.request.prompt_ids)
+        if len(lease.slot.tokens) == prompt_len + generated:
+            lease.session.last_completion = LastCompletion(list(lease.slot.tokens), prompt_len)
+
+    def decode_text(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens included (`tokenizer.decode` without clean-up)."""
+        return str(self.stream_decoder.decode(ids))
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token (log-probability alternatives); partial UTF-8 shows as U+FFFD."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode_text([token_id])
+        return text
+
     async def generate(self, prompt: list[int], params: DecodeParams, session_id: str = "",
                        cancel: asyncio.Event | None = None,
                        on_done: Callable[[Done], None] | None = None) -> AsyncIterator[Event]:
@@ -318,10 +359,21 @@ class Runtime:
             num_draft_tokens=num_draft_tokens,
             proposer=proposer,
             stop_token_ids=self.stop_token_ids | params.stop_token_ids,
+            prefill_only=params.prefill_only,
+            logprobs=params.logprobs,
+            top_logprobs=params.top_logprobs,
+            suggestion=self._suggestion(lease, prompt, params, num_draft_tokens, proposer),
         )
         job = Job(lease.slot, request, IncrementalDetokenizer(self.stream_decoder, prompt), StopMatcher(params.stop),
-                  loop, arrival=arrival)
-        job.on_done = lambda: self.registry.release(lease)
+                  loop, guard=LineGuard(params.n_indent), max_time_s=params.max_time_ms / 1e3, arrival=arrival)
+
+        def finished() -> None:
+            try:
+                self._remember(lease, job)
+            finally:
+                self.registry.release(lease)
+
+        job.on_done = finished
         job.on_final = on_done
         lease.job = job
         if lease.session is not None:

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from specrpc.engine import Engine, Generation, GenerationRequest, GenerationStats, Slot, StepResult
-from specrpc.text import IncrementalDetokenizer, StopMatcher
+from specrpc.engine import Engine, Generation, GenerationRequest, GenerationStats, Slot, StepResult, TokenLogprob
+from specrpc.text import IncrementalDetokenizer, LineGuard, StopMatcher
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +33,7 @@ class Chunk:
     token_ids: list[int]
     accepted: int
     at: float
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Job:
     detokenizer: IncrementalDetokenizer
     stops: StopMatcher
     loop: asyncio.AbstractEventLoop
+    guard: LineGuard = field(default_factory=LineGuard)  # n_indent and the time budget (editor completions)
+    max_time_s: float = 0.0  # time budget from the first token, ended at the next newline; 0: none
     inbox: deque[Event] = field(default_factory=deque)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -246,11 +249,19 @@ class Scheduler:
             if finish is not None and not stopped:
                 safe += job.stops.flush()
                 stopped = job.stops.matched is not None
-            job.text.append(safe)
             now = time.perf_counter()
-            if job.first_token_at is None:
+            if job.first_token_at is None and result.token_ids:
                 job.first_token_at = now
-            job.post(Chunk(safe, result.token_ids, result.accepted, now))
+            out_of_time = (job.max_time_s > 0 and job.first_token_at is not None
+                           and now - job.first_token_at > job.max_time_s)
+            safe, limited = job.guard.feed(safe, out_of_time)
+            if limited is None and (stopped or finish is not None):
+                safe += job.guard.flush()
+            job.text.append(safe)
+            if safe or result.token_ids:  # a prefill-only request ends without any
+                job.post(Chunk(safe, result.token_ids, result.accepted, now, result.logprobs))
+            if limited is not None:
+                return self._done(job, limited, "")
             if stopped:
                 return self._done(job, "stop", job.stops.matched or "")
             if finish is not None:

@@ -25,6 +25,7 @@ from specrpc.runtime import CheckpointInfo, DecodeParams, Runtime
 from specrpc.sampling import SamplingParams
 from specrpc.scheduler import FINISH_CANCELLED, Chunk, Done
 from specrpc.sessions import SlotsExhausted, UnknownSession
+from specrpc.text import FINISH_INDENT, FINISH_TIME_LIMIT
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 from specrpc.validation import SESSION_HEADER, InvalidRequest
@@ -36,6 +37,8 @@ FINISH = {
     FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
     FINISH_STOP: pb.FINISH_REASON_STOP,
     FINISH_CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FINISH_INDENT: pb.FINISH_REASON_INDENT,
+    FINISH_TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
 }
 PROPOSERS = {
     pb.PROPOSER_UNSPECIFIED: None,
@@ -237,6 +240,13 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         return validation.decode_params(self.config, proposers, max_new_tokens, self._sampling(sampling), stop,
                                         num_draft, proposer)
 
+    def _editor_params(self, request: pb.GenerateRequest | pb.InfillRequest, params: DecodeParams) -> DecodeParams:
+        """`params` with the editor fields of a Generate or Infill request, checked (validation.editor_params)."""
+        return validation.editor_params(params, n_indent=request.n_indent, max_time_ms=request.max_time_ms,
+                                        prefill_only=request.prefill_only, logprobs=request.logprobs,
+                                        top_logprobs=request.top_logprobs, max_new_tokens=request.max_new_tokens,
+                                        stop_count=len(request.stop))
+
     def _fit_prompt(self, ids: list[int], truncate: bool, too_long: str = "shorten it or set truncate_prompt"
                     ) -> list[int]:
         return validation.fit_prompt(ids, self.runtime.context_limit, self.limits, truncate, too_long)
@@ -284,11 +294,21 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             trimmed_extra_files=trimmed.extra_files if trimmed else 0,
             trimmed_prompt_tokens=trimmed.tokens if trimmed else 0,
             fim_layout=FIM_LAYOUT_VALUES[fim.layout] if fim is not None else pb.FIM_LAYOUT_UNSPECIFIED,
+            tokens_cached=s.tokens_cached,
+            suggestion_tokens_accepted=s.suggestion_accepted,
         )
 
-    @staticmethod
-    def _chunk(event: Chunk) -> pb.TokenChunk:
-        return pb.TokenChunk(text=event.text, token_ids=event.token_ids, accepted_draft_tokens=event.accepted)
+    def _chunk(self, chunk: Chunk) -> pb.TokenChunk:
+        """TokenChunk of a Chunk, with its tokens' log-probabilities when the request asked for them."""
+        msg = pb.TokenChunk(text=chunk.text, token_ids=chunk.token_ids, accepted_draft_tokens=chunk.accepted)
+        if chunk.logprobs:
+            text = self.runtime.token_text
+            msg.logprobs.extend(
+                pb.TokenLogprob(token_id=lp.token_id, text=text(lp.token_id), logprob=lp.logprob,
+                                top_logprobs=[pb.TokenAlternative(token_id=a.token_id, text=text(a.token_id),
+                                                                  logprob=a.logprob) for a in lp.top])
+                for lp in chunk.logprobs)
+        return msg
 
     async def _generate_responses(self, prompt: list[int], params: DecodeParams, session_id: str,
                                   rpc: str, context: Context, fim: InfillPrompt | None = None
@@ -305,9 +325,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: Context) -> AsyncIterator[pb.GenerateResponse]:
         session_id = validation.session_id(request.session_id, header=session_header(context))
-        params = self._decode_params(request.max_new_tokens, request.sampling if request.HasField("sampling")
-                                     else None, list(request.stop),
-                                     request.speculation if request.HasField("speculation") else None)
+        params = self._editor_params(request, self._decode_params(
+            request.max_new_tokens, request.sampling if request.HasField("sampling") else None, list(request.stop),
+            request.speculation if request.HasField("speculation") else None))
         prompt = self._prompt_ids(request)
         async for response in self._generate_responses(prompt, params, session_id, "Generate", context):
             yield response
@@ -317,9 +337,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                      context: Context) -> AsyncIterator[pb.GenerateResponse]:
         session_id = validation.session_id(request.session_id, header=session_header(context))
         validation.extra_files(len(request.extra), self.limits)
-        params = self._decode_params(request.max_new_tokens, request.sampling if request.HasField("sampling")
-                                     else None, list(request.stop),
-                                     request.speculation if request.HasField("speculation") else None)
+        params = self._editor_params(request, self._decode_params(
+            request.max_new_tokens, request.sampling if request.HasField("sampling") else None, list(request.stop),
+            request.speculation if request.HasField("speculation") else None))
         fim = self.runtime.infill_prompt(self._infill_input(request), request.truncate, params.max_new_tokens)
         params = replace(params, stop_token_ids=fim.stop_ids)
         async for response in self._generate_responses(fim.ids, params, session_id, "Infill", context, fim):

@@ -27,6 +27,14 @@ class Superseded(Exception):
     """A newer request arrived on the session while this one waited for it (cancel-previous): it never ran."""
 
 
+@dataclass(frozen=True)
+class LastCompletion:
+    """A session's last completion, kept as a draft for its next request: the prompt, then the completion."""
+
+    tokens: list[int]
+    prompt_len: int
+
+
 @dataclass
 class Session:
     """A named conversation/editor buffer that keeps its KV slot between requests until idle for the TTL."""
@@ -38,6 +46,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     conversation: tuple[list[tuple[str, str]], int, str] | None = None
     latest: int = 0  # ticket of the newest request on this session (cancel-previous also skips waiting ones)
+    last_completion: LastCompletion | None = None  # what the editor shows now (proposers.SuggestionProposer)
 
 
 @dataclass

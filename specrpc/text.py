@@ -1,4 +1,5 @@
-"""Streaming text handling: incremental UTF-8-safe detokenizing, stop strings, phrase chunks for TTS.
+"""Streaming text handling: incremental UTF-8-safe detokenizing, stop strings, editor line limits (n_indent, time
+budget), phrase chunks for TTS.
 
 Pure text: no torch, no grpc. Each class is fed in order by one stream and is not thread-safe.
 """
@@ -171,6 +172,65 @@ class StopMatcher:
                 if any(len(stop) > len(tail) and stop.startswith(tail) for stop in self._stops):
                     return i
         return len(buf)
+
+
+FINISH_INDENT = "indent"
+FINISH_TIME_LIMIT = "time_limit"
+
+_INDENT_CHARS = " \t"  # leading whitespace counted by n_indent (llama.cpp counts spaces and tabs, one each)
+
+
+class LineGuard:
+    """Ends an editor completion on a line boundary: at a new line indented less than `n_indent` characters (that
+    line, its leading whitespace included, is not emitted), and at the first newline once the caller says the time
+    budget is spent (the newline is emitted, nothing after it).
+
+    The first line (the rest of the cursor's line) is never judged, nor is a blank line (whitespace only). A new
+    line's leading whitespace is held back while it is shorter than `n_indent`: until the line's first other
+    character settles it, or `flush()` releases it at the end of the stream.
+    """
+
+    def __init__(self, n_indent: int = 0) -> None:
+        if n_indent < 0:
+            raise ValueError(f"n_indent must be >= 0, got {n_indent}")
+        self._n_indent = n_indent
+        self._judging = False  # inside the leading whitespace of a line that starts after a generated newline
+        self._held = ""  # that whitespace (and a carriage return), not emitted yet
+        self.finish: str | None = None
+        """FINISH_INDENT or FINISH_TIME_LIMIT once the guard ended the stream, else None."""
+
+    def feed(self, text: str, out_of_time: bool = False) -> tuple[str, str | None]:
+        """Return (text safe to emit now, the finish reason when the guard ended the stream here)."""
+        if self.finish is not None:
+            return "", self.finish
+        out: list[str] = []
+        for char in text:
+            if self._judging:
+                if char in _INDENT_CHARS or char == "\r":
+                    self._held += char
+                    if sum(c in _INDENT_CHARS for c in self._held) >= self._n_indent:
+                        out.append(self._held)
+                        self._held, self._judging = "", False
+                    continue
+                if char != "\n":  # the line's first character: it is indented less than n_indent
+                    self._held = ""
+                    self.finish = FINISH_INDENT
+                    return "".join(out), self.finish
+                out.append(self._held)  # a blank line: not judged
+                self._held = ""
+            out.append(char)
+            if char == "\n":
+                if out_of_time:
+                    self._held = ""
+                    self.finish = FINISH_TIME_LIMIT
+                    return "".join(out), self.finish
+                self._judging = self._n_indent > 0
+        return "".join(out), None
+
+    def flush(self) -> str:
+        """The held-back whitespace at the end of the stream ("" once the guard ended it)."""
+        held, self._held = self._held, ""
+        return held
 
 
 _SENTENCE_END = frozenset(".!?…。！？")

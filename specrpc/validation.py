@@ -4,14 +4,18 @@ length. Each check raises InvalidRequest with a message naming the field (as the
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 
 from specrpc.config import Config, Limits
+from specrpc.engine import MAX_TOP_LOGPROBS
 from specrpc.runtime import DecodeParams
 from specrpc.sampling import SamplingParams
 
 MAX_SESSION_ID = 128
 MAX_REPO_NAME = 256
+MAX_N_INDENT = 1024  # characters of indentation; deeper is no editor's indentation
+MAX_TIME_MS = 600_000  # ten minutes: a longer budget for one completion is a mistake, not a wish
 SESSION_HEADER = "x-session-id"  # request metadata / HTTP header that load balancers hash on (deploy/README.md)
 
 
@@ -112,3 +116,37 @@ def repo_name(value: str, name: str = "repo_name") -> str:
         raise InvalidRequest(f"{name} must be one line of at most {MAX_REPO_NAME} characters; got "
                              f"{len(value)} characters")
     return value
+
+
+def editor_params(params: DecodeParams, *, n_indent: int, max_time_ms: int, prefill_only: bool, logprobs: bool,
+                  top_logprobs: int, max_new_tokens: int, stop_count: int, names: Mapping[str, str] | None = None
+                  ) -> DecodeParams:
+    """`params` with the editor fields (n_indent, max_time_ms, prefill_only, logprobs, top_logprobs), checked.
+    `names` maps a field to how the edge spells it (e.g. max_time_ms → t_max_predict_ms over llama.cpp's HTTP)."""
+    spelled = dict(names or {})
+
+    def name(field: str) -> str:
+        return spelled.get(field, field)
+
+    if not 0 <= n_indent <= MAX_N_INDENT:
+        raise InvalidRequest(f"{name('n_indent')} must be in 0..{MAX_N_INDENT} (the indentation, in characters, a new "
+                             f"line needs to go on; 0 = off); got {n_indent}")
+    if not 0 <= max_time_ms <= MAX_TIME_MS:
+        raise InvalidRequest(f"{name('max_time_ms')} must be in 0..{MAX_TIME_MS} (milliseconds from the first token, "
+                             f"ended at the next newline; 0 = no budget); got {max_time_ms}")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"{name('top_logprobs')} must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token); "
+                             f"got {top_logprobs}")
+    if top_logprobs and not logprobs:
+        raise InvalidRequest(f"{name('top_logprobs')} needs {name('logprobs')}: set {name('logprobs')} = true, or "
+                             f"leave {name('top_logprobs')} 0")
+    if prefill_only:
+        wanted = [name(field) for field, value in (("max_new_tokens", max_new_tokens), ("stop", stop_count),
+                                                    ("n_indent", n_indent), ("max_time_ms", max_time_ms),
+                                                    ("logprobs", logprobs)) if value]
+        if wanted:
+            raise InvalidRequest(f"{name('prefill_only')} generates nothing, so {', '.join(wanted)} cannot apply: "
+                                 f"leave {'it' if len(wanted) == 1 else 'them'} unset, or turn "
+                                 f"{name('prefill_only')} off")
+    return replace(params, n_indent=n_indent, max_time_ms=max_time_ms, prefill_only=prefill_only, logprobs=logprobs,
+                   top_logprobs=top_logprobs)

@@ -43,6 +43,10 @@ def test_keystroke_replay_runs_through_grpc_from_another_process(tmp_path: Path)
         assert run["keystrokes"] == 4
         assert all(k["prompt_tokens"] > 0 and k["finish"] for line in run["keystrokes_detail"] for k in line)
     assert "| typed_line | 120 ms | 4 |" in (tmp_path / "keystrokes.md").read_text()
+    along = results["along"]["typed_line"]  # typing along the suggestion: each keystroke ran to its end
+    assert along["lines"] == 1 and along["first_total_ms_median"] > 0
+    first, *typed = along["keystrokes_detail"][0]
+    assert first["finish"] and len(typed) == min(3, len(first["text"].split("\n")[0]))
 
 
 def test_realistic_mode_reports_costs_and_simulated_speedups_at_scaled_shapes(tmp_path: Path) -> None:

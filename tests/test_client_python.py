@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from specrpc_client import (
     Phrase,
     RetryPolicy,
     Sampling,
+    TokenLogprob,
     TurnSummary,
     Unavailable,
 )
@@ -118,6 +120,24 @@ async def test_sync_client_streams_too(server: Running, long_streams: float) -> 
 
     tokens, slots, _ = await asyncio.to_thread(run)  # blocking calls off the loop the server runs on
     assert tokens == 8 and slots >= 1
+
+
+async def test_editor_fields_travel_and_come_back_typed(client: AsyncClient) -> None:
+    gen = client.generate("def fibonacci(n):", max_new_tokens=6, logprobs=True, top_logprobs=2)
+    chunks = [chunk async for chunk in gen]
+    logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
+    assert [lp.token_id for lp in logprobs] == [t for chunk in chunks for t in chunk.token_ids]
+    assert all(isinstance(lp, TokenLogprob) and lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in logprobs)
+    session = f"open-{uuid.uuid4().hex}"
+    warm = await client.generate("def fibonacci(n):\n", session_id=session, prefill_only=True).result()
+    assert warm is not None and warm.completion_tokens == 0 and warm.tokens_cached == warm.prompt_tokens
+    summary = await client.generate("def fibonacci(n):\n", max_new_tokens=40, n_indent=40, max_time_ms=5000,
+                                    session_id=session).result()
+    assert summary is not None and summary.finish_reason in (FinishReason.INDENT, FinishReason.STOP)
+    assert summary.cached_prompt_tokens == warm.prompt_tokens - 1
+    with pytest.raises(InvalidArgument) as err:
+        await client.infill("a", "b", top_logprobs=3).result()
+    assert "logprobs" in err.value.details
 
 
 async def test_invalid_argument_is_a_typed_error(client: AsyncClient) -> None:
@@ -378,6 +398,19 @@ async def test_cli_complete_fills_in_the_middle_with_repository_context(server: 
                             "--port", str(server.port), "--max-new-tokens", "6", "--timeout", "30")
     assert rc == 0, err
     assert "TTFT" in err.strip().splitlines()[-1]
+
+
+async def test_cli_complete_editor_flags(server: Running) -> None:
+    rc, out, err = await _run(str(BIN / "specrpc"), "complete", "def fibonacci(n):", "--port", str(server.port),
+                              "--max-new-tokens", "4", "--logprobs", "--top-logprobs", "2", "--n-indent", "4",
+                              "--max-time-ms", "1000", "--timeout", "30")
+    assert rc == 0, err
+    lines = err.strip().splitlines()
+    stats = next(i for i, line in enumerate(lines) if "TTFT" in line)
+    assert 1 <= len(lines) - stats - 1 <= 4 and all("[" in line for line in lines[stats + 1 :]), err
+    rc, out, err = await _run(str(BIN / "specrpc"), "complete", "def fibonacci(n):", "--port", str(server.port),
+                              "--prefill-only", "--session-id", "cli-open", "--timeout", "30")
+    assert rc == 0 and out == "\n" and "0 tokens" in err, err
 
 
 async def test_cli_complete_reports_errors(server: Running) -> None:

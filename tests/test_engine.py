@@ -15,9 +15,9 @@ from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specrpc.bench.simulated import simulated_verifier
-from specrpc.config import EngineConfig
-from specrpc.engine import Engine, GenerationRequest, Slot, Stall
-from specrpc.models import load_model
+from specrpc.config import ASSETS, EngineConfig
+from specrpc.engine import Engine, GenerationRequest, Slot, Stall, TokenLogprob
+from specrpc.models import load_model, load_tokenizer
 from specrpc.models.llama import LlamaLM
 from specrpc.policy import CostModel
 from specrpc.proposers import Proposal
@@ -223,14 +223,20 @@ def test_sampled_sequences_follow_the_target_distribution(pair: tuple[Path, Path
                                                           draft_int8: bool) -> None:
     """3-token continuations (216 cells) sampled with k = 2 speculation vs exact target probabilities.
 
-    False-alarm rate: 1e-4 per test (seeds are fixed, so the outcome is deterministic). The same samples must be
-    rejected against the draft's own distribution, so the test can fail."""
+    Each run generates 4 tokens, so that the verify step after the prefill's first token has room for k = 2 drafts
+    (k stops one short of max_new_tokens for the bonus token); tokens 2 and 3 come from that step, and the first 3
+    tokens of a run are distributed as the target's 3-token continuations. False-alarm rate: 1e-4 per test (seeds
+    are fixed, so the outcome is deterministic). The same samples must be rejected against the draft's own
+    distribution, so the test can fail."""
     engine = make_engine(pair, draft_int8=draft_int8)
     prompt = [3, 1, 4]
     n = 5000
     counts: dict[tuple[int, ...], int] = {}
     for i in range(n):
-        seq = tuple(run(engine, prompt, 3, replace(params, seed=i), 2))
+        gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, 4, replace(params, seed=i), 2, "draft"))
+        steps = [gen.step() for _ in range(2)]
+        assert [s.proposed for s in steps] == [0, 2], "the verify step after the first token drafts k = 2"
+        seq = tuple((steps[0].token_ids + steps[1].token_ids + (gen.step().token_ids if not gen.finished else []))[:3])
         counts[seq] = counts.get(seq, 0) + 1
     assert chi_square_pvalue(counts, sequence_probs(pair[0], prompt, 3, params), n) > 1e-4
     assert chi_square_pvalue(counts, sequence_probs(pair[1], prompt, 3, params), n) < 1e-4
@@ -278,3 +284,105 @@ def cache_pointers(engine: Engine) -> list[int]:
     """data_ptr of every preallocated K/V tensor of both models."""
     models = [engine.target, engine.draft]
     return [t.data_ptr() for m in models if m is not None for t in m.cache.tensors()]
+
+
+def test_speculation_off_on_the_server_wins_over_a_request_k(pair: tuple[Path, Path]) -> None:
+    """`--speculation off`: an operator turned speculation off, so a request's num_draft_tokens does not draft."""
+    engine = make_engine(pair, speculation="off")
+    gen = engine.start(engine.new_slot(0), GenerationRequest([1, 2, 3, 1, 2], 12, GREEDY, 4, "draft"))
+    while not gen.finished:
+        assert gen.step().proposed == 0
+    assert gen.stats.proposed == 0 and gen.stats.verify_steps == 11
+    on = make_engine(pair)
+    assert on.start(on.new_slot(0), GenerationRequest([1, 2, 3], 12, GREEDY, 4, "draft")).fixed_k == 4
+
+
+def logprob_run(engine: Engine, prompt: list[int], n: int, k: int, top: int, params: SamplingParams = GREEDY,
+                proposer: str = "draft") -> tuple[list[int], list[TokenLogprob]]:
+    gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, n, params, k, proposer, logprobs=True,
+                                                             top_logprobs=top))
+    tokens: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    while not gen.finished:
+        result = gen.step()
+        assert len(result.logprobs) == len(result.token_ids)
+        tokens += result.token_ids
+        logprobs += result.logprobs
+    return tokens, logprobs
+
+
+def assert_logprobs_close(a: list[TokenLogprob], b: list[TokenLogprob], atol: float = 1e-4) -> None:
+    assert [x.token_id for x in a] == [y.token_id for y in b]
+    for x, y in zip(a, b, strict=True):
+        assert abs(x.logprob - y.logprob) <= atol
+        assert len(x.top) == len(y.top)
+        for u, v in zip(x.top, y.top, strict=True):
+            assert abs(u.logprob - v.logprob) <= atol
+            assert u.token_id == v.token_id or abs(u.logprob - v.logprob) <= atol  # ties may swap
+
+
+def test_logprobs_are_the_targets_raw_log_softmax(pair: tuple[Path, Path]) -> None:
+    """Each token's log-probability is the target's log-softmax at its position (transformers as reference), before
+    temperature; the top alternatives are the largest, best first; speculation reports the same as plain decoding."""
+    engine = make_engine(pair)
+    prompt = [3, 1, 4, 1, 5]
+    hot = SamplingParams(temperature=0.5, seed=3)
+    tokens, logprobs = logprob_run(engine, prompt, 12, 4, 3, params=hot)
+    hf = LlamaForCausalLM.from_pretrained(str(pair[0])).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1], dim=-1)
+    for i, lp in enumerate(logprobs):
+        assert lp.token_id == tokens[i]
+        assert abs(lp.logprob - float(ref[i, tokens[i]])) < 1e-4
+        assert [a.token_id for a in lp.top] == ref[i].topk(3).indices.tolist()
+        assert [a.logprob for a in lp.top] == sorted((a.logprob for a in lp.top), reverse=True)
+    spec_tokens, spec = logprob_run(engine, prompt, 12, 4, 5)
+    plain_tokens, plain = logprob_run(engine, prompt, 12, 0, 5)
+    assert spec_tokens == plain_tokens
+    assert_logprobs_close(spec, plain)
+    assert engine.start(engine.new_slot(0), GenerationRequest(prompt, 2)).step().logprobs == ()
+
+
+@pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="default models not trained yet")
+def test_logprobs_under_speculation_equal_target_only_on_the_shipped_pair() -> None:
+    """The shipped pair at fp32: log-probabilities read off the verify pass (k+1 rows, drafts accepted or not)
+    equal those of target-only decoding (one row per step) within 1e-4, with the top 5 alternatives."""
+    cpu = torch.device("cpu")
+    target = load_model(ASSETS / "target", device=cpu, dtype=torch.float32, num_slots=1, max_context=320)
+    draft = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=320)
+    engine = Engine(target, draft, EngineConfig(max_sessions=1, max_context=300, max_draft_tokens=6,
+                                                prefill_chunk=128))
+    tokenizer = load_tokenizer(str(ASSETS / "target"))
+    proposed = 0
+    for text in ["def fibonacci(n):", "class Stack:\n    def __init__(self):\n        self.items = []\n"]:
+        prompt = list(tokenizer(text).input_ids)
+        plain_tokens, plain = logprob_run(engine, prompt, 40, 0, 5)
+        for k, proposer in ((4, "draft"), (6, "lookup")):
+            gen_tokens, spec = logprob_run(engine, prompt, 40, k, 5, proposer=proposer)
+            assert gen_tokens == plain_tokens
+            assert_logprobs_close(spec, plain)
+        proposed += 1
+    assert proposed == 2
+
+
+def test_prefill_only_caches_the_prompt_and_generates_nothing(pair: tuple[Path, Path]) -> None:
+    """Both caches hold the whole prompt; the next request on the slot extending it prefills only its new tokens
+    (the last cached one is recomputed) and generates what it would on a cold slot."""
+    engine = make_engine(pair)
+    slot = engine.new_slot(0)
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2]  # two prefill chunks of 16
+    gen = engine.start(slot, GenerationRequest(prompt, 10, GREEDY, prefill_only=True))
+    results = []
+    while not gen.finished:
+        results.append(gen.step())
+    assert [r.token_ids for r in results] == [[], []] and gen.finish == "length"
+    assert gen.stats.completion_tokens == 0 and gen.stats.verify_steps == 0
+    assert engine.draft is not None
+    assert engine.target.length(0) == engine.draft.length(0) == len(prompt) == gen.stats.tokens_cached
+    longer = [*prompt, 3, 3]
+    gen = engine.start(slot, GenerationRequest(longer, 10, GREEDY, 3, "draft"))
+    out = []
+    while not gen.finished:
+        out += gen.step().token_ids
+    assert gen.stats.cached_prompt_tokens == len(prompt)
+    assert out == run(engine, longer, 10, GREEDY, 0, slot=engine.new_slot(1))

@@ -96,6 +96,9 @@ TOKEN_IDS = mostly(
               st.integers(1, 600).map(lambda n: [(i * 37) % 256 for i in range(n)])),  # up to over the context
 )
 PROPOSER = mostly(st.sampled_from(list(pb.Proposer.values())), st.integers(-3, 50))
+N_INDENT = mostly(st.one_of(st.just(0), st.integers(0, 12)), st.one_of(INT32, st.sampled_from([1024, 1025])))
+MAX_TIME_MS = mostly(st.one_of(st.just(0), st.integers(0, 50)), st.one_of(INT32, st.sampled_from([600_000, 600_001])))
+TOP_LOGPROBS = mostly(st.integers(0, 5), st.one_of(INT32, st.sampled_from([20, 21])))
 
 
 @st.composite
@@ -126,6 +129,21 @@ def _set_common(msg: Any, draw: st.DrawFn) -> None:
             getattr(msg, name).CopyFrom(value)
 
 
+def _set_editor(msg: pb.GenerateRequest | pb.InfillRequest, draw: st.DrawFn) -> None:
+    """The editor fields: n_indent, max_time_ms, logprobs and top_logprobs, and (1 in 8) prefill_only, which more
+    often than not comes alone, as editors send it."""
+    if draw(st.integers(0, 7)) == 0:
+        msg.prefill_only = True
+        if draw(st.booleans()):
+            msg.max_new_tokens = 0
+            del msg.stop[:]
+            return
+    msg.n_indent = draw(N_INDENT)
+    msg.max_time_ms = draw(MAX_TIME_MS)
+    msg.logprobs = draw(st.booleans())
+    msg.top_logprobs = draw(TOP_LOGPROBS) if msg.logprobs or draw(st.integers(0, 9)) == 0 else 0
+
+
 @st.composite
 def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     msg = pb.GenerateRequest(session_id=draw(SESSION_IDS), truncate_prompt=draw(st.booleans()))
@@ -134,6 +152,7 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     else:
         msg.prompt_token_ids.extend(draw(TOKEN_IDS))
     _set_common(msg, draw)
+    _set_editor(msg, draw)
     return msg
 
 
@@ -150,6 +169,7 @@ def infill_requests(draw: st.DrawFn) -> pb.InfillRequest:
     for _ in range(draw(mostly(st.integers(0, 3), st.integers(0, 6)))):
         msg.extra.add(path=draw(SHORT_TEXT), text=draw(texts(24)))
     _set_common(msg, draw)
+    _set_editor(msg, draw)
     return msg
 
 

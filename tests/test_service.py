@@ -463,6 +463,101 @@ async def test_infill_without_fim_tokens_is_failed_precondition(no_fim_server: R
         assert summary.completion_tokens == len(ids_of(chunks)) > 0
 
 
+# ---- editor fields --------------------------------------------------------------------------------------------------
+
+EDITOR_PROMPT = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+
+
+def indent_of(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+async def test_n_indent_ends_before_the_first_line_indented_less(stub: Stub, long_streams: float) -> None:
+    """Whatever the model writes: with n_indent one more than the indentation of its second non-blank line, the
+    completion ends before that line, with finish reason INDENT; with n_indent 0 nothing changes."""
+    reference, _ = await collect(stub.Generate(greedy(EDITOR_PROMPT, 64, speculation=GREEDY_K0)))
+    text = text_of(reference)
+    lines = text.split("\n")
+    later = [(i, line) for i, line in enumerate(lines) if i > 0 and line.strip()]
+    assert later, f"the reference has no second line: {text!r}"
+    at, line = later[0]
+    n_indent = indent_of(line) + 1
+    chunks, summary = await collect(stub.Generate(greedy(EDITOR_PROMPT, 64, n_indent=n_indent)))
+    assert summary.finish_reason == pb.FINISH_REASON_INDENT
+    assert text_of(chunks) == "\n".join(lines[:at]) + "\n"
+    assert summary.completion_tokens == len(ids_of(chunks))
+    same, summary = await collect(stub.Generate(greedy(EDITOR_PROMPT, 64, n_indent=0, speculation=GREEDY_K0)))
+    assert text_of(same) == text and summary.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+async def test_max_time_ms_ends_at_the_next_newline(stub: Stub, long_streams: float) -> None:
+    """Steps take at least 10 ms here, so a 1 ms budget is spent by the second chunk: the completion ends at the
+    first newline after the first chunk, with finish reason TIME_LIMIT."""
+    reference, _ = await collect(stub.Generate(greedy(EDITOR_PROMPT, 64, speculation=GREEDY_K0)))
+    first, rest = reference[0].text, text_of(reference[1:])
+    assert "\n" in rest
+    chunks, summary = await collect(stub.Generate(greedy(EDITOR_PROMPT, 64, max_time_ms=1, speculation=GREEDY_K0)))
+    assert summary.finish_reason == pb.FINISH_REASON_TIME_LIMIT
+    assert text_of(chunks) == first + rest[: rest.index("\n") + 1]
+
+
+async def test_prefill_only_warms_the_session_and_answers_with_a_summary(stub: Stub,
+                                                                          tokenizer: PreTrainedTokenizerBase) -> None:
+    session = f"open-{uuid.uuid4().hex}"
+    chunks, summary = await collect(stub.Generate(pb.GenerateRequest(prompt=EDITOR_PROMPT, session_id=session,
+                                                                     prefill_only=True)))
+    prompt_tokens = len(tokenizer(EDITOR_PROMPT).input_ids)
+    assert chunks == [] and summary.finish_reason == pb.FINISH_REASON_LENGTH
+    assert summary.prompt_tokens == summary.tokens_cached == prompt_tokens and summary.completion_tokens == 0
+    assert summary.speculation.verify_steps == 0
+    typed = EDITOR_PROMPT + "        self"
+    chunks, summary = await collect(stub.Generate(greedy(typed, 8, session_id=session)))
+    assert summary.cached_prompt_tokens >= prompt_tokens - 1
+    cold, _ = await collect(stub.Generate(greedy(typed, 8)))
+    assert ids_of(chunks) == ids_of(cold)
+
+
+async def test_logprobs_stream_with_each_token_and_match_target_only(stub: Stub,
+                                                                      tokenizer: PreTrainedTokenizerBase) -> None:
+    request = greedy(EDITOR_PROMPT, 24, logprobs=True, top_logprobs=3)
+    chunks, _ = await collect(stub.Generate(request))
+    plain_request = greedy(EDITOR_PROMPT, 24, logprobs=True, top_logprobs=3, speculation=GREEDY_K0)
+    plain, _ = await collect(stub.Generate(plain_request))
+    assert ids_of(chunks) == ids_of(plain)
+    spec = [lp for c in chunks for lp in c.logprobs]
+    ref = [lp for c in plain for lp in c.logprobs]
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    assert [lp.token_id for lp in spec] == ids_of(chunks)
+    for a, b in zip(spec, ref, strict=True):
+        assert a.logprob <= 0 and abs(a.logprob - b.logprob) < 1e-4
+        assert len(a.top_logprobs) == 3 and a.top_logprobs[0].logprob >= a.logprob - 1e-6  # greedy: the best
+        assert a.top_logprobs[0].token_id == a.token_id or abs(a.top_logprobs[0].logprob - a.logprob) < 1e-6
+        assert a.text == tokenizer.decode([a.token_id])
+    without, _ = await collect(stub.Generate(greedy(EDITOR_PROMPT, 4)))
+    assert all(not c.logprobs for c in without)
+
+
+async def test_the_last_completion_comes_back_as_a_draft(stub: Stub) -> None:
+    """Requests on the session that type the first 1..3 chunks of its last completion: the output is the target's
+    own (an anonymous request without speculation), and where the target still continues that completion (typed
+    text that retokenizes the prompt's end can change what a model this small writes), most of the rest is accepted
+    from the suggestion within two verify steps."""
+    followed = 0
+    for typed_chunks in (1, 2, 3):
+        session = f"suggest-{uuid.uuid4().hex}"
+        first, _ = await collect(stub.Generate(greedy(EDITOR_PROMPT, 32, session_id=session)))
+        typed = EDITOR_PROMPT + text_of(first[:typed_chunks])
+        chunks, summary = await collect(stub.Generate(greedy(typed, 24, session_id=session)))
+        plain, _ = await collect(stub.Generate(greedy(typed, 24, speculation=GREEDY_K0)))
+        assert ids_of(chunks) == ids_of(plain)
+        left = len(ids_of(first[typed_chunks:]))
+        if text_of(plain).startswith(text_of(first[typed_chunks:])[:40]):  # the target continues the completion
+            followed += 1
+            assert sum(len(c.token_ids) for c in chunks[:3]) >= 0.8 * min(left, 24), typed_chunks
+            assert summary.suggestion_tokens_accepted >= 0.8 * min(left, 24) - 2, typed_chunks
+    assert followed >= 1
+
+
 # ---- sessions ------------------------------------------------------------------------------------------------------
 
 
@@ -867,6 +962,17 @@ BAD_GENERATE = {
     "unknown proposer": (_bad_generate(speculation=pb.SpeculationParams(proposer=42)), "proposer"),  # type: ignore[arg-type]
     "over-long session_id": (_bad_generate(session_id="s" * 129), "session_id"),
     "unprintable session_id": (_bad_generate(session_id="a\nb"), "session_id"),
+    "negative n_indent": (_bad_generate(n_indent=-1), "n_indent"),
+    "huge n_indent": (_bad_generate(n_indent=10**6), "n_indent"),
+    "negative max_time_ms": (_bad_generate(max_time_ms=-5), "max_time_ms"),
+    "max_time_ms over ten minutes": (_bad_generate(max_time_ms=600_001), "max_time_ms"),
+    "top_logprobs above 20": (_bad_generate(logprobs=True, top_logprobs=21), "top_logprobs"),
+    "negative top_logprobs": (_bad_generate(logprobs=True, top_logprobs=-1), "top_logprobs"),
+    "top_logprobs without logprobs": (_bad_generate(top_logprobs=3), "logprobs = true"),
+    "prefill_only with max_new_tokens": (_bad_generate(prefill_only=True), "max_new_tokens"),
+    "prefill_only with logprobs": (_bad_generate(max_new_tokens=0, prefill_only=True, logprobs=True), "logprobs"),
+    "prefill_only with stop and n_indent": (
+        _bad_generate(max_new_tokens=0, prefill_only=True, stop=["x"], n_indent=4), "stop, n_indent"),
 }
 
 
@@ -893,6 +999,11 @@ async def test_invalid_infill_requests(stub: Stub) -> None:
                             (pb.InfillRequest(prefix="a", repo_name="r" * 300), "repo_name")):
         error = await rpc_error(stub.Infill(bad, timeout=10))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and field_name in (error.details() or "")
+    for fields, name in (({"n_indent": -4}, "n_indent"), ({"max_time_ms": 10**9}, "max_time_ms"),
+                         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+                         ({"prefill_only": True, "max_new_tokens": 8}, "max_new_tokens")):
+        error = await rpc_error(stub.Infill(pb.InfillRequest(prefix="a", suffix="b", **fields), timeout=10))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and name in (error.details() or ""), fields
 
 
 async def test_truncate_prompt_keeps_the_last_tokens(stub: Stub, server: Running,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from specrpc.text import CONTEXT_TOKENS, IncrementalDetokenizer, PhraseSegmenter, StopMatcher
+from specrpc.text import CONTEXT_TOKENS, IncrementalDetokenizer, LineGuard, PhraseSegmenter, StopMatcher
 
 SHIPPED = Path(__file__).resolve().parent.parent / "specrpc" / "assets" / "target"
 SPECIALS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>"]
@@ -439,3 +439,50 @@ def test_phrases_keep_every_character_and_ignore_chunking(
 def test_bad_limits_are_rejected() -> None:
     with pytest.raises(ValueError):
         PhraseSegmenter(min_chars=50, max_chars=50)
+
+
+# ---- LineGuard ------------------------------------------------------------------------------------------------------
+
+def guarded(pieces: Sequence[str], n_indent: int, out_of_time_from: int | None = None) -> tuple[str, str | None]:
+    """Feed `pieces` to a LineGuard (out of time from piece `out_of_time_from` on); the text out and the finish."""
+    guard = LineGuard(n_indent)
+    out: list[str] = []
+    for i, piece in enumerate(pieces):
+        text, finish = guard.feed(piece, out_of_time_from is not None and i >= out_of_time_from)
+        out.append(text)
+        if finish is not None:
+            return "".join(out), finish
+    return "".join(out) + guard.flush(), None
+
+
+def test_n_indent_drops_the_first_line_indented_less() -> None:
+    text = "x = 1\n    y = 2\n\n    return y\ndef g():\n    pass\n"
+    assert guarded([text], 4) == ("x = 1\n    y = 2\n\n    return y\n", "indent")
+    assert guarded(list(text), 4) == ("x = 1\n    y = 2\n\n    return y\n", "indent")  # one character at a time
+    assert guarded([text], 0) == (text, None)
+    assert guarded(["  z\n", "a"], 4) == ("  z\n", "indent"), "the first line continues the cursor's line"
+    assert guarded(["a\n\tb\n  c"], 1) == ("a\n\tb\n  c", None), "a tab is one character"
+    assert guarded(["a\n  \n    b"], 4) == ("a\n  \n    b", None), "blank lines are not judged"
+    assert guarded(["a\r\n\r\n    b\r\n  c"], 4) == ("a\r\n\r\n    b\r\n", "indent")
+
+
+def test_n_indent_holds_short_leading_whitespace_until_the_line_settles_it() -> None:
+    guard = LineGuard(4)
+    assert guard.feed("a\n  ") == ("a\n", None)
+    assert guard.feed(" ") == ("", None)
+    assert guard.feed(" b") == ("    b", None)
+    assert guard.feed("\n  ") == ("\n", None)
+    assert guard.flush() == "  ", "the end of the stream releases held whitespace"
+    assert guarded(["a\n", "  ", "x"], 4) == ("a\n", "indent"), "the dropped line's whitespace is dropped too"
+
+
+def test_time_limit_ends_at_the_next_newline() -> None:
+    assert guarded(["a", "b\nc", "d\ne\nf"], 0, out_of_time_from=1) == ("ab\n", "time_limit")
+    assert guarded(["ab", "cd", "e\nf"], 0, out_of_time_from=1) == ("abcde\n", "time_limit")
+    assert guarded(["a\nb", "c"], 0, out_of_time_from=None) == ("a\nbc", None)
+    assert guarded(["a\n", "    b\n", "c"], 4, out_of_time_from=1) == ("a\n    b\n", "time_limit")
+    guard = LineGuard()
+    assert guard.feed("x\n", out_of_time=True) == ("x\n", "time_limit")
+    assert guard.feed("more") == ("", "time_limit")
+    with pytest.raises(ValueError, match="n_indent"):
+        LineGuard(-1)

@@ -3,7 +3,8 @@
     .venv/bin/python clients/examples/editor_loop.py --port 50051
 
 Per keystroke it prints how the previous request ended, the prompt tokens reused from the session's KV cache
-(cancel-on-keystroke keeps the prefix warm) and the latency: time to the first token and to the end.
+(cancel-on-keystroke keeps the prefix warm), the latency (time to the first token and to the end) and the tokens
+accepted from the session's last completion (typing along a suggestion gets the rest of it back at once).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ async def watch(keystroke: int, buffer: str, gen: AsyncGeneration) -> None:
         return
     s = gen.summary
     print(f"#{keystroke:3d} {typed:>16}  cached {s.cached_prompt_tokens:3d}/{s.prompt_tokens:3d} prompt tokens  "
-          f"TTFT {ttft}  total {total_ms:6.1f} ms  {s.completion_tokens} tokens  -> {gen.text[:40]!r}")
+          f"TTFT {ttft}  total {total_ms:6.1f} ms  {s.completion_tokens} tokens "
+          f"({s.suggestion_tokens_accepted} from the last suggestion)  -> {gen.text[:40]!r}")
 
 
 async def main() -> None:

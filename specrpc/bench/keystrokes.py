@@ -3,7 +3,8 @@ process. A line is typed character by character in the middle of a held-out file
 models never saw), 3,000-4,000 characters of prefix and 1,500-2,000 of suffix in whole lines, on one session, each
 keystroke an Infill that cancels the one before, at fixed intervals between keys; each prompt layout runs against
 prefix-first (PSM) on the same run. Reports time to first token per keystroke, the share answered before the next
-key, and the prompt tokens each keystroke prefilled."""
+key, and the prompt tokens each keystroke prefilled; then, per layout, the time to the whole completion when the
+user types along the suggestion (the session's last completion is the draft)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,10 @@ class Keystroke:
     """What one keystroke's Infill got."""
 
     ttft_ms: float | None = None
+    total_ms: float | None = None
+    text: str = ""
+    verify_steps: int = 0
+    suggestion_accepted: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -114,10 +119,14 @@ async def infill(stub: pb_grpc.GeneratorStub, request: pb.InfillRequest, sent: f
     """Run one keystroke's Infill to its end (a newer keystroke on the session cancels it), noting what it got."""
     call: Any = stub.Infill(request, timeout=120)  # an aio stream (the stubs are typed for the blocking API)
     async for response in call:
-        if response.HasField("chunk") and response.chunk.token_ids and out.ttft_ms is None:
-            out.ttft_ms = (time.perf_counter() - sent) * 1e3
+        if response.HasField("chunk"):
+            out.text += response.chunk.text
+            if response.chunk.token_ids and out.ttft_ms is None:
+                out.ttft_ms = (time.perf_counter() - sent) * 1e3
         elif response.HasField("summary"):
             s = response.summary
+            out.total_ms = (time.perf_counter() - sent) * 1e3
+            out.verify_steps, out.suggestion_accepted = s.speculation.verify_steps, s.suggestion_tokens_accepted
             out.prompt_tokens, out.cached_prompt_tokens = s.prompt_tokens, s.cached_prompt_tokens
             out.completion_tokens = s.completion_tokens
             out.finish = pb.FinishReason.Name(s.finish_reason).removeprefix("FINISH_REASON_").lower()
@@ -132,11 +141,49 @@ async def type_line(stub: pb_grpc.GeneratorStub, line: TypedLine, layout: pb.Fim
     for i, (prefix, suffix) in enumerate(line.keystrokes(limit)):
         await asyncio.sleep(max(0.0, start + i * interval_s - time.perf_counter()))
         request = pb.InfillRequest(prefix=prefix, suffix=suffix, session_id=session, max_new_tokens=max_new_tokens,
-                                   path=line.path, layout=layout)
+                                   path=line.path, layout=layout, truncate=True)
         strokes.append(Keystroke())
         tasks.append(asyncio.create_task(infill(stub, request, time.perf_counter(), strokes[-1])))
     await asyncio.gather(*tasks)
     return strokes
+
+
+async def type_along(stub: pb_grpc.GeneratorStub, line: TypedLine, layout: pb.FimLayout.ValueType, session: str,
+                     max_new_tokens: int, typed: int = 3) -> list[Keystroke]:
+    """The user types along the suggestion: a keystroke at the line's first typed character, left to finish, then
+    `typed` keystrokes each adding the suggestion's next character and each left to finish. Returns the first
+    keystroke (no suggestion to follow yet) and the typed-along ones."""
+    prefix, suffix = line.keystrokes(1)[0]
+    strokes: list[Keystroke] = []
+    suggestion = ""
+    for i in range(typed + 1):
+        if i and suggestion[i - 1:i] in ("", "\n"):
+            break  # the suggestion ended or reaches the line's end: nothing more to type along on this line
+        request = pb.InfillRequest(prefix=prefix + suggestion[:i], suffix=suffix, session_id=session,
+                                   max_new_tokens=max_new_tokens, path=line.path, layout=layout, truncate=True)
+        strokes.append(Keystroke())
+        await infill(stub, request, time.perf_counter(), strokes[-1])
+        if i == 0:
+            suggestion = strokes[0].text
+    return strokes
+
+
+def summarize_along(lines: list[list[Keystroke]]) -> dict[str, float]:
+    """Time to the whole completion for the first keystroke of a line against keystrokes typing along its
+    suggestion, with verify steps and suggestion tokens accepted per typed-along keystroke."""
+    first = [line[0].total_ms for line in lines if line and line[0].total_ms is not None]
+    along = [k for line in lines for k in line[1:] if k.total_ms is not None]
+    return {
+        "lines": len(lines),
+        "first_total_ms_median": statistics.median(first) if first else 0.0,
+        "along_keystrokes": len(along),
+        "along_total_ms_median": statistics.median([k.total_ms or 0.0 for k in along]) if along else 0.0,
+        "along_total_ms_p90": percentile([k.total_ms or 0.0 for k in along], 90),
+        "along_verify_steps_median": statistics.median([k.verify_steps for k in along]) if along else 0.0,
+        "along_completion_tokens_median": statistics.median([k.completion_tokens for k in along]) if along else 0.0,
+        "along_suggestion_accepted_median": statistics.median([k.suggestion_accepted for k in along]) if along
+        else 0.0,
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -221,6 +268,14 @@ async def replay(port: int, process: subprocess.Popen[bytes], lines: list[TypedL
                 results["runs"][f"{name}@{interval}ms"] = {
                     "layout": name, "interval_ms": interval, **summarize(strokes[name], interval / 1e3),
                     "keystrokes_detail": [[asdict(k) for k in line] for line in strokes[name]]}
+        along: dict[str, list[list[Keystroke]]] = {name: [] for name in usable}
+        sessions = {name: f"along-{name}-{uuid.uuid4().hex}" for name in usable}
+        for line in lines:
+            for name in usable:
+                along[name].append(await type_along(stub, line, LAYOUTS[name], sessions[name], max_new_tokens))
+        results["along"] = {name: {**summarize_along(along[name]),
+                                   "keystrokes_detail": [[asdict(k) for k in line] for line in along[name]]}
+                            for name in usable}
         return results
 
 
@@ -233,8 +288,17 @@ def markdown(results: dict[str, Any]) -> str:
         rows.append(f"| {r['layout']} | {r['interval_ms']} ms | {r['keystrokes']} | {r['ttft_ms_p50']:.1f} ms | "
                     f"{r['ttft_ms_p90']:.1f} ms | {r['ttft_ms_p99']:.1f} ms | {r['answered_before_next_key']:.0%} | "
                     f"{r['prefilled_median']:.0f} | {r['prefilled_beyond_own_median']:.0f} |")
+    along = ["| layout | first keystroke: whole completion (median) | typing along it: whole completion (median) | "
+             "p90 | verify steps (median) | completion tokens (median) | suggestion tokens accepted (median) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, a in results.get("along", {}).items():
+        along.append(f"| {name} | {a['first_total_ms_median']:.1f} ms | {a['along_total_ms_median']:.1f} ms | "
+                     f"{a['along_total_ms_p90']:.1f} ms | {a['along_verify_steps_median']:.0f} | "
+                     f"{a['along_completion_tokens_median']:.0f} | {a['along_suggestion_accepted_median']:.0f} |")
     return (f"Keystroke replay ({results['fim_template']} template, trained {results['fim_orders']}), lines typed in "
-            f"{', '.join(results['lines'])}:\n\n" + "\n".join(rows) + "\n")
+            f"{', '.join(results['lines'])}:\n\n" + "\n".join(rows) + "\n\nTyping along the suggestion (each "
+            "keystroke left to finish; up to 3 characters of the first keystroke's completion typed):\n\n"
+            + "\n".join(along) + "\n")
 
 
 def run(target: str, draft: str, out: Path, files: int, layouts: list[str], intervals_ms: list[int],

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
         SpeculationStats,
         Summary,
         Timing,
+        TokenAlternative,
+        TokenLogprob,
         TurnSummary,
     )
 
@@ -54,7 +56,8 @@ _WHERE = {
     "specrpc_client.sync": ["Client", "Conversation", "Generation"],
     "specrpc_client.types": ["Chunk", "ExtraFile", "FimLayout", "FinishReason", "ModelDescription", "ModelInfo",
                              "Phrase", "Proposer", "Rewound", "Sampling", "SessionStarted", "Speculation",
-                             "SpeculationPolicy", "SpeculationStats", "Summary", "Timing", "TurnSummary"],
+                             "SpeculationPolicy", "SpeculationStats", "Summary", "Timing", "TokenAlternative",
+                             "TokenLogprob", "TurnSummary"],
 }
 _MODULE = {name: module for module, names in _WHERE.items() for name in names}
 __all__ = [
@@ -91,6 +94,8 @@ __all__ = [
     "SpeculationStats",
     "Summary",
     "Timing",
+    "TokenAlternative",
+    "TokenLogprob",
     "TurnSummary",
     "Unauthenticated",
     "Unavailable",

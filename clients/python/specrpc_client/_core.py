@@ -190,13 +190,27 @@ def _common(max_new_tokens: int, sampling: Sampling | None, stop: Sequence[str],
     return kw
 
 
+@dataclass(frozen=True)
+class EditorFields:
+    """What editors ask a completion server for (Generate and Infill): see `generate_request`."""
+
+    n_indent: int = 0
+    max_time_ms: int = 0
+    prefill_only: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
 def generate_request(prompt: str | Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling | None = None,
                      stop: Sequence[str] = (), speculation: Speculation | None = None, session_id: str = "",
-                     truncate_prompt: bool = False, path: str = "") -> pb.GenerateRequest:
-    """A GenerateRequest; `prompt` is text or token ids; `path`: the file the prompt text opens."""
+                     truncate_prompt: bool = False, path: str = "",
+                     editor: EditorFields = EditorFields()) -> pb.GenerateRequest:
+    """A GenerateRequest; `prompt` is text or token ids; `path`: the file the prompt text opens. `editor`:
+    n_indent (end before a new line indented less), max_time_ms (a time budget from the first token, ended at the
+    next newline), prefill_only (only cache the prompt in the session), logprobs and top_logprobs (0..20)."""
     text, ids = (prompt, []) if isinstance(prompt, str) else ("", list(prompt))
     return pb.GenerateRequest(prompt=text, prompt_token_ids=ids, session_id=session_id,
-                              truncate_prompt=truncate_prompt, path=path,
+                              truncate_prompt=truncate_prompt, path=path, **vars(editor),
                               **_common(max_new_tokens, sampling, stop, speculation))  # type: ignore[arg-type]
 
 
@@ -204,13 +218,15 @@ def infill_request(prefix: str, suffix: str = "", *, extra_files: Sequence[Extra
                    path: str = "", max_new_tokens: int = 0, sampling: Sampling | None = None,
                    stop: Sequence[str] = (), speculation: Speculation | None = None,
                    session_id: str = "", typed_line: str = "", repo_name: str = "", truncate: bool = False,
-                   layout: FimLayout | str = FimLayout.UNSPECIFIED) -> pb.InfillRequest:
+                   layout: FimLayout | str = FimLayout.UNSPECIFIED, editor: EditorFields = EditorFields()
+                   ) -> pb.InfillRequest:
     """An InfillRequest (fill-in-the-middle). `typed_line`: the current line's text before the cursor when sent
-    apart from `prefix`; `truncate`: trim the prompt to fit instead of failing; `layout`: a FimLayout or its name."""
+    apart from `prefix`; `truncate`: trim the prompt to fit instead of failing; `layout`: a FimLayout or its name;
+    `editor` as in `generate_request`."""
     kind = FimLayout.parse(layout) if isinstance(layout, str) else layout
     return pb.InfillRequest(prefix=prefix, suffix=suffix, extra=extra_to_proto(extra_files), path=path,
                             session_id=session_id, typed_line=typed_line, repo_name=repo_name, truncate=truncate,
-                            layout=cast("pb.FimLayout.ValueType", int(kind)),
+                            layout=cast("pb.FimLayout.ValueType", int(kind)), **vars(editor),
                             **_common(max_new_tokens, sampling, stop, speculation))  # type: ignore[arg-type]
 
 

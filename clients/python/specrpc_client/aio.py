@@ -254,18 +254,27 @@ class AsyncClient:
 
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling | None = None,
                  stop: Sequence[str] = (), speculation: Speculation | None = None, session_id: str = "",
-                 truncate_prompt: bool = False, path: str = "", timeout: Timeout = UNSET) -> AsyncGeneration:
+                 truncate_prompt: bool = False, path: str = "", n_indent: int = 0, max_time_ms: int = 0,
+                 prefill_only: bool = False, logprobs: bool = False, top_logprobs: int = 0,
+                 timeout: Timeout = UNSET) -> AsyncGeneration:
         """Continue a prompt (text or token ids; `path`: the file the text opens); the stream starts now. Call
-        inside a running event loop."""
+        inside a running event loop. Editor fields: `n_indent` ends before a new line indented less than that many
+        characters, `max_time_ms` ends at the next newline once that budget from the first token is spent,
+        `prefill_only` only caches the prompt in the session (the result is a summary alone), `logprobs` (with
+        `top_logprobs` alternatives, at most 20) puts each token's log-probability on its chunk."""
         request = _core.generate_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                          speculation=speculation, session_id=session_id,
-                                         truncate_prompt=truncate_prompt, path=path)
+                                         truncate_prompt=truncate_prompt, path=path,
+                                         editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
+                                                                   top_logprobs))
         return self._stream("Generate", request, session_id, self._timeout(timeout))
 
     def infill(self, prefix: str, suffix: str = "", *, extra_files: Sequence[ExtraFile | tuple[str, str]] = (),
                path: str = "", max_new_tokens: int = 0, sampling: Sampling | None = None, stop: Sequence[str] = (),
                speculation: Speculation | None = None, session_id: str = "", typed_line: str = "",
                repo_name: str = "", truncate: bool = False, layout: FimLayout | str = FimLayout.UNSPECIFIED,
+               n_indent: int = 0, max_time_ms: int = 0, prefill_only: bool = False, logprobs: bool = False,
+               top_logprobs: int = 0,
                timeout: Timeout = UNSET) -> AsyncGeneration:
         """Fill in the middle between prefix and suffix (extra_files: other files as context; typed_line: the
         current line's text before the cursor when sent apart from prefix; repo_name: the repository, for families
@@ -274,7 +283,9 @@ class AsyncClient:
         request = _core.infill_request(prefix, suffix, extra_files=extra_files, path=path,
                                        max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                        speculation=speculation, session_id=session_id, typed_line=typed_line,
-                                       repo_name=repo_name, truncate=truncate, layout=layout)
+                                       repo_name=repo_name, truncate=truncate, layout=layout,
+                                       editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
+                                                                 top_logprobs))
         return self._stream("Infill", request, session_id, self._timeout(timeout))
 
     def completion_session(self, session_id: str | None = None, **defaults: Any) -> CompletionSession:

@@ -43,6 +43,19 @@ def _generation_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--session-id", default="", help="session id (reuses that session's KV cache)")
 
 
+def _editor_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("editor")
+    g.add_argument("--n-indent", type=int, default=0,
+                   help="end before a new line indented less than N characters (0: off)")
+    g.add_argument("--max-time-ms", type=int, default=0,
+                   help="time budget from the first token; ends at the next newline once spent (0: off)")
+    g.add_argument("--prefill-only", action="store_true",
+                   help="only cache the prompt in the session (--session-id) and generate nothing")
+    g.add_argument("--logprobs", action="store_true", help="print each token's log-probability to stderr")
+    g.add_argument("--top-logprobs", type=int, default=0,
+                   help="with --logprobs: also the N most likely tokens at each position (N <= 20)")
+
+
 def add_commands(commands: Any) -> None:
     """Register `complete` and `chat` on an argparse subparsers object."""
     complete = commands.add_parser(
@@ -61,6 +74,7 @@ def add_commands(commands: Any) -> None:
                      help="prompt layout (default: the server's choice)")
     _connection_arguments(complete)
     _generation_arguments(complete)
+    _editor_arguments(complete)
     complete.set_defaults(func=run_complete)
 
     chat = commands.add_parser(
@@ -109,6 +123,16 @@ def stats_line(summary: Any, ttft_ms: float | None, elapsed_s: float) -> str:
             f"{summary.finish_reason.name.lower()}{cached}{trimmed}]")
 
 
+def logprob_lines(chunks: list[Any]) -> list[str]:
+    """One line per token: its log-probability and text, then the alternatives asked for."""
+    lines = []
+    for chunk in chunks:
+        for lp in chunk.logprobs:
+            alternatives = "  ".join(f"{a.text!r} {a.logprob:.3f}" for a in lp.top_logprobs)
+            lines.append(f"{lp.logprob:9.4f} {lp.text!r}" + (f"    [{alternatives}]" if alternatives else ""))
+    return lines
+
+
 def _fail(exc: Exception) -> int:
     print(f"specrpc: {exc}", file=sys.stderr)
     return 1
@@ -119,6 +143,9 @@ def run_complete(args: argparse.Namespace) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     options = _request_options(args)
+    options.update(n_indent=args.n_indent, max_time_ms=args.max_time_ms, prefill_only=args.prefill_only,
+                   logprobs=args.logprobs, top_logprobs=args.top_logprobs)
+    chunks = []
     try:
         with _client(args) as client:
             if args.suffix is None:
@@ -132,6 +159,7 @@ def run_complete(args: argparse.Namespace) -> int:
                 for chunk in gen:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
+                    chunks.append(chunk)
             except KeyboardInterrupt:
                 gen.cancel()
                 print("\n[cancelled]", file=sys.stderr)
@@ -140,6 +168,8 @@ def run_complete(args: argparse.Namespace) -> int:
             if gen.summary is not None:
                 elapsed = (gen.ended_at or gen.started_at) - gen.started_at
                 print(stats_line(gen.summary, gen.ttft_ms, elapsed), file=sys.stderr)
+            for line in logprob_lines(chunks):
+                print(line, file=sys.stderr)
     except SpecrpcError as exc:
         return _fail(exc)
     return 0

@@ -210,22 +210,30 @@ class Client:
 
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling | None = None,
                  stop: Sequence[str] = (), speculation: Speculation | None = None, session_id: str = "",
-                 truncate_prompt: bool = False, path: str = "", timeout: Timeout = UNSET) -> Generation:
+                 truncate_prompt: bool = False, path: str = "", n_indent: int = 0, max_time_ms: int = 0,
+                 prefill_only: bool = False, logprobs: bool = False, top_logprobs: int = 0,
+                 timeout: Timeout = UNSET) -> Generation:
         request = _core.generate_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                          speculation=speculation, session_id=session_id,
-                                         truncate_prompt=truncate_prompt, path=path)
+                                         truncate_prompt=truncate_prompt, path=path,
+                                         editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
+                                                                   top_logprobs))
         return self._stream("Generate", request, session_id, self._timeout(timeout))
 
     def infill(self, prefix: str, suffix: str = "", *, extra_files: Sequence[ExtraFile | tuple[str, str]] = (),
                path: str = "", max_new_tokens: int = 0, sampling: Sampling | None = None, stop: Sequence[str] = (),
                speculation: Speculation | None = None, session_id: str = "", typed_line: str = "",
                repo_name: str = "", truncate: bool = False, layout: FimLayout | str = FimLayout.UNSPECIFIED,
+               n_indent: int = 0, max_time_ms: int = 0, prefill_only: bool = False, logprobs: bool = False,
+               top_logprobs: int = 0,
                timeout: Timeout = UNSET) -> Generation:
         """Fill in the middle between prefix and suffix (the parameters of AsyncClient.infill)."""
         request = _core.infill_request(prefix, suffix, extra_files=extra_files, path=path,
                                        max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                        speculation=speculation, session_id=session_id, typed_line=typed_line,
-                                       repo_name=repo_name, truncate=truncate, layout=layout)
+                                       repo_name=repo_name, truncate=truncate, layout=layout,
+                                       editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
+                                                                 top_logprobs))
         return self._stream("Infill", request, session_id, self._timeout(timeout))
 
     def conversation(self, session_id: str | None = None, **options: Any) -> Conversation:

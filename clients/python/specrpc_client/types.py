@@ -17,6 +17,8 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1
     STOP = 2
     CANCELLED = 3
+    INDENT = 4
+    TIME_LIMIT = 5
 
 
 class Proposer(enum.IntEnum):
@@ -91,12 +93,33 @@ class ExtraFile:
 
 
 @dataclass(frozen=True)
+class TokenAlternative:
+    """One of the most likely tokens at a position, with its log-probability under the target."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability (the target's log-softmax of its raw logits, before temperature, top-k and
+    top-p) and the `top_logprobs` most likely tokens at its position, best first."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top_logprobs: tuple[TokenAlternative, ...] = ()
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """The tokens of one verify step and the text they complete."""
+    """The tokens of one verify step and the text they complete (`logprobs`: one per token when asked for)."""
 
     text: str
     token_ids: tuple[int, ...]
     accepted_draft_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,8 @@ class Summary:
     trimmed_extra_files: int = 0
     trimmed_prompt_tokens: int = 0
     fim_layout: FimLayout = FimLayout.UNSPECIFIED
+    tokens_cached: int = 0
+    suggestion_tokens_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -234,7 +259,10 @@ def _flat(cls: type[D], msg: Any, **override: Any) -> D:
 
 
 def chunk_from(msg: pb.TokenChunk) -> Chunk:
-    return Chunk(text=msg.text, token_ids=tuple(msg.token_ids), accepted_draft_tokens=msg.accepted_draft_tokens)
+    logprobs = tuple(_flat(TokenLogprob, lp, top_logprobs=tuple(_flat(TokenAlternative, a) for a in lp.top_logprobs))
+                     for lp in msg.logprobs)
+    return Chunk(text=msg.text, token_ids=tuple(msg.token_ids), accepted_draft_tokens=msg.accepted_draft_tokens,
+                 logprobs=logprobs)
 
 
 def summary_from(msg: pb.GenerationSummary) -> Summary:

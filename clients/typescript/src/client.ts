@@ -28,6 +28,7 @@ import {
   type SpeculationOptions,
   type Summary,
   chunkFrom,
+  editorToProto,
   modelInfoFrom,
   phraseFrom,
   fimLayoutToProto,
@@ -464,6 +465,7 @@ export class SpecrpcClient {
       prompt, maxNewTokens: options.maxNewTokens ?? 0, sampling: samplingToProto(options.sampling),
       stop: options.stop ?? [], speculation: speculationToProto(options.speculation),
       sessionId: options.sessionId ?? "", truncatePrompt: options.truncatePrompt ?? false, path: options.path ?? "",
+      ...editorToProto(options),
     };
     const headers = sessionHeaders(options.sessionId);
     return new Generation((signal, timeoutMs) => this.generator.generate(request, { headers, timeoutMs, signal }),
@@ -479,6 +481,7 @@ export class SpecrpcClient {
       stop: options.stop ?? [], speculation: speculationToProto(options.speculation), sessionId: options.sessionId ?? "",
       typedLine: options.typedLine ?? "", repoName: options.repoName ?? "", truncate: options.truncate ?? false,
       layout: fimLayoutToProto(options.layout),
+      ...editorToProto(options),
     };
     const headers = sessionHeaders(options.sessionId);
     return new Generation((signal, timeoutMs) => this.generator.infill(request, { headers, timeoutMs, signal }),

@@ -16,6 +16,7 @@ export {
 export type {
   Chunk,
   ConverseEvent,
+  EditorOptions,
   ExtraFile,
   FimLayout,
   FinishReason,
@@ -34,6 +35,8 @@ export type {
   SpeculationStats,
   Summary,
   Timing,
+  TokenAlternative,
+  TokenLogprob,
   TurnSummary,
 } from "./types.js";
 export { Code, ConnectError } from "@connectrpc/connect";

@@ -17,7 +17,7 @@ import {
 } from "./gen/specrpc/v1/generator_pb.js";
 
 /** Why generation ended. */
-export type FinishReason = "unspecified" | "length" | "stop" | "cancelled";
+export type FinishReason = "unspecified" | "length" | "stop" | "cancelled" | "indent" | "time_limit";
 
 /** How an infill prompt is laid out ("auto": the server's choice; "spm": suffix first; "typed_line": the current
  * line's text after the middle token; "psm": prefix, suffix, middle). */
@@ -61,7 +61,24 @@ export interface RequestOptions {
   timeoutMs?: number;
 }
 
-export interface GenerateOptions extends RequestOptions {
+/** What editors ask a completion server for (as llama.cpp's `/infill`), on complete and infill. */
+export interface EditorOptions {
+  /** End before a new line indented less than this many characters (spaces and tabs count one); 0 = off. That line
+   * is not emitted; the first line and blank lines are never judged. Finish reason "indent". At most 1024. */
+  nIndent?: number;
+  /** A time budget in milliseconds from the first token: once spent, generation ends at the next newline (emitted).
+   * Finish reason "time_limit"; 0 = off; at most 600000. */
+  maxTimeMs?: number;
+  /** Only cache the prompt in the session's KV cache and generate nothing (for example when a file opens): the
+   * reply is a summary alone. Leave maxNewTokens, stop, nIndent, maxTimeMs and logprobs unset with it. */
+  prefillOnly?: boolean;
+  /** Put each emitted token's log-probability (the target's log-softmax, before temperature) on its chunk. */
+  logprobs?: boolean;
+  /** With logprobs: also this many most likely tokens per position, 0..20. */
+  topLogprobs?: number;
+}
+
+export interface GenerateOptions extends RequestOptions, EditorOptions {
   /** Keep the prompt's last tokens when it does not fit the context instead of failing. */
   truncatePrompt?: boolean;
   /** Path of the file the prompt opens: the model sees the prompt as the start of that file. */
@@ -74,7 +91,7 @@ export interface ExtraFile {
   text: string;
 }
 
-export interface InfillOptions extends RequestOptions {
+export interface InfillOptions extends RequestOptions, EditorOptions {
   extraFiles?: ExtraFile[];
   /** Path of the file being edited. */
   path?: string;
@@ -88,12 +105,27 @@ export interface InfillOptions extends RequestOptions {
   layout?: FimLayout;
 }
 
-/** The tokens of one verify step and the text they complete. */
+/** One of the most likely tokens at a position. */
+export interface TokenAlternative {
+  tokenId: number;
+  /** The token's text on its own (a character split across tokens shows as U+FFFD). */
+  text: string;
+  /** Natural log of its probability under the target. */
+  logprob: number;
+}
+
+/** An emitted token's log-probability and the most likely tokens at its position, best first. */
+export interface TokenLogprob extends TokenAlternative {
+  topLogprobs: TokenAlternative[];
+}
+
+/** The tokens of one verify step and the text they complete (logprobs: one per token when asked for). */
 export interface Chunk {
   type: "chunk";
   text: string;
   tokenIds: number[];
   acceptedDraftTokens: number;
+  logprobs: TokenLogprob[];
 }
 
 export interface SpeculationStats {
@@ -131,6 +163,10 @@ export interface Summary {
   trimmedPromptTokens: number;
   /** Infill: the layout the prompt was built in ("auto" for Generate and Converse). */
   fimLayout: FimLayout;
+  /** Tokens of the session's context held in its KV cache when the request ended. */
+  tokensCached: number;
+  /** Draft tokens accepted from the session's last completion. */
+  suggestionTokensAccepted: number;
 }
 
 export type GenerationEvent = Chunk | Summary;
@@ -206,6 +242,8 @@ const FINISH: Record<number, FinishReason> = {
   [FinishReasonEnum.LENGTH]: "length",
   [FinishReasonEnum.STOP]: "stop",
   [FinishReasonEnum.CANCELLED]: "cancelled",
+  [FinishReasonEnum.INDENT]: "indent",
+  [FinishReasonEnum.TIME_LIMIT]: "time_limit",
 };
 
 const PROPOSER_TO: Record<ProposerName, ProposerEnum> = {
@@ -254,8 +292,24 @@ export function speculationToProto(s: SpeculationOptions | undefined): Speculati
   });
 }
 
+/** The request fields of EditorOptions (unset = off). */
+export function editorToProto(o: EditorOptions): {
+  nIndent: number; maxTimeMs: number; prefillOnly: boolean; logprobs: boolean; topLogprobs: number;
+} {
+  return {
+    nIndent: o.nIndent ?? 0, maxTimeMs: o.maxTimeMs ?? 0, prefillOnly: o.prefillOnly ?? false,
+    logprobs: o.logprobs ?? false, topLogprobs: o.topLogprobs ?? 0,
+  };
+}
+
 export function chunkFrom(c: TokenChunk): Chunk {
-  return { type: "chunk", text: c.text, tokenIds: [...c.tokenIds], acceptedDraftTokens: c.acceptedDraftTokens };
+  return {
+    type: "chunk", text: c.text, tokenIds: [...c.tokenIds], acceptedDraftTokens: c.acceptedDraftTokens,
+    logprobs: c.logprobs.map((lp) => ({
+      tokenId: lp.tokenId, text: lp.text, logprob: lp.logprob,
+      topLogprobs: lp.topLogprobs.map((a) => ({ tokenId: a.tokenId, text: a.text, logprob: a.logprob })),
+    })),
+  };
 }
 
 export function summaryFrom(s: GenerationSummary): Summary {
@@ -282,6 +336,8 @@ export function summaryFrom(s: GenerationSummary): Summary {
     trimmedExtraFiles: s.trimmedExtraFiles ?? 0,
     trimmedPromptTokens: s.trimmedPromptTokens ?? 0,
     fimLayout: fimLayoutName(s.fimLayout ?? FimLayoutEnum.UNSPECIFIED),
+    tokensCached: s.tokensCached,
+    suggestionTokensAccepted: s.suggestionTokensAccepted,
   };
 }
 

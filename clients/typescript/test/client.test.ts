@@ -133,6 +133,22 @@ describe("SpecrpcClient against specrpc serve", { skip }, () => {
       (e: unknown) => e instanceof ConnectError && e.code === Code.InvalidArgument && e.message.includes("truncate"));
   });
 
+  test("editor fields: logprobs on chunks, prefill-only warms a session, n_indent ends on a line", async () => {
+    const events = await collect(client.complete("def fibonacci(n):", {
+      maxNewTokens: 6, logprobs: true, topLogprobs: 2,
+    }));
+    const chunks = events.filter((e) => e.type === "chunk");
+    const logprobs = chunks.flatMap((c) => c.logprobs);
+    assert.deepEqual(logprobs.map((lp) => lp.tokenId), chunks.flatMap((c) => c.tokenIds));
+    assert.ok(logprobs.every((lp) => lp.logprob <= 0 && lp.topLogprobs.length === 2));
+    const sessionId = `ts-open-${Date.now()}`;
+    const warm = await client.complete("def fibonacci(n):\n", { sessionId, prefillOnly: true }).result();
+    assert.ok(warm && warm.completionTokens === 0 && warm.tokensCached === warm.promptTokens);
+    const next = await client.complete("def fibonacci(n):\n", { sessionId, maxNewTokens: 40, nIndent: 40 }).result();
+    assert.ok(next && ["indent", "stop"].includes(next.finishReason));
+    assert.equal(next.cachedPromptTokens, warm.promptTokens - 1);
+  });
+
   test("AbortSignal mid-stream ends the iteration quietly as cancelled", async () => {
     const controller = new AbortController();
     const gen = client.complete("Once upon a time", {
