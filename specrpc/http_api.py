@@ -54,7 +54,6 @@ from specrpc.http_wire import (
     read_json,
 )
 from specrpc.runtime import DecodeParams
-from specrpc.sampling import SamplingParams
 from specrpc.validation import SESSION_HEADER
 
 log = structlog.get_logger(__name__)
@@ -75,14 +74,21 @@ class EditorOptions:
     top_logprobs: int = 0
 
 
-def apply_editor_options(params: DecodeParams, options: EditorOptions) -> DecodeParams:
-    """DecodeParams with the editor options. PENDING: the runtime does not take n_indent, max_time_ms, logprobs or
-    top_logprobs yet (they are accepted and ignored, see the README); prefill-only is served as a one-token
-    generation whose text is dropped."""
+LLAMA_NAMES = {"max_time_ms": "t_max_predict_ms", "logprobs": "n_probs", "top_logprobs": "n_probs",
+               "prefill_only": "n_predict 0"}
+"""How llama.cpp spells the editor fields, for error messages."""
+
+
+def apply_editor_options(params: DecodeParams, options: EditorOptions, names: dict[str, str] | None = None
+                         ) -> DecodeParams:
+    """DecodeParams with the editor options, checked as over gRPC (validation.editor_params). A prefill-only
+    request (llama.cpp's `n_predict: 0`) drops the others: llama.vim's cache warm-up sends `t_max_predict_ms` too."""
     if options.prefill_only:
-        return DecodeParams(max_new_tokens=1, sampling=SamplingParams(temperature=0.0), stop=(),
-                            num_draft_tokens=0, proposer=None)
-    return params
+        return validation.editor_params(params, n_indent=0, max_time_ms=0, prefill_only=True, logprobs=False,
+                                        top_logprobs=0, max_new_tokens=0, stop_count=0, names=names)
+    return validation.editor_params(params, n_indent=options.n_indent, max_time_ms=options.max_time_ms,
+                                    prefill_only=False, logprobs=options.logprobs, top_logprobs=options.top_logprobs,
+                                    max_new_tokens=0, stop_count=0, names=names)
 
 
 @dataclass
@@ -123,8 +129,9 @@ def openai_sampling(body: Body, max_tokens_default: int, limit: int) -> tuple[Sa
 def openai_editor_options(body: Body, chat: bool) -> EditorOptions:
     """`logprobs` (chat: true/false with `top_logprobs`; completions: an int 0..20)."""
     if chat:
-        return EditorOptions(logprobs=body.flag("logprobs"), top_logprobs=body.integer("top_logprobs", 0, 0, 20))
-    n = body.integer("logprobs", 0, 0, 20)
+        return EditorOptions(logprobs=body.flag("logprobs"),
+                             top_logprobs=body.integer("top_logprobs", 0, 0, 2**31 - 1))
+    n = body.integer("logprobs", 0, 0, 2**31 - 1)
     return EditorOptions(logprobs=n > 0 or body.has("logprobs"), top_logprobs=n)
 
 
@@ -241,7 +248,8 @@ class HttpApi:
         prompt = chat_prompt(self.gateway, messages)
         params = apply_editor_options(decode(self, sampling, budget, reply_stops(self.gateway.runtime)), options)
         stream, usage = stream_flags(body)
-        reply = OpenAIReply(chat=True, model=self.gateway.runtime.target_info.name, include_usage=usage)
+        rt = self.gateway.runtime
+        reply = OpenAIReply(chat=True, model=rt.target_info.name, include_usage=usage, text=rt.token_text)
         return self._generation(request, "ChatCompletions", prompt, params, session, reply, stream)
 
     async def completions(self, request: Request) -> Response:
@@ -265,7 +273,7 @@ class HttpApi:
             ids = validation.fit_prompt(rt.encode(text), rt.context_limit, self.config.limits, truncate=False,
                                         too_long="send a shorter prompt", empty="set prompt")
         stream, usage = stream_flags(body)
-        reply = OpenAIReply(chat=False, model=rt.target_info.name, include_usage=usage)
+        reply = OpenAIReply(chat=False, model=rt.target_info.name, include_usage=usage, text=rt.token_text)
         return self._generation(request, "Completions", ids, params, session, reply, stream)
 
     # ---- llama.cpp -------------------------------------------------------------------------------------------------
@@ -317,17 +325,18 @@ class HttpApi:
             seed=None if seed in (-1, 0xFFFFFFFF) else seed % 2**63,
             stop=body.stops(),
         )
-        n_probs = body.integer("n_probs", 0, 0, 20)
+        n_probs = body.integer("n_probs", 0, 0, 2**31 - 1)
         options = EditorOptions(n_indent=body.integer("n_indent", 0, 0, 2**31 - 1),
                                 max_time_ms=body.integer("t_max_predict_ms", 0, 0, 2**31 - 1),
                                 prefill_only=n_predict == 0, logprobs=n_probs > 0, top_logprobs=n_probs)
-        params = apply_editor_options(decode(self, sampling, "n_predict"), options)
+        params = apply_editor_options(decode(self, sampling, "n_predict"), options, LLAMA_NAMES)
         fields = [str(f) for f in body.items("response_fields")]
         settings = {"n_predict": n_predict, "temperature": sampling.temperature, "top_k": sampling.top_k,
                     "top_p": sampling.top_p, "seed": sampling.seed, "n_indent": options.n_indent,
                     "t_max_predict_ms": options.max_time_ms, "stop": sampling.stop}
         reply = LlamaReply(model=self.gateway.runtime.target_info.name, fields=fields,
-                           prefill_only=options.prefill_only, settings=settings, prompt_ids=0)
+                           prefill_only=options.prefill_only, settings=settings, prompt_ids=0,
+                           text=self.gateway.runtime.token_text)
         return params, reply
 
     # ---- running a generation ------------------------------------------------------------------------------------

@@ -5,15 +5,46 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specrpc.engine import FINISH_LENGTH, FINISH_STOP
+from specrpc.engine import FINISH_LENGTH, FINISH_STOP, TokenLogprob
 from specrpc.scheduler import FINISH_CANCELLED, Chunk, Done
+from specrpc.text import FINISH_INDENT, FINISH_TIME_LIMIT
 
-OPENAI_FINISH = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "cancelled"}
-LLAMA_STOP_TYPE = {FINISH_LENGTH: "limit", FINISH_CANCELLED: "none"}  # FINISH_STOP: "word" or "eos"
+OPENAI_FINISH = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "cancelled",
+                 FINISH_INDENT: "stop", FINISH_TIME_LIMIT: "length"}
+LLAMA_STOP_TYPE = {FINISH_LENGTH: "limit", FINISH_CANCELLED: "none", FINISH_INDENT: "limit",
+                   FINISH_TIME_LIMIT: "limit"}  # FINISH_STOP: "word" or "eos", as llama.cpp says
+TokenText = Callable[[int], str]
+
+
+def openai_logprob(lp: TokenLogprob, text: TokenText) -> dict[str, Any]:
+    """One token of OpenAI chat's `logprobs.content`."""
+    token = text(lp.token_id)
+    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": text(a.token_id), "logprob": a.logprob,
+                              "bytes": list(text(a.token_id).encode())} for a in lp.top]}
+
+
+def completion_logprobs(lps: Sequence[TokenLogprob], text: TokenText, offset: int) -> dict[str, Any]:
+    """OpenAI completions' `logprobs` for consecutive tokens starting at character `offset` of the reply."""
+    tokens = [text(lp.token_id) for lp in lps]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{text(a.token_id): a.logprob for a in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def llama_probabilities(lps: Sequence[TokenLogprob], text: TokenText) -> list[dict[str, Any]]:
+    """llama.cpp's `completion_probabilities` (its n_probs format)."""
+    return [{"id": lp.token_id, "token": text(lp.token_id), "logprob": lp.logprob,
+             "bytes": list(text(lp.token_id).encode()),
+             "top_logprobs": [{"id": a.token_id, "token": text(a.token_id), "logprob": a.logprob,
+                               "bytes": list(text(a.token_id).encode())} for a in lp.top]} for lp in lps]
 
 
 class Reply:
@@ -41,8 +72,11 @@ class OpenAIReply(Reply):
     chat: bool
     model: str
     include_usage: bool
+    text: TokenText = str
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # every token's, when asked for (whole replies)
+    offset: int = 0  # characters streamed so far (completions' text_offset)
     done_marker = True
 
     def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
@@ -51,27 +85,41 @@ class OpenAIReply(Reply):
         return {"id": prefix + self.id, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": "specrpc", "choices": choices}
 
-    def _choice(self, text: str | None, finish: str | None, stream: bool, role: bool = False) -> dict[str, Any]:
+    def _logprobs(self, lps: Sequence[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        if not lps:
+            return None
+        if self.chat:
+            return {"content": [openai_logprob(lp, self.text) for lp in lps]}
+        return completion_logprobs(lps, self.text, offset)
+
+    def _choice(self, text: str | None, finish: str | None, stream: bool, role: bool = False,
+                lps: Sequence[TokenLogprob] = (), offset: int = 0) -> dict[str, Any]:
+        logprobs = self._logprobs(lps, offset)
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if stream:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
 
     def start(self) -> list[dict[str, Any]]:
         return [self._envelope([self._choice("", None, True, role=True)], True)] if self.chat else []
 
     def chunk(self, text: str, chunk: Chunk) -> list[dict[str, Any]]:
-        return [self._envelope([self._choice(text, None, True)], True)] if text else []
+        self.logprobs += chunk.logprobs
+        offset, self.offset = self.offset, self.offset + len(text)
+        if not text and not chunk.logprobs:
+            return []
+        return [self._envelope([self._choice(text, None, True, lps=chunk.logprobs, offset=offset)], True)]
 
     def end(self, done: Done, text: str, stream: bool) -> list[dict[str, Any]]:
         finish = OPENAI_FINISH.get(done.finish, done.finish)
         if not stream:
-            return [{**self._envelope([self._choice(text, finish, False)], False), "usage": usage(done)}]
+            choice = self._choice(text, finish, False, lps=self.logprobs)
+            return [{**self._envelope([choice], False), "usage": usage(done)}]
         events = [self._envelope([self._choice(None if self.chat else "", finish, True)], True)]
         if self.include_usage:
             events.append({**self._envelope([], True), "usage": usage(done)})
@@ -97,19 +145,25 @@ class LlamaReply(Reply):
     prefill_only: bool
     settings: dict[str, Any]
     prompt_ids: int
+    text: TokenText = str
     truncated: bool = False
     predicted: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def chunk(self, text: str, chunk: Chunk) -> list[dict[str, Any]]:
         self.predicted += len(chunk.token_ids)
-        if self.prefill_only or not text:
+        self.logprobs += chunk.logprobs
+        if self.prefill_only or not (text or chunk.logprobs):
             return []
-        return [{"index": 0, "content": text, "tokens": chunk.token_ids, "stop": False, "id_slot": -1,
-                 "tokens_predicted": self.predicted, "tokens_evaluated": self.prompt_ids}]
+        event = {"index": 0, "content": text, "tokens": chunk.token_ids, "stop": False, "id_slot": -1,
+                 "tokens_predicted": self.predicted, "tokens_evaluated": self.prompt_ids}
+        if chunk.logprobs:
+            event["completion_probabilities"] = llama_probabilities(chunk.logprobs, self.text)
+        return [event]
 
     def end(self, done: Done, text: str, stream: bool) -> list[dict[str, Any]]:
         s = done.stats
-        predicted = 0 if self.prefill_only else s.completion_tokens
+        predicted = s.completion_tokens
         content = "" if self.prefill_only else ("" if stream else text)
         started = done.started_at or done.arrival
         first = done.first_token_at or done.at
@@ -122,7 +176,7 @@ class LlamaReply(Reply):
             "tokens_predicted": predicted, "tokens_evaluated": s.prompt_tokens,
             "generation_settings": self.settings,
             "prompt": "", "has_new_line": "\n" in text, "truncated": self.truncated, "stop_type": stop_type,
-            "stopping_word": done.stop_sequence, "tokens_cached": s.prompt_tokens + predicted,
+            "stopping_word": done.stop_sequence, "tokens_cached": s.tokens_cached,
             "timings": {
                 "cache_n": s.cached_prompt_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
                 "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
@@ -132,6 +186,8 @@ class LlamaReply(Reply):
                 "predicted_per_second": predicted / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
             },
         }
+        if self.logprobs and not stream:
+            final["completion_probabilities"] = llama_probabilities(self.logprobs, self.text)
         return [flatten(final, self.fields) if self.fields else final]
 
 

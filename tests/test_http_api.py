@@ -133,6 +133,22 @@ async def test_session_second_turn_reuses_the_first_despite_other_clients(
     assert again.usage.prompt_tokens_details.cached_tokens >= first_prompt
 
 
+async def test_sdk_chat_logprobs_per_token(client: openai.AsyncOpenAI) -> None:
+    reply = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Count: 1, 2,"}],
+                                                 max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    assert reply.usage is not None and reply.choices[0].logprobs is not None
+    content = reply.choices[0].logprobs.content or []
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy: the chosen token is the best
+    completion = await client.completions.create(model="any", prompt="def add(a, b):", max_tokens=4, temperature=0,
+                                                 logprobs=1)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and "".join(logprobs.tokens or []) == completion.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in (logprobs.tokens or [])[:i]) for i in range(4)]
+
+
 async def test_header_and_user_disagreeing_is_a_400(http: httpx2.AsyncClient) -> None:
     response = await http.post("/v1/chat/completions", headers={"x-session-id": "a"},
                                json={"messages": [{"role": "user", "content": "hi"}], "user": "b"})
@@ -185,7 +201,7 @@ async def test_llama_vim_warmup_then_completion_reads_flattened_fields(
     warmed = rt.infill_prompt(InfillInput("", "", files), truncate=True).ids
     shared = next((i for i, (a, b) in enumerate(zip(prompt, warmed, strict=False)) if a != b), len(warmed))
     assert shared > 0 and reply["timings/prompt_n"] <= len(prompt) - shared  # the warmed-up extra files were cached
-    assert reply["tokens_cached"] == len(prompt) + reply["timings/predicted_n"]
+    assert len(prompt) <= reply["tokens_cached"] <= len(prompt) + reply["timings/predicted_n"]
     assert reply["timings/predicted_n"] >= 1 and reply["timings/predicted_ms"] >= 0
 
 
@@ -197,6 +213,35 @@ async def test_llama_infill_trims_extra_context_that_does_not_fit(http: httpx2.A
             "n_predict": 4, "temperature": 0, "response_fields": ["content", "truncated", "tokens_cached"]}
     reply = (await http.post("/infill", json=body)).json()
     assert reply["truncated"] is True and reply["tokens_cached"] < server.runtime.context_limit
+
+async def test_llama_warmup_generates_nothing(http: httpx2.AsyncClient, server: Running) -> None:
+    if server.runtime.fim is None:
+        pytest.skip("the served model has no FIM tokens")
+    extra = [{"text": f"x_{uuid.uuid4().hex[:8]} = 1\n", "time": [1, 2], "filename": "a.py"}]
+    body = {**llama_vim_warmup(extra), "response_fields": ["content", "tokens_cached", "timings/predicted_n",
+                                                            "timings/prompt_n", "timings/cache_n"]}
+    reply = (await http.post("/infill", json=body)).json()
+    assert reply["content"] == "" and reply["timings/predicted_n"] == 0 and reply["timings/prompt_n"] > 0
+    assert reply["tokens_cached"] == reply["timings/prompt_n"] + reply["timings/cache_n"]  # kept, nothing generated
+
+
+EDITOR_PREFIX = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+
+
+async def test_llama_n_indent_and_time_budget_end_completions_on_a_line(http: httpx2.AsyncClient, server: Running,
+                                                                         long_streams: float) -> None:
+    """As over gRPC (tests/test_service.py): n_indent one more than the indentation of the reply's second line
+    ends it before that line; a 1 ms budget ends it at the first newline after the first chunk."""
+    base = {"prompt": EDITOR_PREFIX, "n_predict": 48, "temperature": 0}
+    reference = (await http.post("/completion", json=base)).json()["content"]
+    lines = reference.split("\n")
+    at, line = next((i, line) for i, line in enumerate(lines) if i > 0 and line.strip())
+    n_indent = len(line) - len(line.lstrip(" \t")) + 1
+    cut = (await http.post("/completion", json={**base, "n_indent": n_indent})).json()
+    assert cut["content"] == "\n".join(lines[:at]) + "\n" and cut["stop_type"] == "limit"
+    timed = (await http.post("/completion", json={**base, "t_max_predict_ms": 1})).json()
+    assert timed["content"].endswith("\n") and reference.startswith(timed["content"])
+    assert timed["content"].count("\n") <= 2 and timed["stop_type"] == "limit"
 
 
 async def test_llama_infill_streams_when_asked(http: httpx2.AsyncClient, server: Running) -> None:

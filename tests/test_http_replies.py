@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from specrpc.engine import FINISH_LENGTH, GenerationStats
+from specrpc.engine import FINISH_LENGTH, GenerationStats, Logprob, TokenLogprob
 from specrpc.http_replies import LlamaReply, OpenAIReply, flatten
 from specrpc.scheduler import Chunk, Done
 
 
 def done(finish: str = FINISH_LENGTH, prompt: int = 10, cached: int = 4, completion: int = 3) -> Done:
-    stats = GenerationStats(prompt_tokens=prompt, cached_prompt_tokens=cached, completion_tokens=completion)
+    stats = GenerationStats(prompt_tokens=prompt, cached_prompt_tokens=cached, completion_tokens=completion,
+                            tokens_cached=prompt + completion)
     return Done(finish, stats, "", "abc", at=2.0, arrival=1.0, first_token_at=1.5, started_at=1.1)
 
 
@@ -41,5 +42,26 @@ def test_llama_reply_reports_timings_and_a_warmup_reports_nothing_generated() ->
     assert final["tokens_cached"] == 13 and abs(timings["prompt_ms"] - 400.0) < 1e-6
     warm = LlamaReply(model="m", fields=["content", "timings/predicted_n"], prefill_only=True, settings={},
                       prompt_ids=10)
-    assert warm.chunk("x", Chunk("x", [5], 0, 1.5)) == []
-    assert warm.end(done(completion=1), "x", stream=False) == [{"content": "", "timings/predicted_n": 0}]
+    assert warm.end(done(completion=0), "", stream=False) == [{"content": "", "timings/predicted_n": 0}]
+
+
+def test_log_probabilities_in_each_shape() -> None:
+    lps = (TokenLogprob(5, -0.1, (Logprob(5, -0.1), Logprob(6, -2.5))), TokenLogprob(7, -0.3))
+    text = {5: "de", 6: "do", 7: "f"}.__getitem__
+    chunk = Chunk("def", [5, 7], 0, 1.6, lps)
+    chat = OpenAIReply(chat=True, model="m", include_usage=False, text=text)
+    [event] = chat.chunk("def", chunk)
+    content = event["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["de", "f"] and content[0]["top_logprobs"][1] == {
+        "token": "do", "logprob": -2.5, "bytes": [100, 111]}
+    plain = OpenAIReply(chat=False, model="m", include_usage=False, text=text)
+    plain.chunk("x", Chunk("x", [6], 0, 1.5, (TokenLogprob(6, -1.0),)))
+    [event] = plain.chunk("def", chunk)
+    assert event["choices"][0]["logprobs"] == {"tokens": ["de", "f"], "token_logprobs": [-0.1, -0.3],
+                                               "top_logprobs": [{"de": -0.1, "do": -2.5}, {}], "text_offset": [1, 3]}
+    llama = LlamaReply(model="m", fields=["completion_probabilities"], prefill_only=False, settings={}, prompt_ids=3,
+                       text=text)
+    [partial] = llama.chunk("def", chunk)
+    assert [p["id"] for p in partial["completion_probabilities"]] == [5, 7]
+    [final] = llama.end(done(), "def", stream=False)
+    assert final["completion_probabilities"][0]["top_logprobs"][1]["token"] == "do"
