@@ -3,6 +3,7 @@ exact requests llama.vim sends to /infill, disconnects, authentication and malfo
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import ssl
@@ -21,6 +22,7 @@ from process_helpers import have_openssl, make_certs
 from service_helpers import LONG_TOKENS, Conversation, collect, text_of, wait_until
 
 from specrpc.auth import StreamQuota, TokenAuth
+from specrpc.config import build_config
 from specrpc.fim import ExtraFile, InfillInput
 from specrpc.http_api import HttpApi, HttpServer
 from specrpc.server import Running
@@ -59,6 +61,18 @@ def assert_openai_error(response: httpx2.Response, status: int, *words: str) -> 
     for word in words:
         assert word in error["message"], error
     return error  # type: ignore[no-any-return]
+
+
+def test_http_port_is_off_by_default_and_set_by_flag_env_or_toml(tmp_path: Path) -> None:
+    assert build_config(None, env={}).server.http_port == 0
+    assert build_config(None, env={"SPECRPC_HTTP_PORT": "8080"}).server.http_port == 8080
+    toml = tmp_path / "specrpc.toml"
+    toml.write_text("[server]\nhttp_port = 8081\nhttp_user_session = false\n")
+    args = argparse.Namespace(config=toml)
+    config = build_config(args, env={})
+    assert (config.server.http_port, config.server.http_user_session) == (8081, False)
+    with pytest.raises(ValueError, match="--http-port"):
+        build_config(None, env={"SPECRPC_HTTP_PORT": "70000"})
 
 
 # ---- OpenAI, with the official SDK ---------------------------------------------------------------------------------
