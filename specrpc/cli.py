@@ -39,7 +39,15 @@ def _serve(args: argparse.Namespace) -> int:
     from specrpc.server import serve  # torch and the models: only once the configuration is known to be good
 
     configure(cfg.server.log_format, cfg.server.log_level)
-    asyncio.run(serve(cfg))
+    if cfg.server.event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            print("specrpc serve: --event-loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
+            return 2
+        uvloop.run(serve(cfg))
+    else:
+        asyncio.run(serve(cfg))
     return 0
 
 

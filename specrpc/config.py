@@ -61,6 +61,7 @@ class ServerConfig:
     port: int = 50051
     http_port: int = 0
     http_user_session: bool = True
+    event_loop: str = "asyncio"
     metrics_port: int = 0
     log_format: str = "json"
     log_level: str = "info"
@@ -120,6 +121,8 @@ HELP: dict[str, str] = {
     "http_port": "port of the OpenAI- and llama.cpp-compatible HTTP API, served beside gRPC (0: off)",
     "http_user_session": "over HTTP, take the session id from the OpenAI `user` field when no x-session-id header "
                          "is sent",
+    "event_loop": "asyncio, or uvloop: its socket writes keep the GIL, so HTTP streaming costs about what gRPC's does "
+                  "instead of slowing the device thread (docs/benchmarks.md)",
     "metrics_port": "Prometheus metrics HTTP port (0: off)",
     "log_format": "json or console",
     "log_level": "debug, info, warning or error",
@@ -218,6 +221,7 @@ def validate(config: Config) -> None:
         (s.log_format in {"json", "console"}, "--log-format must be json or console"),
         (0 <= s.port <= 65535, "--port must be in 0..65535"),
         (0 <= s.http_port <= 65535, "--http-port must be in 0..65535 (0: no HTTP API)"),
+        (s.event_loop in {"asyncio", "uvloop"}, "--event-loop must be asyncio or uvloop"),
         (bool(s.tls_cert) == bool(s.tls_key), "--tls-cert and --tls-key go together"),
         (not s.tls_client_ca or bool(s.tls_cert), "--tls-client-ca needs --tls-cert and --tls-key"),
         (config.limits.default_max_new_tokens <= config.limits.max_new_tokens,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import ssl
 import uuid
 from collections.abc import AsyncIterator
@@ -13,12 +14,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx2
 import openai
 import pytest
 import pytest_asyncio
 from conftest import free_port
-from process_helpers import have_openssl, make_certs
+from process_helpers import have_openssl, make_certs, serve_process, wait_serving
 from service_helpers import LONG_TOKENS, Conversation, collect, text_of, wait_until
 
 from specrpc.auth import StreamQuota, TokenAuth
@@ -360,6 +362,22 @@ async def test_tls_and_mutual_tls_from_the_same_certificate_flags(server: Runnin
                 await health(refused)
     finally:
         await http_server.stop()
+
+
+async def test_serve_on_uvloop_answers_both_edges_and_drains(tmp_path: Path) -> None:
+    """`specrpc serve --event-loop uvloop --http-port`: gRPC and HTTP on the same uvloop loop; SIGTERM exits 0."""
+    http_port = free_port()
+    with serve_process(tmp_path, ["--event-loop", "uvloop", "--http-port", str(http_port)]) as served:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+            await wait_serving(channel, served)
+            _, summary = await collect(pb_grpc.GeneratorStub(channel).Generate(
+                pb.GenerateRequest(prompt="def add(a, b):", max_new_tokens=4), timeout=30))
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=30) as c:
+            reply = (await c.post("/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 4,
+                                                           "temperature": 0})).json()
+        assert reply["usage"]["completion_tokens"] == summary.completion_tokens
+        served.process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(served.process.wait, 30) == 0, served.log_text()
 
 
 BAD_REQUESTS: list[tuple[str, Any, int, tuple[str, ...]]] = [
