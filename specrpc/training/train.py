@@ -38,7 +38,7 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 VAL_BATCHES = 8
 PROBE_STEPS = 20  # steps timed before a time budget fixes a phase's length; inside the warm-up, so the LR is exact
 FIM_DECLARATION = {"template": "specrpc", "orders": ["psm", "spm"]}  # the export's tokenizer_config.json "fim"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # copied in this order: tokenizer.json marks it done
 
 
 @dataclass(frozen=True)
@@ -363,6 +363,8 @@ def main() -> None:
     plan = replace(plan, joint_steps=args.joint_steps or plan.joint_steps,
                    draft_steps=args.draft_steps or plan.draft_steps, batch=args.batch or plan.batch,
                    seq_len=args.seq_len or plan.seq_len, lr_draft=args.lr_draft or plan.lr_draft)
+    if plan.seq_len > plan.max_position_embeddings:
+        raise SystemExit(f"--seq-len {plan.seq_len} exceeds the models' {plan.max_position_embeddings} positions")
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cuda":
