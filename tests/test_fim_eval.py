@@ -15,11 +15,13 @@ TEXT = "".join(f"def function_{i}(value):\n    result = value + {i}\n    return 
 
 def test_cases_are_deterministic_and_complete_the_line() -> None:
     files = [SourceFile("pkg/mod.py", TEXT, "pkg")]
-    cases = fim_cases(files, 10)
-    assert cases == fim_cases(files, 10) and len(cases) == 10
-    for c in cases:
-        assert c.expected and "\n" not in c.expected
-        assert TEXT.find(c.prefix + c.expected + "\n" + c.suffix) >= 0
+    for mid_line in (False, True):
+        cases = fim_cases(files, 10, mid_line)
+        assert cases == fim_cases(files, 10, mid_line) and len(cases) == 10
+        for c in cases:
+            assert c.expected and "\n" not in c.expected
+            assert TEXT.find(c.prefix + c.expected + "\n" + c.suffix) >= 0
+            assert c.prefix.endswith("\n") != mid_line
 
 
 def test_prompts_follow_the_contract() -> None:

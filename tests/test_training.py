@@ -101,7 +101,8 @@ def test_model_card_renders(trained: tuple[Path, str, str]) -> None:
     assert "bits/byte" in card and "greedy agreement" in card
     assert {"third_party_networkx", "third_party_jinja2", "third_party_fsspec"} <= set(results)
     fim = json.loads((out / "model_card.json").read_text())["fim_next_line"]
-    assert set(fim) == {"psm", "spm"} and all(v["cases"] == 3 and 0 <= v["exact_match"] <= 1 for v in fim.values())
+    assert set(fim) == {"psm", "spm"}
+    assert all(v["cases"] == 3 and 0 <= v["line_start"] <= 1 and 0 <= v["mid_line"] <= 1 for v in fim.values())
     assert "| python-stdlib |" in card and "| SPM | 3 |" in card and "suffix-prefix-middle" in card
     assert "/root/" not in card and "/work/" not in card
 

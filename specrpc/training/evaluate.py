@@ -102,7 +102,8 @@ def main() -> int:
     parser.add_argument("--assets", type=Path, default=ASSETS)
     parser.add_argument("--max-tokens", type=int, default=120_000, help="held-out tokens per evaluation set")
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--fim-cases", type=int, default=64, help="held-out lines to complete per FIM order")
+    parser.add_argument("--fim-cases", type=int, default=48, help="held-out lines to complete per FIM order and "
+                        "cursor kind (line start, mid-line)")
     args = parser.parse_args()
     tdir, ddir = args.assets / "target", args.assets / "draft"
     tok = AutoTokenizer.from_pretrained(tdir, local_files_only=True)
@@ -227,12 +228,13 @@ def render(card: dict[str, Any]) -> str:
         for name, v in r.items()
     )
     fim = card.get("fim_next_line") or {}
-    fim_rows = "\n".join(f"| {order.upper()} | {v['cases']} | {v['exact_match']:.3f} |" for order, v in fim.items())
+    fim_rows = "\n".join(f"| {order.upper()} | {v['cases']} | {v['line_start']:.3f} | {v['mid_line']:.3f} |"
+                         for order, v in fim.items())
     fim_table = (f"""
 Fill-in-the-middle, next-line exact match of the target on held-out code (`specrpc/training/fim_eval.py`):
 
-| order | cases | exact match |
-| --- | --- | --- |
+| order | cases of each kind | exact match, cursor at line start | exact match, cursor mid-line |
+| --- | --- | --- | --- |
 {fim_rows}
 """ if fim else "")
     warm = " Continued from the previous pair's weights (warm start)." if plan.get("warm_start") else ""

@@ -1,9 +1,11 @@
 """Fill-in-the-middle next-line exact match: how often the target completes a held-out line exactly, per order.
 
-A case is a held-out file cut inside one of its lines (a line of at least 8 non-blank characters, not the first or
-last): the cursor sits after the indentation plus up to half of the line's text (an editor mid-line), the prefix is
-up to `PREFIX_CHARS` before the cursor, the suffix up to `SUFFIX_CHARS` after the line, and the expected middle is
-the rest of the line. The prompt follows the pair's spelling with the path header (`layouts`); the target decodes
+A case is a held-out file cut in one of its lines (a line of at least 8 non-blank characters, not the first or
+last): the cursor sits at the line's start ("line start": the whole line, indentation included, is to write; the
+prefix ends at a newline, a token boundary) or, for "mid-line" cases, after the indentation and 1 to half of the
+line's characters (an editor's cursor mid-line, often inside a token). The prefix
+is up to `PREFIX_CHARS` before the cursor, the suffix up to `SUFFIX_CHARS` after the line, and the expected middle
+is the rest of the line. The prompt follows the pair's spelling with the path header (`layouts`); the target decodes
 greedily until a newline or `<|endoftext|>`, and the case counts when the first line it wrote equals the rest of
 the line (trailing whitespace ignored). Cases come from a seeded generator over the files given: deterministic.
 """
@@ -34,7 +36,7 @@ class FimCase:
     expected: str
 
 
-def fim_cases(files: list[SourceFile], n: int, seed: int = 0) -> list[FimCase]:
+def fim_cases(files: list[SourceFile], n: int, mid_line: bool = True, seed: int = 0) -> list[FimCase]:
     """n cases, drawn deterministically from `files` (files of fewer than 5 lines are skipped)."""
     rng = random.Random(seed)
     pool = [f for f in files if f.text.count("\n") >= 5]
@@ -49,7 +51,7 @@ def fim_cases(files: list[SourceFile], n: int, seed: int = 0) -> list[FimCase]:
         if len(body) < 8:
             continue
         indent = len(lines[k]) - len(lines[k].lstrip())
-        cut = indent + rng.randint(0, len(body) // 2)
+        cut = indent + rng.randint(1, len(body) // 2) if mid_line else 0
         start = sum(len(line) for line in lines[:k])
         cases.append(FimCase(f.relpath, f.text[: start + cut][-PREFIX_CHARS:],
                              f.text[start + len(lines[k]) :][:SUFFIX_CHARS], lines[k][cut:].rstrip()))
@@ -89,7 +91,11 @@ def greedy_line(model: torch.nn.Module, tok: PreTrainedTokenizerBase, ids: list[
 
 def fim_exact_match(model: torch.nn.Module, tok: PreTrainedTokenizerBase, files: list[SourceFile], n: int,
                     order: str) -> dict[str, float]:
-    """{"cases", "exact_match"}: the fraction of `n` held-out lines the model completes exactly in `order`."""
-    cases = fim_cases(files, n)
-    hits = sum(greedy_line(model, tok, prompt_ids(tok, c, order)).rstrip() == c.expected for c in cases)
-    return {"cases": len(cases), "exact_match": hits / max(1, len(cases))}
+    """{"cases", "line_start", "mid_line"}: the fractions of `n` held-out lines of each kind that the model
+    completes exactly in `order` ("psm" or "spm")."""
+    result: dict[str, float] = {"cases": n}
+    for kind, mid_line in (("line_start", False), ("mid_line", True)):
+        cases = fim_cases(files, n, mid_line)
+        hits = sum(greedy_line(model, tok, prompt_ids(tok, c, order)).rstrip() == c.expected for c in cases)
+        result[kind] = hits / max(1, len(cases))
+    return result
