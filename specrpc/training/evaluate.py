@@ -125,7 +125,7 @@ def main() -> int:
         "results": results, "fim_next_line": fim, "training": training, "target_parameters": params(target),
         "draft_parameters": params(draft), "weight_bytes_on_disk": weight_bytes, "sample": sample,
         "sample_bare": sample_bare,
-        "python": platform.python_version(), "heldout_files": len(heldout),
+        "python": platform.python_version(), "heldout_files": len(heldout), "window": args.window,
         "corpus": json.loads(manifest_path.read_text()) if manifest_path.exists() else None,
     }
     (args.assets / "model_card.json").write_text(json.dumps(card, indent=2))
@@ -262,8 +262,8 @@ Target: next-token cross-entropy, AdamW, cosine schedule, {t['tokens_seen_target
 {t['training_seconds'] / 60:.0f} min on {t.get('hardware', t['device'])} ({t['device']}, {t['threads']} threads).
 {provenance(t)}
 ## Results
-Held-out, teacher-forced, windows of 512 tokens (`python -m specrpc.training.evaluate`); `third_party_*` rows are
-packages the pair never saw:
+Held-out, teacher-forced, windows of {card.get('window', 512)} tokens (`python -m specrpc.training.evaluate`);
+`third_party_*` rows are packages the pair never saw:
 
 | set | tokens | target bits/byte | draft bits/byte | greedy agreement | acceptance at T=1 |
 | --- | --- | --- | --- | --- | --- |
