@@ -107,6 +107,19 @@ def test_model_card_renders(trained: tuple[Path, str, str]) -> None:
     assert "/root/" not in card and "/work/" not in card
 
 
+def test_a_warm_start_continues_the_pair_with_its_tokenizer(trained: tuple[Path, str, str], tmp_path: Path) -> None:
+    """What the cpu plan does with the shipped pair, on the smoke pair: joint training from its weights."""
+    out = trained[0]
+    log = train(tmp_path / "work", tmp_path / "out", "--init-from", str(out), "--warm-start", "--stop-after", "1")
+    assert "joint training" in log and "stopped at step 1" in log
+    tokenizer = (tmp_path / "work" / "tokenizer" / "tokenizer.json").read_text()
+    assert tokenizer == (out / "target" / "tokenizer.json").read_text(), "the pair's tokenizer, not a new one"
+    first = json.loads((tmp_path / "work" / "train_log.jsonl").read_text().splitlines()[0])
+    trained_log = (out.parent / "work" / "train_log.jsonl").read_text().splitlines()
+    assert first["step"] == 0 and "target_loss" in first
+    assert first["target_loss"] < json.loads(trained_log[0])["target_loss"], "starts from the trained weights"
+
+
 def test_a_time_budget_cuts_the_phase_it_sizes_and_never_raises_it() -> None:
     plan = replace(PLANS["smoke"], joint_steps=100, draft_steps=100)
     joint = fit_phase(plan, True, budget_s=1.0, step=10, per_step_s=0.1)

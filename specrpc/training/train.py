@@ -266,6 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--init-from", type=Path, help="a folder with target/ and draft/ exported by an earlier run: "
                         "start from those weights and their tokenizer, at the joint phase on a warm-start plan (cpu; "
                         "default there: the shipped pair), else at the draft-only phase (distil the draft further)")
+    parser.add_argument("--warm-start", action="store_true", help="make any plan a warm-start plan (as cpu is): "
+                        "continue --init-from's pair from the joint phase")
     return parser.parse_args(argv)
 
 
@@ -362,7 +364,8 @@ def main() -> None:
     plan = PLANS[args.plan if args.plan != "auto" else ("gpu" if device.type == "cuda" else "cpu")]
     plan = replace(plan, joint_steps=args.joint_steps or plan.joint_steps,
                    draft_steps=args.draft_steps or plan.draft_steps, batch=args.batch or plan.batch,
-                   seq_len=args.seq_len or plan.seq_len, lr_draft=args.lr_draft or plan.lr_draft)
+                   seq_len=args.seq_len or plan.seq_len, lr_draft=args.lr_draft or plan.lr_draft,
+                   warm_start=plan.warm_start or args.warm_start)
     if plan.seq_len > plan.max_position_embeddings:
         raise SystemExit(f"--seq-len {plan.seq_len} exceeds the models' {plan.max_position_embeddings} positions")
     if args.threads:
