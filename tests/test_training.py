@@ -1,5 +1,6 @@
-"""`make models` end to end on the tiny `smoke` plan: tokenizer, corpus, joint and draft-only phases, a stop and a
-resume from the checkpoint, the export that transformers and the server load offline, and the model card."""
+"""`make models` end to end on the tiny `smoke` plan: tokenizer, corpus (a fixed subset) and its manifest, joint and
+draft-only phases on the mixed layouts, a stop and a resume from the checkpoint, the export that transformers and the
+server load offline, and the model card."""
 
 from __future__ import annotations
 
@@ -61,8 +62,22 @@ def test_export_loads_offline_with_fim_tokens(trained: tuple[Path, str, str]) ->
         assert all(tok.convert_tokens_to_ids(t) != tok.unk_token_id for t in SPECIAL_TOKENS)
         model = AutoModelForCausalLM.from_pretrained(str(out / name), local_files_only=True)
         assert next(model.parameters()).dtype == torch.bfloat16
+        config = json.loads((out / name / "tokenizer_config.json").read_text())
+        assert config["fim"] == {"template": "specrpc", "orders": ["psm", "spm"]}
     training = json.loads((out / "training.json").read_text())
     assert training["plan"]["joint_steps"] + training["plan"]["draft_steps"] == 6
+    assert training["layouts"] == ["plain", "psm", "spm", "repo"]
+
+
+def test_the_manifest_comes_with_the_pair(trained: tuple[Path, str, str]) -> None:
+    manifest = json.loads((trained[0] / "corpus.json").read_text())
+    names = [s["name"] for s in manifest["sources"]]
+    assert names[0] == "python-stdlib" and len(names) > 1
+    for source in manifest["sources"]:
+        assert set(source) == {"name", "version", "license", "files", "bytes", "tokens", "heldout_files"}
+        assert source["files"] > 0 and source["tokens"] > source["files"] and source["license"]
+    assert not {"networkx", "Jinja2", "fsspec"} & set(names), "evaluation packages stay out"
+    assert manifest["totals"]["files"] == sum(s["files"] for s in manifest["sources"])
 
 
 def test_the_server_runs_the_exported_pair(trained: tuple[Path, str, str]) -> None:
@@ -80,12 +95,31 @@ def test_the_server_runs_the_exported_pair(trained: tuple[Path, str, str]) -> No
 def test_model_card_renders(trained: tuple[Path, str, str]) -> None:
     out = trained[0]
     subprocess.run([sys.executable, "-m", "specrpc.training.evaluate", "--assets", str(out), "--max-tokens", "600",
-                    "--window", "128"], capture_output=True, text=True, timeout=600, check=True)
+                    "--window", "128", "--fim-cases", "3"], capture_output=True, text=True, timeout=600, check=True)
     card = (out / "MODEL_CARD.md").read_text()
     results = json.loads((out / "model_card.json").read_text())["results"]
     assert results["stdlib_heldout"]["target_bits_per_byte"] > 0
     assert 0 <= results["stdlib_heldout"]["greedy_agreement"] <= 1
     assert "bits/byte" in card and "greedy agreement" in card
+    assert {"third_party_networkx", "third_party_jinja2", "third_party_fsspec"} <= set(results)
+    fim = json.loads((out / "model_card.json").read_text())["fim_next_line"]
+    assert set(fim) == {"psm", "spm"}
+    assert all(v["cases"] == 3 and 0 <= v["line_start"] <= 1 and 0 <= v["mid_line"] <= 1 for v in fim.values())
+    assert "| python-stdlib |" in card and "| SPM | 3 |" in card and "suffix-prefix-middle" in card
+    assert "/root/" not in card and "/work/" not in card
+
+
+def test_a_warm_start_continues_the_pair_with_its_tokenizer(trained: tuple[Path, str, str], tmp_path: Path) -> None:
+    """What the cpu plan does with the shipped pair, on the smoke pair: joint training from its weights."""
+    out = trained[0]
+    log = train(tmp_path / "work", tmp_path / "out", "--init-from", str(out), "--warm-start", "--stop-after", "1")
+    assert "joint training" in log and "stopped at step 1" in log
+    tokenizer = (tmp_path / "work" / "tokenizer" / "tokenizer.json").read_text()
+    assert tokenizer == (out / "target" / "tokenizer.json").read_text(), "the pair's tokenizer, not a new one"
+    first = json.loads((tmp_path / "work" / "train_log.jsonl").read_text().splitlines()[0])
+    trained_log = (out.parent / "work" / "train_log.jsonl").read_text().splitlines()
+    assert first["step"] == 0 and "target_loss" in first
+    assert first["target_loss"] < json.loads(trained_log[0])["target_loss"], "starts from the trained weights"
 
 
 def test_a_time_budget_cuts_the_phase_it_sizes_and_never_raises_it() -> None:

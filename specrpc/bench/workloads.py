@@ -21,13 +21,14 @@ class Case:
 
 
 def heldout_files() -> list[SourceFile]:
-    """Standard-library files of the held-out split, plus third-party code the models never saw (pip)."""
+    """Standard-library files of the held-out split, plus third-party code the models never saw (the evaluation
+    packages, `corpus.EVALUATION_PACKAGES`)."""
     files = [f for f in iter_sources() if is_heldout(f.relpath) and len(f.text) > 2000]
     try:
         from specrpc.training.evaluate import third_party_sources
 
         files += [f for f in third_party_sources() if len(f.text) > 2000]
-    except ImportError:  # pragma: no cover - pip is always there in a venv
+    except ImportError:  # pragma: no cover - the evaluation packages come with the project's dependencies
         pass
     return files
 

@@ -1,10 +1,12 @@
 """Measure the shipped pair and write its model card: `python -m specrpc.training.evaluate` (run by `make models`).
 
-Figures (teacher-forced over held-out text, windows of `--window` tokens):
+Sets: the held-out standard-library files, and each evaluation package (`corpus.EVALUATION_PACKAGES`, never in the
+corpus). Figures (teacher-forced over held-out text, windows of `--window` tokens):
 - bits per byte = total negative log-likelihood in bits ÷ UTF-8 bytes of the predicted tokens (tokenizer-independent);
 - greedy agreement = fraction of positions where the draft's argmax equals the target's;
 - acceptance at temperature 1 = mean over positions of Σ_x min(p(x), q(x)), the exact probability that speculative
-  sampling accepts a draft token there.
+  sampling accepts a draft token there;
+- FIM next-line exact match, per order (PSM, SPM): `fim_eval`.
 """
 
 from __future__ import annotations
@@ -21,20 +23,15 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specrpc.training.corpus import SourceFile, is_heldout, iter_sources, stdlib_root
+from specrpc.training.corpus import EVALUATION_PACKAGES, SourceFile, evaluation_sources, is_heldout, iter_sources
+from specrpc.training.fim_eval import fim_exact_match
 from specrpc.training.tokenizer import FILE_SEP
 from specrpc.training.train import ASSETS
 
-THIRD_PARTY_PACKAGE = "pip"
-
 
 def third_party_sources(limit_files: int = 60) -> list[SourceFile]:
-    """Held-out code that is not the standard library: the `pip` package's own sources."""
-    import pip
-
-    root = Path(pip.__file__).parent
-    files = iter_sources(root)
-    return files[:: max(1, len(files) // limit_files)][:limit_files]
+    """Third-party code the pair never saw: up to `limit_files` files of each evaluation package."""
+    return [f for name in EVALUATION_PACKAGES for f in evaluation_sources(name, limit_files)]
 
 
 def token_stream(tok: PreTrainedTokenizerBase, files: list[SourceFile], max_tokens: int) -> list[int]:
@@ -105,30 +102,35 @@ def main() -> int:
     parser.add_argument("--assets", type=Path, default=ASSETS)
     parser.add_argument("--max-tokens", type=int, default=120_000, help="held-out tokens per evaluation set")
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--fim-cases", type=int, default=48, help="held-out lines to complete per FIM order and "
+                        "cursor kind (line start, mid-line)")
     args = parser.parse_args()
     tdir, ddir = args.assets / "target", args.assets / "draft"
     tok = AutoTokenizer.from_pretrained(tdir, local_files_only=True)
     target = AutoModelForCausalLM.from_pretrained(tdir, local_files_only=True, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(ddir, local_files_only=True, dtype=torch.float32).eval()
     heldout = [f for f in iter_sources() if is_heldout(f.relpath)]
-    results = {
-        "stdlib_heldout": measure(target, draft, tok, token_stream(tok, heldout, args.max_tokens), args.window),
-        "third_party_pip": measure(target, draft, tok, token_stream(tok, third_party_sources(), args.max_tokens),
-                                   args.window),
-    }
+    sets = {"stdlib_heldout": heldout, **{f"third_party_{name}": evaluation_sources(name)
+                                          for name in EVALUATION_PACKAGES}}
+    results = {name: measure(target, draft, tok, token_stream(tok, files, args.max_tokens), args.window)
+               for name, files in sets.items()}
+    fim = {order: fim_exact_match(target, tok, [f for files in sets.values() for f in files], args.fim_cases, order)
+           for order in ("psm", "spm")}
     training = json.loads((args.assets / "training.json").read_text())
     sample = sample_completion(target, tok, "def fibonacci(n):", path="fibonacci.py")
     sample_bare = sample_completion(target, tok, "def fibonacci(n):")
     weight_bytes = sum(p.stat().st_size for d in (tdir, ddir) for p in d.glob("*.safetensors"))
+    manifest_path = args.assets / "corpus.json"
     card = {
-        "results": results, "training": training, "target_parameters": params(target),
+        "results": results, "fim_next_line": fim, "training": training, "target_parameters": params(target),
         "draft_parameters": params(draft), "weight_bytes_on_disk": weight_bytes, "sample": sample,
         "sample_bare": sample_bare,
-        "python": platform.python_version(), "stdlib_root": str(stdlib_root()), "heldout_files": len(heldout),
+        "python": platform.python_version(), "heldout_files": len(heldout), "window": args.window,
+        "corpus": json.loads(manifest_path.read_text()) if manifest_path.exists() else None,
     }
     (args.assets / "model_card.json").write_text(json.dumps(card, indent=2))
     (args.assets / "MODEL_CARD.md").write_text(render(card))
-    print(json.dumps(results, indent=2))
+    print(json.dumps({"results": results, "fim_next_line": fim}, indent=2))
     return 0
 
 
@@ -144,6 +146,77 @@ def provenance(training: dict[str, Any]) -> str:
     return "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")
 
 
+MIX_TEXT = {
+    "plain": "plain windows of the stream",
+    "psm": "prefix-suffix-middle",
+    "spm": "suffix-prefix-middle",
+    "repo": "repository form (1-2 files of the same folder first, then PSM or SPM at even odds)",
+}
+
+
+def corpus_section(card: dict[str, Any]) -> str:
+    """The card's corpus section: the manifest's table when the run recorded its layouts (second-generation runs),
+    else the first pair's standard-library-only description."""
+    t: dict[str, Any] = card["training"]
+    plan = t["plan"]
+    manifest = card.get("corpus")
+    if "layouts" not in t or not manifest:
+        return f"""Only the Python standard library sources of the interpreter that ran the training
+(Python {card['python']}): every `*.py` file outside `site-packages`/`dist-packages`, at most 400 kB, valid
+UTF-8. Held out: files whose SHA-1 of the relative path is divisible by 40 ({card['heldout_files']} files). Each
+file is one document:
+`<|file_sep|>path\\n` + text + `<|endoftext|>`; training windows of {plan['seq_len']} tokens are drawn at random, and
+{plan.get('fim_rate', 0.5):.0%} of them are rearranged prefix-suffix-middle (token level) for infilling.
+"""
+    rows = "\n".join(f"| {e['name']} | {e['version']} | {e['license']} | {e['files']:,} | {e['bytes']:,} | "
+                     f"{e['tokens']:,} | {e['heldout_files']:,} |" for e in manifest["sources"])
+    tot = manifest["totals"]
+    excluded = "; ".join(f"{e['name']} {e['version']} ({e['reason']})" for e in manifest["excluded"])
+    dropped = ", ".join(f"{v:,} {k}" for k, v in manifest["dropped_files"].items())
+    mix = ", ".join(f"{share:.0%} {MIX_TEXT[name]}" for name, share in zip(t["layouts"], plan["mix"], strict=True))
+    evaluation = ", ".join(f"`{name}`" for name in manifest["evaluation_packages"])
+    return f"""The Python standard library and the Python sources of the distributions installed beside the training run
+(Python {card['python']}), under permissive or file-level licenses only (`specrpc/training/licenses.py`), selected by
+`specrpc/training/corpus.py`: no generated files, no exact or near duplicates (MinHash over line shingles), no file
+over {manifest['rules']['max_file_bytes']:,} bytes. Files whose SHA-1 of the relative path is divisible by
+{manifest['rules']['heldout_modulus']} are held out. The evaluation packages {evaluation} are kept out entirely
+(and files nearly duplicating theirs). Manifest: `specrpc/assets/corpus.json` (training split; tokens with this
+pair's tokenizer, two special tokens per file).
+
+| distribution | version | license | files | bytes | tokens | held-out files |
+| --- | --- | --- | --- | --- | --- | --- |
+{rows}
+| **total** | | | {tot['files']:,} | {tot['bytes']:,} | {tot['tokens']:,} | {tot['heldout_files']:,} |
+
+Left out: {excluded or 'nothing'}. Files dropped: {dropped or 'none'}.
+
+Layouts (`specrpc/training/layouts.py`), rows of {plan['seq_len']} tokens: {mix}. Spellings:
+- PSM: `<|fim_prefix|>` [`<|file_sep|>`path`\\n`] prefix `<|fim_suffix|>` suffix `<|fim_middle|>` middle `<|endoftext|>`
+- SPM (llama.cpp `--spm-infill`): `<|fim_suffix|>` suffix `<|fim_prefix|>` [`<|file_sep|>`path`\\n`] prefix
+  `<|fim_middle|>` middle `<|endoftext|>`
+- repository: extra files first, each `<|file_sep|>`path`\\n`text`<|endoftext|>`, then the FIM block.
+FIM examples are cut from a file's text before tokenization, the cursor at any character (middles may start after a
+partial line); the path header is there when the prefix starts the file, in half of the other examples, and always
+in the repository form. `tokenizer_config.json` declares `"fim": {{"template": "specrpc", "orders": ["psm", "spm"]}}`.
+"""
+
+
+def reproduce_section(t: dict[str, Any]) -> str:
+    """The exact commands."""
+    if "layouts" not in t:
+        return """`make models` (= `python -m specrpc.training.train` then `python -m specrpc.training.evaluate`):
+trains from scratch with progress bars, checkpoints every 50 steps to `.cache/models/` and resumes from there when
+restarted. On a CUDA machine the same command trains the larger `gpu` plan.
+"""
+    return """- Corpus manifest only: `python -m specrpc.training.manifest` (rewrites `specrpc/assets/corpus.json`).
+- CPU (continue the shipped pair): `make models ARGS="--plan cpu"`; stop it at any time, the same command resumes from
+  `.cache/models/` (`--work-dir` for another folder, `--stop-after N` to stop after N steps).
+- GPU (from scratch on that machine's own installed sources, its own tokenizer): `make models ARGS="--plan gpu"`,
+  then bring back `specrpc/assets/{target,draft,training.json,corpus.json}`.
+- The card alone: `python -m specrpc.training.evaluate`.
+"""
+
+
 def render(card: dict[str, Any]) -> str:
     """The Markdown model card."""
     r: dict[str, dict[str, float]] = card["results"]
@@ -154,6 +227,17 @@ def render(card: dict[str, Any]) -> str:
         f"{v['greedy_agreement']:.3f} | {v['acceptance_t1']:.3f} |"
         for name, v in r.items()
     )
+    fim = card.get("fim_next_line") or {}
+    fim_rows = "\n".join(f"| {order.upper()} | {v['cases']} | {v['line_start']:.3f} | {v['mid_line']:.3f} |"
+                         for order, v in fim.items())
+    fim_table = (f"""
+Fill-in-the-middle, next-line exact match of the target on held-out code (`specrpc/training/fim_eval.py`):
+
+| order | cases of each kind | exact match, cursor at line start | exact match, cursor mid-line |
+| --- | --- | --- | --- |
+{fim_rows}
+""" if fim else "")
+    warm = " Continued from the previous pair's weights (warm start)." if plan.get("warm_start") else ""
     return f"""# specrpc default models: model card
 
 A byte-level BPE tokenizer ({plan['vocab_size']} tokens, with `<|endoftext|>`, `<|fim_prefix|>`, `<|fim_suffix|>`,
@@ -161,13 +245,7 @@ A byte-level BPE tokenizer ({plan['vocab_size']} tokens, with `<|endoftext|>`, `
 The embedded default of `specrpc serve` and the fixture of its tests; not a general-purpose model.
 
 ## Corpus
-Only the Python standard library sources of the interpreter that ran the training (Python {card['python']},
-`{card['stdlib_root']}`): every `*.py` file outside `site-packages`/`dist-packages`, at most 400 kB, valid UTF-8.
-Held out: files whose SHA-1 of the relative path is divisible by 40 ({card['heldout_files']} files); see
-`specrpc/training/corpus.py`. Third-party code (the `pip` package) is evaluated too and was never trained on.
-Each file is one document: `<|file_sep|>path\\n` + text + `<|endoftext|>`; training windows of {plan['seq_len']}
-tokens are drawn at random, and {plan['fim_rate']:.0%} of them are rearranged prefix-suffix-middle for infilling.
-
+{corpus_section(card)}
 ## Models
 | | layers | hidden | heads (kv) | ffn | parameters |
 | --- | --- | --- | --- | --- | --- |
@@ -178,18 +256,19 @@ Weights are bfloat16 safetensors ({card['weight_bytes_on_disk'] / 2**20:.1f} MiB
 
 ## Training
 Target: next-token cross-entropy, AdamW, cosine schedule, {t['tokens_seen_target']:,} tokens
-({plan['joint_steps']} steps × {plan['batch']} × {plan['seq_len']}). Draft: distilled from the target (cross-entropy
-against the target's full distribution), jointly during the target's training and then for {plan['draft_steps']}
-steps against the final target; {t['tokens_seen_draft']:,} tokens. Wall time {t['training_seconds'] / 60:.0f} min on
-{t.get('hardware', t['device'])} ({t['device']}, {t['threads']} threads).
+({plan['joint_steps']} steps × {plan['batch']} × {plan['seq_len']}).{warm} Draft: distilled from the target
+(cross-entropy against the target's full distribution), jointly during the target's training and then for
+{plan['draft_steps']} steps against the final target; {t['tokens_seen_draft']:,} tokens. Wall time
+{t['training_seconds'] / 60:.0f} min on {t.get('hardware', t['device'])} ({t['device']}, {t['threads']} threads).
 {provenance(t)}
 ## Results
-Held-out, teacher-forced, windows of 512 tokens (`python -m specrpc.training.evaluate`):
+Held-out, teacher-forced, windows of {card.get('window', 512)} tokens (`python -m specrpc.training.evaluate`);
+`third_party_*` rows are packages the pair never saw:
 
 | set | tokens | target bits/byte | draft bits/byte | greedy agreement | acceptance at T=1 |
 | --- | --- | --- | --- | --- | --- |
 {rows}
-
+{fim_table}
 Greedy completion of `def fibonacci(n):` by the target, as the opening of `fibonacci.py` (Generate with
 `path="fibonacci.py"`):
 ```python
@@ -201,10 +280,7 @@ def fibonacci(n):{card.get('sample_bare', '')}
 ```
 
 ## Reproduce
-`make models` (= `python -m specrpc.training.train` then `python -m specrpc.training.evaluate`): trains from
-scratch with progress bars, checkpoints every 50 steps to `.cache/models/` and resumes from there when restarted.
-On a CUDA machine the same command trains the larger `gpu` plan.
-"""
+{reproduce_section(t)}"""
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
-"""Train the default target and draft from scratch: `python -m specrpc.training.train` (what `make models` runs).
+"""Train the default target and draft: `python -m specrpc.training.train` (what `make models` runs).
 
-Phases, each resumable: tokenizer → encoded corpus → joint training (target on next-token loss, draft distilled
-from the target's current distributions) → draft-only distillation from the final target → export as Hugging Face
-directories in bfloat16, sharded at 16 MiB. Work files live in `--work-dir` (git-ignored); a checkpoint is written
-every `--checkpoint-every` steps and the run resumes from it when restarted.
+Phases, each resumable: tokenizer → encoded corpus (`corpus.build_corpus`, with its manifest) → joint training
+(target on next-token loss, draft distilled from the target's current distributions) → draft-only distillation from
+the final target → export as Hugging Face directories in bfloat16, sharded at 16 MiB, the manifest beside them.
+Rows mix plain windows and fill-in-the-middle layouts (`layouts`). Plans: `gpu` trains from scratch with a tokenizer
+of its own; `cpu` continues the shipped pair (warm start from `--init-from`, by default the shipped assets, keeping
+its tokenizer); `smoke` is the test suite's tiny run. Work files live in `--work-dir` (git-ignored); a checkpoint is
+written every `--checkpoint-every` steps and the run resumes from it when restarted.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -26,19 +30,16 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specrpc.fim import declare_fim
-from specrpc.training.corpus import SourceFile, iter_sources, split_sources
-from specrpc.training.tokenizer import (
-    EOT,
-    FILE_SEP,
-    FIM_MIDDLE,
-    FIM_PREFIX,
-    FIM_SUFFIX,
-    train_tokenizer,
-)
+from specrpc.training.corpus import Corpus, SourceFile, build_corpus, split_sources
+from specrpc.training.layouts import LAYOUTS, Documents, RowBuilder, folder_groups
+from specrpc.training.manifest import encode_files, manifest
+from specrpc.training.tokenizer import EOT, FILE_SEP, SPECIAL_TOKENS, train_tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 VAL_BATCHES = 8
 PROBE_STEPS = 20  # steps timed before a time budget fixes a phase's length; inside the warm-up, so the LR is exact
+FIM_TEMPLATE, FIM_ORDERS = "specrpc", ("psm", "spm")  # what the export declares in tokenizer_config.json "fim"
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # copied in this order: tokenizer.json marks it done
 
 
 @dataclass(frozen=True)
@@ -59,48 +60,46 @@ class TrainPlan:
     target: ModelShape
     draft: ModelShape
     vocab_size: int = 8192
-    seq_len: int = 256
+    seq_len: int = 2048
     batch: int = 16
     joint_steps: int = 1500
     draft_steps: int = 300
     lr_target: float = 1.5e-3
     lr_draft: float = 2e-3
     warmup: int = 100
-    fim_rate: float = 0.5
+    mix: tuple[float, float, float, float] = (0.4, 0.2, 0.2, 0.2)  # rows per layout: plain, psm, spm, repo
     seed: int = 1234
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     val_fraction: float = 0.015
     eval_every: int = 100
     dropout: float = 0.0  # on the target's attention and MLP outputs while training
+    warm_start: bool = False  # the joint phase starts from --init-from's pair (default: the shipped one), its tokenizer
+    corpus_max_files: int = 0  # a fixed subset of the corpus candidates (0: all)
 
 
+# The shipped pair's shapes: 25.2M + 3.6M parameters, 58.6 MB in bf16 with both tokenizer copies (60 MB budget).
+TARGET_SHAPE = ModelShape(hidden=512, layers=8, heads=8, kv_heads=2, ffn=1280)
+DRAFT_SHAPE = ModelShape(hidden=256, layers=2, heads=4, kv_heads=1, ffn=768)
 PLANS: dict[str, TrainPlan] = {
+    # Continue the shipped pair on the broad corpus: 2048-token windows, the new layouts, a restarted cosine schedule
+    # at a third of the from-scratch peak, no dropout (the corpus is seen about once). 3000 joint steps of 4 × 2048
+    # tokens = 24.6M tokens; then 400 draft-only steps against the final target.
     "cpu": TrainPlan(
-        target=ModelShape(hidden=384, layers=8, heads=6, kv_heads=2, ffn=1152),
-        draft=ModelShape(hidden=192, layers=2, heads=3, kv_heads=1, ffn=512),
+        target=TARGET_SHAPE, draft=DRAFT_SHAPE, batch=4, joint_steps=3000, draft_steps=400,
+        lr_target=5e-4, lr_draft=6e-4, warmup=30, eval_every=100, warm_start=True,
     ),
-    # 25.2M + 3.6M parameters: 58.6 MB in bf16 with both tokenizer copies, inside the 60 MB budget.
+    # From scratch on the device's own installed sources, with its own tokenizer: 16 × 2048 tokens a step (as many as
+    # the first pair's 32 × 1024), 4000 steps = 131M tokens, a few epochs of the broad corpus. The first pair's draft
+    # needed the long distillation (4500 draft-only steps raised its agreement from 0.48 to 0.59 there).
     "gpu": TrainPlan(
-        target=ModelShape(hidden=512, layers=8, heads=8, kv_heads=2, ffn=1280),
-        draft=ModelShape(hidden=256, layers=2, heads=4, kv_heads=1, ffn=768),
-        batch=32,
-        seq_len=1024,
-        # 8 epochs of the 8M-token corpus. A first H200 run without dropout, sized to 4483 steps by time, had its
-        # best validation loss at step 1249 (2.57 nats) and overfit from there (3.55 at the end).
-        # Its 1421 draft-only steps left the draft at 0.48 greedy agreement; the first run's draft, distilled over 196M
-        # tokens, reached 0.59 against the same target: the draft needs the longer distillation.
-        joint_steps=2000,
-        draft_steps=4500,
-        dropout=0.1,
-        lr_target=1.5e-3,
-        warmup=200,
-        eval_every=250,
+        target=TARGET_SHAPE, draft=DRAFT_SHAPE, batch=16, joint_steps=4000, draft_steps=4500,
+        dropout=0.05, warmup=200, eval_every=250,
     ),
     "smoke": TrainPlan(
         target=ModelShape(hidden=64, layers=2, heads=2, kv_heads=1, ffn=128),
         draft=ModelShape(hidden=32, layers=1, heads=1, kv_heads=1, ffn=64),
-        batch=2, seq_len=64, joint_steps=4, draft_steps=2, warmup=1, dropout=0.1,
+        batch=2, seq_len=256, joint_steps=4, draft_steps=2, warmup=1, dropout=0.1, corpus_max_files=150,
     ),
 }
 
@@ -141,43 +140,21 @@ def add_residual_dropout(model: LlamaForCausalLM, p: float) -> None:
         layer.mlp.register_forward_hook(hook)
 
 
-def encode_sources(tok: Tokenizer, files: list[SourceFile], special: dict[str, int]) -> np.ndarray:
-    """Concatenate `<|file_sep|>path\\n text <|endoftext|>` for every file into one uint16 token stream."""
-    texts = [f"{f.relpath}\n{f.text}" for f in files]
-    out: list[int] = []
-    for enc in tok.encode_batch(texts, add_special_tokens=False):
-        out.append(special[FILE_SEP])
-        out.extend(enc.ids)
-        out.append(special[EOT])
-    return np.asarray(out, dtype=np.uint16)
+def stream_of(ids: list[np.ndarray], special: dict[str, int]) -> np.ndarray:
+    """Files' ids joined as `<|file_sep|>` ids `<|endoftext|>` into one uint16 token stream. # [T]"""
+    sep, eot = np.array([special[FILE_SEP]], np.uint16), np.array([special[EOT]], np.uint16)
+    return np.concatenate([part for file_ids in ids for part in (sep, file_ids, eot)] or [sep[:0]])
 
 
-def fim_permute(window: np.ndarray, rng: np.random.Generator, special: dict[str, int]) -> np.ndarray:
-    """Prefix-suffix-middle: [PRE] a [SUF] c [MID] b [EOT] for window a+b+c, same total length as the input."""
-    body = window[: len(window) - 4]  # [L-4]
-    i, j = sorted(rng.integers(0, len(body) + 1, size=2))
-    return np.concatenate(
-        [
-            [special[FIM_PREFIX]], body[:i],
-            [special[FIM_SUFFIX]], body[j:],
-            [special[FIM_MIDDLE]], body[i:j],
-            [special[EOT]],
-        ]
-    ).astype(np.int64)
-
-
-def sample_batch(
-    data: np.ndarray, plan: TrainPlan, step: int, special: dict[str, int], fim: bool = True, stream: int = 0
-) -> torch.Tensor:
-    """A deterministic batch for `step` (resume-safe: no RNG state to save). Returns [B, L+1] int64."""
+def sample_batch(builder: RowBuilder, plan: TrainPlan, step: int, fim: bool = True, stream: int = 0) -> torch.Tensor:
+    """A deterministic batch for `step` (resume-safe: no RNG state to save), each row's layout drawn from the plan's
+    mix (all plain when not `fim`). Returns [B, L+1] int64."""
     rng = np.random.default_rng([plan.seed, stream, step])
-    starts = rng.integers(0, len(data) - plan.seq_len - 2, size=plan.batch)
+    mix = np.asarray(plan.mix, dtype=np.float64)
     rows = []
-    for s in starts:
-        w = data[s : s + plan.seq_len + 1].astype(np.int64)  # [L+1]
-        if fim and rng.random() < plan.fim_rate:
-            w = fim_permute(w, rng, special)
-        rows.append(w)
+    for _ in range(plan.batch):
+        layout = LAYOUTS[int(rng.choice(len(LAYOUTS), p=mix / mix.sum()))] if fim else "plain"
+        rows.append(builder.row(layout, plan.seq_len + 1, rng))  # [L+1]
     return torch.from_numpy(np.stack(rows))
 
 
@@ -205,16 +182,14 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
 
 
 @torch.no_grad()
-def validation_loss(
-    model: LlamaForCausalLM, val: np.ndarray, plan: TrainPlan, special: dict[str, int], device: torch.device
-) -> float:
+def validation_loss(model: LlamaForCausalLM, val: RowBuilder, plan: TrainPlan, device: torch.device) -> float:
     """Mean next-token loss (nats) on fixed plain (non-FIM) windows of the validation tokens."""
     was_training = model.training
     model.eval()
     losses = []
     with torch.autocast(device.type, dtype=torch.bfloat16):
         for i in range(VAL_BATCHES):
-            batch = sample_batch(val, plan, i, special, fim=False, stream=1).to(device)  # [B, L+1]
+            batch = sample_batch(val, plan, i, fim=False, stream=1).to(device)  # [B, L+1]
             logits = model(input_ids=batch[:, :-1]).logits  # [B, L, V]
             losses.append(F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).item())
     model.train(was_training)
@@ -241,7 +216,8 @@ def save_checkpoint(path: Path, state: dict[str, object]) -> None:
 
 
 def export(model: LlamaForCausalLM, tokenizer_dir: Path, out_dir: Path, special: dict[str, int]) -> None:
-    """Save as a Hugging Face directory: bf16 safetensors in 16 MiB shards, tokenizer, generation config."""
+    """Save as a Hugging Face directory: bf16 safetensors in 16 MiB shards, tokenizer (declaring its FIM template and
+    orders), generation config."""
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -251,7 +227,7 @@ def export(model: LlamaForCausalLM, tokenizer_dir: Path, out_dir: Path, special:
     )
     model.save_pretrained(str(out_dir), max_shard_size=16 * 1024 * 1024)
     PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out_dir))
-    declare_fim(out_dir, "specrpc", ["psm"])  # trained prefix-first only (fim_permute)
+    declare_fim(out_dir, FIM_TEMPLATE, FIM_ORDERS)
     model.to(torch.float32)  # type: ignore[arg-type]
 
 
@@ -268,7 +244,8 @@ def fit_phase(plan: TrainPlan, joint: bool, budget_s: float, step: int, per_step
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work-dir", type=Path, default=Path(".cache/models"), help="checkpoints and data")
+    parser.add_argument("--work-dir", type=Path, default=Path(".cache/models"), help="checkpoints, the encoded "
+                        "corpus and the tokenizer (delete it to start over)")
     parser.add_argument("--out-dir", type=Path, default=ASSETS, help="where the target/ and draft/ folders go")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     parser.add_argument("--plan", default="auto", choices=["auto", *PLANS], help="model sizes and step counts")
@@ -285,47 +262,95 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stop-after", type=int, default=0, help="leave a checkpoint and exit after this many "
                         "steps of this run (0: run to the end); the next run resumes there")
     parser.add_argument("--init-from", type=Path, help="a folder with target/ and draft/ exported by an earlier run: "
-                        "start from those weights at the draft-only phase (distil the draft further)")
+                        "start from those weights and their tokenizer, at the joint phase on a warm-start plan (cpu; "
+                        "default there: the shipped pair), else at the draft-only phase (distil the draft further)")
+    parser.add_argument("--warm-start", action="store_true", help="make any plan a warm-start plan (as cpu is): "
+                        "continue --init-from's pair from the joint phase")
     return parser.parse_args(argv)
 
 
-def prepare_data(work: Path, plan: TrainPlan) -> tuple[Path, dict[str, int], np.ndarray, np.ndarray]:
-    """The tokenizer (trained once into work/tokenizer), its special ids, and the training and validation tokens
-    (encoded once into work/*.npy): (tokenizer dir, special ids, training tokens, validation tokens)."""
+@dataclass(frozen=True)
+class Data:
+    """What the training loop reads: the tokenizer folder, its special ids, and row builders over the training
+    files and over the validation files."""
+
+    tokenizer_dir: Path
+    special: dict[str, int]
+    train: RowBuilder
+    val: RowBuilder
+
+
+def stream_order(f: SourceFile) -> str:
+    """Files enter the stream ordered by a hash of source and path: validation (the stream's tail) is a mixed sample."""
+    return hashlib.sha1(f"{f.source}/{f.relpath}".encode()).hexdigest()
+
+
+def encode_corpus(work: Path, plan: TrainPlan, tok: Tokenizer, special: dict[str, int], corpus: Corpus) -> None:
+    """Encode the training split once into work/: the manifest (corpus.json), the validation stream (val.npy: the
+    last files in stream order, `val_fraction` of the tokens, never trained on), the training files' texts
+    (documents.bin/.json) and their stream (train.npy, written last: its presence marks this phase done)."""
+    files = sorted(split_sources(corpus.files)[0], key=stream_order)
+    ids = encode_files(tok, files)
+    counts = {(f.source, f.relpath): len(i) for f, i in zip(files, ids, strict=True)}
+    (work / "corpus.json").write_text(json.dumps(manifest(corpus, counts), indent=1) + "\n")
+    total, n_val, held = sum(len(i) + 2 for i in ids), 0, 0
+    while held < total * plan.val_fraction and n_val < len(files) - 1:
+        n_val += 1
+        held += len(ids[-n_val]) + 2
+    fit = len(files) - n_val
+    np.save(work / "val.npy", stream_of(ids[fit:], special))
+    texts = [f.text.encode() for f in files[:fit]]
+    (work / "documents.bin").write_bytes(b"".join(texts))
+    (work / "documents.json").write_text(json.dumps({
+        "relpaths": [f.relpath for f in files[:fit]], "sources": [f.source for f in files[:fit]],
+        "tokens": [len(i) + 2 for i in ids[:fit]], "offsets": np.cumsum([0, *map(len, texts)]).tolist(),
+    }))
+    np.save(work / "train.npy", stream_of(ids[:fit], special))
+
+
+def prepare_data(work: Path, plan: TrainPlan, init_from: Path | None) -> Data:
+    """The tokenizer (into work/tokenizer once: `init_from`'s when given, else trained on the training split) and the
+    encoded corpus (`encode_corpus`, once), loaded for the training loop."""
     tok_dir = work / "tokenizer"
+    corpus: Corpus | None = None
     if not (tok_dir / "tokenizer.json").exists():
-        train_files, _ = split_sources(iter_sources())
-        print(f"training tokenizer on {len(train_files)} files", flush=True)
-        train_tokenizer((f.text for f in train_files), plan.vocab_size, tok_dir)
-    raw_tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        if init_from is not None:
+            for name in TOKENIZER_FILES:
+                shutil.copyfile(init_from / "target" / name, tok_dir / name)
+        else:
+            corpus = build_corpus(plan.corpus_max_files)
+            train_files = split_sources(corpus.files)[0]
+            print(f"training tokenizer on {len(train_files)} files", flush=True)
+            train_tokenizer((f.text for f in train_files), plan.vocab_size, tok_dir)
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     special: dict[str, int] = {}
-    for name in (EOT, FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, FILE_SEP):
-        token_id = raw_tok.token_to_id(name)
+    for name in SPECIAL_TOKENS:
+        token_id = tok.token_to_id(name)
         if token_id is None:
             raise SystemExit(f"{tok_dir} lacks the special token {name}: delete it to retrain the tokenizer")
         special[name] = token_id
-
-    train_path, heldout_path = work / "train.npy", work / "heldout.npy"
-    if not train_path.exists():
-        train_files, heldout_files = split_sources(iter_sources())
-        np.save(heldout_path, encode_sources(raw_tok, heldout_files, special))
-        np.save(train_path, encode_sources(raw_tok, train_files, special))
-    corpus = np.load(train_path)
-    n_val = int(len(corpus) * plan.val_fraction)
-    data, val = corpus[:-n_val], corpus[-n_val:]  # the last files of the training split: early stopping only
-    print(f"corpus: {len(data):,} training tokens, {len(val):,} validation tokens", flush=True)
-    return tok_dir, special, data, val
+    if not (work / "train.npy").exists():
+        encode_corpus(work, plan, tok, special, corpus or build_corpus(plan.corpus_max_files))
+    index = json.loads((work / "documents.json").read_text())
+    docs = Documents((work / "documents.bin").read_bytes(), np.asarray(index["offsets"], dtype=np.int64),
+                     index["relpaths"], np.asarray(index["tokens"], dtype=np.int64),
+                     folder_groups(list(zip(index["sources"], index["relpaths"], strict=True))))
+    data, val = np.load(work / "train.npy"), np.load(work / "val.npy")
+    print(f"corpus: {len(data):,} training tokens in {len(docs.relpaths):,} files, {len(val):,} validation tokens",
+          flush=True)
+    return Data(tok_dir, special, RowBuilder(tok, special, data, docs), RowBuilder(tok, special, val, docs))
 
 
 def write_training_record(out_dir: Path, plan: TrainPlan, device: torch.device, elapsed: float, tokens_seen: int,
-                          data: np.ndarray, val: np.ndarray, best_val: float) -> None:
+                          data: Data, best_val: float) -> None:
     """training.json beside the exported models: what the model card reports about the run."""
     (out_dir / "training.json").write_text(json.dumps({
-        "plan": asdict(plan), "device": str(device), "hardware": hardware(device),
+        "plan": asdict(plan), "layouts": list(LAYOUTS), "device": str(device), "hardware": hardware(device),
         "threads": torch.get_num_threads(), "training_seconds": round(elapsed),
         "tokens_seen_target": plan.joint_steps * plan.batch * plan.seq_len, "tokens_seen_draft": tokens_seen,
-        "corpus_train_tokens": len(data), "validation_tokens": len(val), "best_validation_loss": best_val,
-        "python": platform.python_version(),
+        "corpus_train_tokens": len(data.train.stream), "validation_tokens": len(data.val.stream),
+        "best_validation_loss": best_val, "python": platform.python_version(),
     }, indent=2))
 
 
@@ -337,7 +362,10 @@ def main() -> None:
     plan = PLANS[args.plan if args.plan != "auto" else ("gpu" if device.type == "cuda" else "cpu")]
     plan = replace(plan, joint_steps=args.joint_steps or plan.joint_steps,
                    draft_steps=args.draft_steps or plan.draft_steps, batch=args.batch or plan.batch,
-                   seq_len=args.seq_len or plan.seq_len, lr_draft=args.lr_draft or plan.lr_draft)
+                   seq_len=args.seq_len or plan.seq_len, lr_draft=args.lr_draft or plan.lr_draft,
+                   warm_start=plan.warm_start or args.warm_start)
+    if plan.seq_len > plan.max_position_embeddings:
+        raise SystemExit(f"--seq-len {plan.seq_len} exceeds the models' {plan.max_position_embeddings} positions")
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cuda":
@@ -345,7 +373,9 @@ def main() -> None:
     work: Path = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
 
-    tok_dir, special, data, val = prepare_data(work, plan)
+    init_from: Path | None = args.init_from or (ASSETS if plan.warm_start else None)
+    data = prepare_data(work, plan, init_from)
+    special = data.special
 
     torch.manual_seed(plan.seed)
     target = LlamaForCausalLM(llama_config(plan.target, plan, special)).to(device)  # type: ignore[arg-type]
@@ -368,12 +398,14 @@ def main() -> None:
             plan = replace(plan, joint_steps=state["plan"]["joint_steps"], draft_steps=state["plan"]["draft_steps"])
             sized = state.get("sized", sized)
         print(f"resumed at step {step}", flush=True)
-    elif args.init_from:
+    elif init_from is not None:
         for model, name in ((target, "target"), (draft, "draft")):
-            loaded = LlamaForCausalLM.from_pretrained(str(args.init_from / name), dtype=torch.float32)
+            loaded = LlamaForCausalLM.from_pretrained(str(init_from / name), dtype=torch.float32)
             model.load_state_dict(loaded.state_dict())
-        step, sized["joint"] = plan.joint_steps, True
-        print(f"initialised from {args.init_from}: draft-only distillation", flush=True)
+        if not plan.warm_start:
+            step, sized["joint"] = plan.joint_steps, True
+        print(f"initialised from {init_from}: {'joint training' if plan.warm_start else 'draft-only distillation'}",
+              flush=True)
     (work / "plan.json").write_text(json.dumps(asdict(plan), indent=2))
 
     log = (work / "train_log.jsonl").open("a")
@@ -398,7 +430,7 @@ def main() -> None:
             print(f"\nstopped at step {step} (--stop-after); run again to resume", flush=True)
             return
         t0 = time.time()
-        batch = sample_batch(data, plan, step, special).to(device)  # [B, L+1]
+        batch = sample_batch(data.train, plan, step).to(device)  # [B, L+1]
         x, y = batch[:, :-1], batch[:, 1:]
         joint = step < plan.joint_steps
         record: dict[str, float] = {"step": step}
@@ -450,7 +482,7 @@ def main() -> None:
             print(f"\n{phase} phase: {per_step * 1000:.1f} ms/step, {bar.total} steps in all", flush=True)
 
         if joint and (step % plan.eval_every == 0 or step == plan.joint_steps):
-            record["val_loss"] = validation_loss(target, val, plan, special, device)
+            record["val_loss"] = validation_loss(target, data.val, plan, device)
             if record["val_loss"] < best_val:
                 best_val = record["val_loss"]
                 best_target = {k: v.detach().to("cpu", copy=True) for k, v in target.state_dict().items()}
@@ -466,9 +498,10 @@ def main() -> None:
             checkpoint()
     bar.close()
 
-    export(target.cpu(), tok_dir, args.out_dir / "target", special)
-    export(draft.cpu(), tok_dir, args.out_dir / "draft", special)
-    write_training_record(args.out_dir, plan, device, elapsed, tokens_seen, data, val, best_val)
+    export(target.cpu(), data.tokenizer_dir, args.out_dir / "target", special)
+    export(draft.cpu(), data.tokenizer_dir, args.out_dir / "draft", special)
+    shutil.copyfile(work / "corpus.json", args.out_dir / "corpus.json")
+    write_training_record(args.out_dir, plan, device, elapsed, tokens_seen, data, best_val)
     print(f"exported to {args.out_dir} after {elapsed / 60:.1f} min of training", flush=True)
 
 
