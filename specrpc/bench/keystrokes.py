@@ -151,20 +151,21 @@ async def type_line(stub: pb_grpc.GeneratorStub, line: TypedLine, layout: pb.Fim
 async def type_along(stub: pb_grpc.GeneratorStub, line: TypedLine, layout: pb.FimLayout.ValueType, session: str,
                      max_new_tokens: int, typed: int = 3) -> list[Keystroke]:
     """The user types along the suggestion: a keystroke at the line's first typed character, left to finish, then
-    `typed` keystrokes each adding the suggestion's next character and each left to finish. Returns the first
-    keystroke (no suggestion to follow yet) and the typed-along ones."""
+    up to `typed` keystrokes, each adding the next character of the suggestion the editor shows (the last
+    completion) and each left to finish. Returns the first keystroke (no suggestion to follow yet), then the
+    typed-along ones."""
     prefix, suffix = line.keystrokes(1)[0]
     strokes: list[Keystroke] = []
-    suggestion = ""
     for i in range(typed + 1):
-        if i and suggestion[i - 1:i] in ("", "\n"):
-            break  # the suggestion ended or reaches the line's end: nothing more to type along on this line
-        request = pb.InfillRequest(prefix=prefix + suggestion[:i], suffix=suffix, session_id=session,
-                                   max_new_tokens=max_new_tokens, path=line.path, layout=layout, truncate=True)
+        if i:
+            shown = strokes[-1].text
+            if shown[:1] in ("", "\n"):
+                break  # nothing shown, or the suggestion ends the line: nothing more to type along on this line
+            prefix += shown[0]
+        request = pb.InfillRequest(prefix=prefix, suffix=suffix, session_id=session, max_new_tokens=max_new_tokens,
+                                   path=line.path, layout=layout, truncate=True)
         strokes.append(Keystroke())
         await infill(stub, request, time.perf_counter(), strokes[-1])
-        if i == 0:
-            suggestion = strokes[0].text
     return strokes
 
 
@@ -297,7 +298,7 @@ def markdown(results: dict[str, Any]) -> str:
                      f"{a['along_completion_tokens_median']:.0f} | {a['along_suggestion_accepted_median']:.0f} |")
     return (f"Keystroke replay ({results['fim_template']} template, trained {results['fim_orders']}), lines typed in "
             f"{', '.join(results['lines'])}:\n\n" + "\n".join(rows) + "\n\nTyping along the suggestion (each "
-            "keystroke left to finish; up to 3 characters of the first keystroke's completion typed):\n\n"
+            "keystroke left to finish; up to 3 characters typed, each the next one the last completion suggested):\n\n"
             + "\n".join(along) + "\n")
 
 
