@@ -270,6 +270,30 @@ def test_int8_decode_serves_small_products_close_to_float32(tmp_path: Path, monk
     close(logits[9:], ref[9:], atol=0.05 * max(1.0, ref.abs().max().item()))  # int8 weights: close, not equal
 
 
+def test_int8_weights_keep_no_float_copy_and_stay_close_to_float32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                    ) -> None:
+    """`int8_weights`: decode and verify sizes through the int8 kernel, a long prefill through weights dequantized
+    block by block; both close to float32, and the same token's logits whichever way it is computed."""
+    path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, int8_weights=True)
+    assert isinstance(lm, LlamaLM)
+    assert lm.weights.head.wt is None and lm.weights.head.packed is None and lm.weights.head.q8 is not None
+    kernel, dequant = llama_mod._int8_product, llama_mod._dequantized_product
+    rows: list[tuple[str, int]] = []
+    monkeypatch.setattr(llama_mod, "_int8_product", lambda x, p: rows.append(("int8", x.shape[0])) or kernel(x, p))
+    monkeypatch.setattr(llama_mod, "_dequantized_product",
+                        lambda x, p: rows.append(("dequant", x.shape[0])) or dequant(x, p))
+    monkeypatch.setattr(llama_mod, "DEQUANT_BLOCK", 7)  # several blocks even at this size
+    monkeypatch.setattr(llama_mod, "INT8_WEIGHT_ROWS", 8)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, int8_weights=True)
+    ids = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(4))
+    logits = torch.cat([lm.forward(ids[:9], 0, 0, num_logits=9), lm.forward(ids[9:10], 9, 0),
+                        lm.forward(ids[10:], 10, 0, num_logits=4)])
+    assert set(rows) == {("dequant", 9), ("int8", 1), ("int8", 4)}, "a 9-row prefill dequantizes, the rest int8"
+    ref = reference(model, ids)
+    close(logits, ref, atol=0.05 * max(1.0, ref.abs().max().item()))  # int8 weights: close, not equal
+
+
 def test_decode_kernel_tuning_keeps_the_output(tmp_path: Path) -> None:
     path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
     lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY)
