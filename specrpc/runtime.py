@@ -216,7 +216,8 @@ class Runtime:
             raise
         self.warm = True
         log.info("warm", seconds=round(time.perf_counter() - t0, 2), target_step_ms=round(costs.target_step_s * 1e3, 3),
-                 c=round(costs.c, 3), v={k - 1: round(costs.v(k - 1), 3) for k in sorted(costs.verify_s)})
+                 c=round(costs.c, 3), v={k - 1: round(costs.v(k - 1), 3) for k in sorted(costs.verify_s)},
+                 calibration_rounds=self.engine.calibration_rounds)
 
     def _calibrate(self) -> CostModel:
         """On the device thread: measure the step costs, and seed every slot's policy from them."""
