@@ -57,3 +57,15 @@ def test_a_completion_reply_is_timed_by_the_servers_own_clock() -> None:
     assert run.ttft_s == pytest.approx(0.040) and run.total_s == pytest.approx(0.292)
     assert (run.proposed, run.accepted, run.reported_tokens_per_s) == (90, 60, 253.97)
     assert summarize([run])["tokens_per_s"] == pytest.approx(63 / 0.252)  # (n - 1) / predicted_ms, like ours
+
+
+def test_starts_mode_serves_with_the_bench_model_options() -> None:
+    """`--starts N` starts `specrpc serve` with the bench's dtype, weights and threads (the run itself is the
+    integrator's: each start loads and calibrates the pair)."""
+    from specrpc.bench.starts import serve_command
+
+    command = serve_command("t", "d", 5000, 2, "float32", "int8")
+    assert command[1:4] == ["-m", "specrpc.cli", "serve"]
+    for flag, value in (("--port", "5000"), ("--threads", "2"), ("--weights", "int8"), ("--dtype", "float32"),
+                        ("--target", "t"), ("--draft", "d")):
+        assert command[command.index(flag) + 1] == value

@@ -375,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     peer.add_argument("--gguf-draft", action="append", default=[], metavar="FILE",
                       help="the draft as GGUF, one per --gguf-target in the same order: each pair also runs "
                            "speculative (llama.cpp's default draft settings)")
+    parser.add_argument("--starts", type=int, default=0, metavar="N",
+                        help="run only the start-to-start spread: `specrpc serve` started N times, the same prompts "
+                             "each time, median decode tokens/s of adaptive and k=0 per start (bench/starts.py)")
     keys = parser.add_argument_group("keystroke replay (specrpc/bench/keystrokes.py)")
     keys.add_argument("--keystrokes", action="store_true",
                       help="run only the keystroke replay: lines typed in held-out files, an Infill per key through "
@@ -394,6 +397,18 @@ def main(argv: list[str] | None = None) -> int:
                                      [int(x) for x in args.keystroke_intervals.split(",") if x], threads=args.threads,
                                      max_new_tokens=args.max_new_tokens or 16, limit=args.keystroke_chars)
         print(keystroke_table(replayed))
+        return 0
+    if args.starts:
+        from specrpc.bench import starts
+
+        cases = build_cases(args.cases, workloads=tuple(w for w in args.workloads.split(",") if w))
+        if args.max_new_tokens:
+            cases = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases]
+        spread = starts.run(cases, args.starts, args.target, args.draft, args.threads, args.dtype, args.weights)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "starts.json").write_text(json.dumps(spread, indent=2))
+        (args.out / "starts.md").write_text(starts.markdown(spread))
+        print(starts.markdown(spread))
         return 0
     try:
         peers = specs(args.llama_server, args.gguf_target, args.gguf_draft, args.threads or torch.get_num_threads())
