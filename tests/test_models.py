@@ -294,6 +294,17 @@ def test_int8_weights_keep_no_float_copy_and_stay_close_to_float32(tmp_path: Pat
     close(logits, ref, atol=0.05 * max(1.0, ref.abs().max().item()))  # int8 weights: close, not equal
 
 
+def test_int8_weights_need_the_lean_forward_and_name_the_flag(tmp_path: Path) -> None:
+    from specrpc.config import build_config
+
+    path, _ = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    with pytest.raises(ValueError, match="--weights int8 needs the lean forward"):
+        load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, lean=False, int8_weights=True)
+    with pytest.raises(ValueError, match="--weights must be dtype or int8"):
+        build_config(None, env={"SPECRPC_WEIGHTS": "q8_0"})
+    assert build_config(None, env={"SPECRPC_WEIGHTS": "int8"}).engine.weights == "int8"
+
+
 def test_decode_kernel_tuning_keeps_the_output(tmp_path: Path) -> None:
     path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
     lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY)
