@@ -16,6 +16,7 @@ at load. Measured on the 2-core AVX-512 dev box, one thread, summed over the fiv
 shapes of one d=384 layer + the 8192-row head: M=1: `x @ wt` 0.60 ms, F.linear 1.36, oneDNN 1.11; M=5: oneDNN 0.97,
 `x @ wt` 2.26, F.linear 2.58. Whole d=384/8-layer step: decode 6.0 ms, 5-token verify 7.2 ms (F.linear only:
 7.9 / 13.8). Elsewhere (CUDA) `wt` is the transposed view of the row-major weight, so `x @ wt` is exactly `F.linear`.
+With int8 weights (`--weights int8`, CPU) a projection keeps only `q8` and its scales (`int8_linear`).
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ int8 26/34/74 µs for 1/2/5 rows against fp32 29/56/110, but 817 against 565 at 
 
 
 INT8_WEIGHT_ROWS = 80
-"""With int8 weights (`with_int8_weights`, no float copy), products of up to this many rows go through the int8
+"""With int8 weights (`int8_linear`, no float copy), products of up to this many rows go through the int8
 kernel: every decode step and every verify (k + 1 <= 33, a suggestion's 65), so that a token's logits take the same
 kernel whether it is decoded alone or verified; longer products (prefill chunks) dequantize the weight block by block
 into a float32 product, where the int8 kernel falls behind."""
