@@ -456,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         contenders["hf assisted"] = hf_runner(hf_target, hf_draft, eos)
     with ExitStack() as servers:
         for spec in peers:  # started one by one; each sits idle while another contender runs
-            server = servers.enter_context(LlamaServer(spec, args.out / "llama-server" / f"{spec.name}.log"))
+            log = args.out / "llama-server" / (spec.name.replace(" + ", "+").replace(" ", "_") + ".log")
+            server = servers.enter_context(LlamaServer(spec, log))
             contenders[spec.name] = server.runner()
         for runner in contenders.values():  # warm-up
             runner(prompt_ids(runtime, cases[0])[:32], 8, params)
