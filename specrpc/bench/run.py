@@ -362,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,2,4,8")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
-    parser.add_argument("--weights", default="dtype", choices=["dtype", "int8"],
-                        help="int8: weight-only int8 target and draft (CPU), e.g. against llama.cpp's q8_0")
+    parser.add_argument("--weights", default="dtype", choices=["dtype", "int8", "bf16"],
+                        help="int8 / bf16: weight-only int8 / bf16 target and draft (CPU); int8 against llama.cpp's "
+                             "q8_0")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--max-new-tokens", type=int, default=0, help="override every case's length (0: keep)")
     parser.add_argument("--workloads", default="code,infill,text", help="comma-separated subset of code,infill,text")
@@ -467,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
                    f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.dtype}"
-                   + (", int8 weights" if args.weights == "int8" else ""),
+                   + (f", {args.weights} weights" if args.weights != "dtype" else ""),
         "command": "specrpc bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cases": len(cases), "workloads": args.workloads, "params": asdict(params),
         "costs": {"c": engine.costs.c, "V": {k: engine.costs.v(k) for k in range(max(ks) + 1)}},

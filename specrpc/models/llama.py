@@ -202,6 +202,7 @@ class Linear:
     q8_scale: torch.Tensor | None = None
     packed_rows: int = 2  # products of at least this many rows take `packed` (1: decode too, see `with_packed_decode`)
     q8_rows: int = 8  # products of at most this many rows take `q8` (INT8_MAX_ROWS; INT8_WEIGHT_ROWS: int8 weights)
+    bf16_only: bool = False  # `packed` is the bf16 weight alone, fed bf16 activations (`bf16_linear`)
 
 
 INT8_MAX_ROWS = 8
@@ -324,12 +325,30 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def bf16_available(device: torch.device) -> bool:
+    """Whether oneDNN computes bf16 products on this CPU (`bf16_linear`)."""
+    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bf16_linear(w: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """w [N, K] as a oneDNN-blocked bf16 weight alone: every product, whatever its rows, rounds its activations to
+    bf16 and runs the same kernel (whose rows do not depend on each other), so a token's logits are the same
+    decoded alone or verified; the result and the bias stay in the activations' dtype."""
+    packed = _onednn_pack(w.to(torch.bfloat16).contiguous())
+    if packed is None:
+        raise ValueError("--weights bf16 needs oneDNN's bf16 products on this CPU")
+    return Linear(wt=None, packed=packed, bias=bias, bf16_only=True)
+
+
 def _make_linear(w: torch.Tensor, b: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
-                 int8: bool = False) -> Linear:
-    """Store w [N, K] (checkpoint layout) for `_linear` on `device`; `int8`: as int8 alone (CPU, `int8_linear`)."""
+                 int8: bool = False, bf16: bool = False) -> Linear:
+    """Store w [N, K] (checkpoint layout) for `_linear` on `device`; `int8`: as int8 alone (CPU, `int8_linear`);
+    `bf16`: as bf16 alone (CPU, `bf16_linear`)."""
     bias = None if b is None else b.to(device=device, dtype=dtype)
     if int8:
         return int8_linear(w.to(device=device), bias)
+    if bf16:
+        return bf16_linear(w.to(device=device), bias)
     w = w.to(device=device, dtype=dtype).contiguous()
     if device.type != "cpu":
         return Linear(wt=w.t(), packed=None, bias=bias)
@@ -356,8 +375,17 @@ def _dequantized_product(x: torch.Tensor, p: Linear) -> torch.Tensor:
     return out if p.bias is None else out.add_(p.bias)
 
 
+def _bf16_product(x: torch.Tensor, p: Linear) -> torch.Tensor:
+    """x [M, K] W^T (+ b) through the bf16 weight alone, back in x's dtype."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), p.packed, None, "none", [], "")
+    out = out.to(x.dtype)  # [M, N]
+    return out if p.bias is None else out.add_(p.bias)
+
+
 def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
     """x [M, K] → [M, N]."""
+    if p.bf16_only:
+        return _bf16_product(x, p)
     if p.q8 is not None and x.shape[0] <= p.q8_rows:
         return _int8_product(x, p)
     if p.q8 is not None and p.wt is None and p.packed is None:
@@ -373,6 +401,8 @@ def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
 
 def _linear_add(x: torch.Tensor, p: Linear, residual: torch.Tensor) -> torch.Tensor:
     """residual [M, N] + x [M, K] W^T (+ b), the residual add fused into the product."""
+    if p.bf16_only:
+        return _bf16_product(x, p).add_(residual)
     if p.q8 is not None and x.shape[0] <= p.q8_rows:
         return _int8_product(x, p).add_(residual)
     if p.q8 is not None and p.wt is None and p.packed is None:
@@ -595,10 +625,11 @@ def checkpoint_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def build_llama_weights(
     get: TensorSource, args: LlamaArgs, *, capacity: int, device: torch.device, dtype: torch.dtype, where: str,
-    int8: bool = False,
+    int8: bool = False, bf16: bool = False,
 ) -> LlamaWeights:
     """Fuse and lay out the weights `get` returns (`where` names their origin in errors); `int8`: every projection
-    and the head as int8 alone (`int8_linear`; CPU), the rest (embedding, norms, KV cache) at `dtype`."""
+    and the head as int8 alone (`int8_linear`; CPU), the rest (embedding, norms, KV cache) at `dtype`; `bf16`: the
+    same as bf16 alone (`bf16_linear`)."""
 
     def need(name: str) -> torch.Tensor:
         t = get(name)
@@ -612,7 +643,7 @@ def build_llama_weights(
         bias = None
         if any(b is not None for b in bs):
             bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b.to(w) for w, b in zip(ws, bs, strict=True)])
-        return _make_linear(torch.cat(ws) if len(ws) > 1 else ws[0], bias, device, dtype, int8)
+        return _make_linear(torch.cat(ws) if len(ws) > 1 else ws[0], bias, device, dtype, int8, bf16)
 
     def vec(name: str) -> torch.Tensor:
         return need(name).to(device=device, dtype=dtype)
@@ -652,7 +683,7 @@ def build_llama_weights(
         embed=embed.to(device=device, dtype=dtype),
         layers=layers,
         norm=norm("model.norm"),
-        head=_make_linear(head, None, device, dtype, int8),
+        head=_make_linear(head, None, device, dtype, int8, bf16),
         cos=cos,
         sin=sin,
         positions=torch.arange(capacity, device=device),
@@ -661,13 +692,14 @@ def build_llama_weights(
 
 
 def load_llama_weights(
-    path: Path, args: LlamaArgs, *, capacity: int, device: torch.device, dtype: torch.dtype, int8: bool = False
+    path: Path, args: LlamaArgs, *, capacity: int, device: torch.device, dtype: torch.dtype, int8: bool = False,
+    bf16: bool = False,
 ) -> LlamaWeights:
     """Read, fuse and lay out the weights of a Llama-family checkpoint directory (`int8`: see
     `build_llama_weights`)."""
     with ExitStack() as stack:
         return build_llama_weights(_tensor_reader(path, stack), args, capacity=capacity, device=device, dtype=dtype,
-                                   where=str(path), int8=int8)
+                                   where=str(path), int8=int8, bf16=bf16)
 
 
 class LlamaLM:
@@ -744,18 +776,20 @@ class LlamaLM:
         buckets: tuple[int, ...] = (),
         draft_loop_steps: int = 0,
         int8_weights: bool = False,
+        bf16_weights: bool = False,
     ) -> LlamaLM:
         """Build from a checkpoint directory and its parsed config.json; each slot holds `max_context` positions.
         `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target).
-        `int8_weights`: every projection and the head as int8 alone, no float copy (CPU; target or draft).
+        `int8_weights`, `bf16_weights`: every projection and the head as int8 / bf16 alone, no float copy (CPU).
         `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off)."""
         args = LlamaArgs.from_config(cfg)
-        weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype, int8=int8_weights)
-        if int8_decode and not int8_weights:
+        weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype, int8=int8_weights,
+                                     bf16=bf16_weights)
+        if int8_decode and not (int8_weights or bf16_weights):
             weights = with_int8_decode(weights)
         lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
                  graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
-        if weights.head.packed is not None and weights.head.q8 is None:
+        if weights.head.packed is not None and weights.head.q8 is None and not weights.head.bf16_only:
             lm.tune_decode()
         return lm
 

@@ -43,12 +43,13 @@ def random_source(cfg: dict[str, Any], seed: int, device: torch.device, dtype: t
 
 def random_lm(cfg: dict[str, Any], name: str, *, seed: int, num_slots: int, max_context: int, device: torch.device,
               dtype: torch.dtype, graph_tokens: int = 0, buckets: tuple[int, ...] = (),
-              draft_loop_steps: int = 0, int8: bool = False) -> LlamaLM:
+              draft_loop_steps: int = 0, int8: bool = False, bf16: bool = False) -> LlamaLM:
     """A lean-forward model of `cfg`'s shapes with random weights, built directly on `device` in `dtype` (graphs,
-    padding sizes and draft loops as `LlamaLM` takes them; `int8`: projections and head as int8 weights)."""
+    padding sizes and draft loops as `LlamaLM` takes them; `int8` / `bf16`: projections and head as int8 / bf16
+    weights)."""
     args = LlamaArgs.from_config(cfg)
     weights = build_llama_weights(random_source(cfg, seed, device, dtype), args, capacity=max_context, device=device,
-                                  dtype=dtype, where=f"random {name}", int8=int8)
+                                  dtype=dtype, where=f"random {name}", int8=int8, bf16=bf16)
     return LlamaLM(name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
                    graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
 
