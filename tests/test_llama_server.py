@@ -30,7 +30,7 @@ def test_plain_and_speculative_contenders_per_target_with_the_same_threads(tmp_p
     plain, spec = out[0].command(8080), out[1].command(8080)
     assert plain[0] == str(binary) and "-md" not in plain and plain[plain.index("-t") + 1] == "2"
     assert spec[spec.index("-md") + 1] == str(files["draft-f32"]) and spec[spec.index("-td") + 1] == "2"
-    assert "--spec-type" not in spec  # llama.cpp's own default draft settings
+    assert spec[spec.index("--spec-type") + 1] == "draft-simple" and "--spec-draft-n-max" not in spec  # its defaults
 
 
 @pytest.mark.parametrize(("targets", "drafts", "message"), [

@@ -1,6 +1,7 @@
 """llama.cpp's `llama-server` as a contender in `specrpc bench`: the peer a CPU user would run, on the same pair
 converted to GGUF by llama.cpp's own converter (tools/convert_gguf.py), fed the same prompt token ids, greedy, the
-same number of threads. Plain (target alone) and speculative (`-md` the draft, llama.cpp's default draft settings).
+same number of threads. Plain (target alone) and speculative (`-md` the draft with `--spec-type draft-simple`,
+llama.cpp's default draft length and thresholds).
 
 Each request is a non-streamed `/completion` with `cache_prompt` off (the whole prompt is processed, as the engine
 contenders' emptied slots do) and `ignore_eos` (all n tokens are decoded, as theirs are). Its figures come from the
@@ -50,8 +51,8 @@ class LlamaServerSpec:
                "-c", str(self.context), "-np", "1", "--no-webui"]
         if self.threads:
             cmd += ["-t", str(self.threads), "-tb", str(self.threads)]
-        if self.draft is not None:
-            cmd += ["-md", str(self.draft)]
+        if self.draft is not None:  # with -md alone this llama.cpp drafts nothing: its default type is none
+            cmd += ["-md", str(self.draft), "--spec-type", "draft-simple"]
             if self.threads:
                 cmd += ["-td", str(self.threads), "-tbd", str(self.threads)]
         return cmd
