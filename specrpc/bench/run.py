@@ -237,7 +237,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown tables."""
     lines = [f"Machine: {results['machine']}  ", f"Command: `{results['command']}`  ",
-             f"Cases: {results['cases']} ({results['workloads']}), sampling {results['params']}", ""]
+             f"Cases: {results['cases']} ({results['workload_names']}), sampling {results['params']}", ""]
     lines += ["| contender | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p99 ms | tokens/s | speed-up | "
               "acceptance / α | mean accepted len | mean k | efficiency | identical |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.dtype}"
                    + (f", {args.weights} weights" if args.weights != "dtype" else ""),
         "command": "specrpc bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "cases": len(cases), "workloads": args.workloads, "params": asdict(params),
+        "cases": len(cases), "workload_names": args.workloads, "params": asdict(params),
         "costs": {"c": engine.costs.c, "V": {k: engine.costs.v(k) for k in range(max(ks) + 1)}},
         "contenders": {},
     }
