@@ -25,6 +25,7 @@ class EngineConfig:
     draft: str = str(ASSETS / "draft")
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "dtype"
     max_sessions: int = 8
     max_context: int = 2048
     max_draft_tokens: int = 8
@@ -91,6 +92,10 @@ HELP: dict[str, str] = {
     "draft": "draft model directory sharing the target's tokenizer; 'none' runs without a draft",
     "device": "auto (cuda when available), cpu, cuda or cuda:N",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
+    "weights": "dtype (weights stored at --dtype), int8 (weight-only int8 for target and draft, like llama.cpp's "
+               "q8_0: every matrix product of both models reads int8 weights, no float copy is kept) or bf16 "
+               "(weight-only bf16, activations at --dtype); CPU only; greedy speculation still equals greedy "
+               "target-only decoding at that precision",
     "max_sessions": "KV-cache slots preallocated per model: the most sessions/streams resident at once",
     "max_context": "positions per slot (prompt + generated tokens)",
     "max_draft_tokens": "largest k, draft tokens per verify step",
@@ -213,6 +218,7 @@ def validate(config: Config) -> None:
         (e.max_sessions >= 1, "--max-sessions must be >= 1"),
         (e.max_context >= 16, "--max-context must be >= 16"),
         (0 <= e.max_draft_tokens <= 32, "--max-draft-tokens must be in 0..32"),
+        (e.weights in {"dtype", "int8", "bf16"}, "--weights must be dtype, int8 or bf16"),
         (e.speculation in {"adaptive", "fixed", "off"}, "--speculation must be adaptive, fixed or off"),
         (e.proposer in {"draft", "lookup", "combined"}, "--proposer must be draft, lookup or combined"),
         (e.prefill_chunk >= 16, "--prefill-chunk must be >= 16"),

@@ -150,6 +150,7 @@ class Engine:
         self.stall: Stall | None = None  # test hook, see Stall
         self.max_k = 0 if config.speculation == "off" else config.max_draft_tokens
         self.costs = CostModel()
+        self.calibration_rounds = 0  # measured rounds of the last `calibrate`
         self.lookup = PromptLookupProposer()
         self.drafter = DraftModelProposer(draft, config.prefill_chunk) if draft is not None else None
         # "combined": each step, prompt lookup when it finds a match worth verifying, else the draft model
@@ -180,34 +181,58 @@ class Engine:
         """Adaptive policy refined online from the shared calibration."""
         return AdaptivePolicy(max_k=self.max_k, costs=self.costs.copy())
 
-    def calibrate(self, slot: int = 0, context: int = 64, repeats: int = 5) -> CostModel:
-        """Measure target decode, verify (k+1 = 2..max_k+1) and draft decode times; this is also the warm-up."""
+    def calibrate(self, slot: int = 0, context: int = 64, repeats: int = 9, budget_s: float = 3.0,
+                  max_repeats: int = 40, settle: float = 0.01) -> CostModel:
+        """Measure one target decode step, verifying k+1 = 2..max_k+1 tokens and one draft decode step; this is also
+        the warm-up (a first, unmeasured round meets every shape).
+
+        The policy needs ratios (c, V(k)), and on a shared machine a slow spell stretches every time measured
+        during it: so each round times the width-1 step before and after its verify and draft steps and keeps
+        each step's ratio to their mean, and the costs are medians of those ratios over at least `repeats` rounds,
+        more (up to `max_repeats`, within `budget_s`) until no median ratio moves by more than `settle` from one
+        round to the next. The seconds are the median width-1 step times the median ratios."""
         ids = [(i * 7919) % min(self.target.vocab_size, 256) for i in range(context + self.max_k + 2)]
-        timings: dict[int, list[float]] = {}
-        draft_times: list[float] = []
-        for _ in range(repeats):
-            self.target.truncate(slot, 0)
-            feed(self.target, slot, ids[:context], 0, self.config.prefill_chunk)
-            for width in range(1, self.max_k + 2):
-                self.target.truncate(slot, context)
-                batch = torch.tensor(ids[context : context + width], dtype=torch.long, device=self.target.device)
-                t0 = time.perf_counter()
-                self.target.forward(batch, context, slot, num_logits=width).float().sum().item()
-                timings.setdefault(width, []).append(time.perf_counter() - t0)
+        feed(self.target, slot, ids[:context], 0, self.config.prefill_chunk)
+        if self.draft is not None:
+            feed(self.draft, slot, ids[:context], 0, self.config.prefill_chunk)
+
+        def timed(model: CausalLM, width: int) -> float:
+            model.truncate(slot, context)
+            batch = torch.tensor(ids[context : context + width], dtype=torch.long, device=model.device)  # [width]
+            t0 = time.perf_counter()
+            model.forward(batch, context, slot, num_logits=width).float().sum().item()
+            return time.perf_counter() - t0
+
+        units: list[float] = []
+        ratios: dict[str, list[float]] = {}
+        previous: dict[str, float] = {}
+        t_start = time.perf_counter()
+        for round_ in range(max_repeats + 1):
+            before = timed(self.target, 1)
+            times = {f"v{width}": timed(self.target, width) for width in range(2, self.max_k + 2)}
             if self.draft is not None:
-                self.draft.truncate(slot, 0)
-                feed(self.draft, slot, ids[:context], 0, self.config.prefill_chunk)
-                one = torch.tensor(ids[context : context + 1], dtype=torch.long, device=self.draft.device)
-                t0 = time.perf_counter()
-                self.draft.forward(one, context, slot, num_logits=1).float().sum().item()
-                draft_times.append(time.perf_counter() - t0)
+                times["draft"] = timed(self.draft, 1)
+            unit = (before + timed(self.target, 1)) / 2
+            if round_ == 0:
+                continue  # warm-up: first-time shapes
+            units.append(unit)
+            for name, seconds in times.items():
+                ratios.setdefault(name, []).append(seconds / unit)
+            medians = {name: statistics.median(values) for name, values in ratios.items()}
+            settled = all(abs(m - previous.get(name, 0.0)) <= settle * m for name, m in medians.items())
+            previous = medians
+            if round_ >= repeats and (settled or time.perf_counter() - t_start > budget_s):
+                break
         self.target.truncate(slot, 0)
         if self.draft is not None:
             self.draft.truncate(slot, 0)
-        costs = CostModel(target_step_s=statistics.median(timings[1]))
-        for width, values in timings.items():
-            costs.verify_s[width] = statistics.median(values)
-        costs.draft_step_s = statistics.median(draft_times) if draft_times else costs.target_step_s
+        step = statistics.median(units)
+        costs = CostModel(target_step_s=step)
+        costs.verify_s[1] = step
+        for width in range(2, self.max_k + 2):
+            costs.verify_s[width] = step * previous[f"v{width}"]
+        costs.draft_step_s = step * previous["draft"] if "draft" in previous else step
+        self.calibration_rounds = len(units)
         self.costs = costs
         return costs
 

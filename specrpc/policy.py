@@ -14,6 +14,8 @@ so a proposer comes back at the first good probe once the stall is gone, and sta
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -26,26 +28,40 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 @dataclass
 class CostModel:
-    """Step costs relative to one single-token target forward, as EMAs of measured times (seconds)."""
+    """Step costs relative to one single-token target forward (seconds). Online, each cost is the median of its
+    last `window` measurements (an EMA of them, from the calibrated value, until `min_window` are in): a median
+    settles where the measurements lie and one stall (a page fault, another process's burst) does not move it,
+    where an EMA keeps wandering with every sample."""
 
     target_step_s: float = 1e-3
     draft_step_s: float = 1e-4
     verify_s: dict[int, float] = field(default_factory=dict)
     decay: float = 0.9
+    window: int = 15
+    min_window: int = 5
+    _recent: dict[str, deque[float]] = field(default_factory=dict, repr=False, compare=False)
 
     def _ema(self, old: float, new: float) -> float:
         return self.decay * old + (1.0 - self.decay) * new
 
+    def _refine(self, key: str, old: float | None, seconds: float) -> float:
+        """The cost `key` after measuring `seconds`."""
+        recent = self._recent.setdefault(key, deque(maxlen=self.window))
+        recent.append(seconds)
+        if len(recent) >= self.min_window:
+            return statistics.median(recent)
+        return seconds if old is None else self._ema(old, seconds)
+
     def observe_target(self, tokens: int, seconds: float) -> None:
         """A target forward over `tokens` positions (1 = plain decode, k+1 = verify) took `seconds`."""
+        value = self._refine(f"v{tokens}", self.verify_s.get(tokens), seconds)
+        self.verify_s[tokens] = value
         if tokens == 1:
-            self.target_step_s = self._ema(self.target_step_s, seconds)
-        old = self.verify_s.get(tokens)
-        self.verify_s[tokens] = seconds if old is None else self._ema(old, seconds)
+            self.target_step_s = value
 
     def observe_draft(self, seconds_per_token: float) -> None:
         """One draft decode step took `seconds_per_token`."""
-        self.draft_step_s = self._ema(self.draft_step_s, seconds_per_token)
+        self.draft_step_s = self._refine("draft", self.draft_step_s, seconds_per_token)
 
     @property
     def c(self) -> float:
@@ -69,7 +85,9 @@ class CostModel:
 
     def copy(self) -> CostModel:
         """An independent copy (per-session refinement of the shared calibration)."""
-        return CostModel(self.target_step_s, self.draft_step_s, dict(self.verify_s), self.decay)
+        return CostModel(self.target_step_s, self.draft_step_s, dict(self.verify_s), self.decay, self.window,
+                         self.min_window, {key: deque(values, maxlen=self.window)
+                                           for key, values in self._recent.items()})
 
 
 @dataclass

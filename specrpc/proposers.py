@@ -114,10 +114,22 @@ class DraftModelProposer:
         return tokens
 
 
+@dataclass
+class NgramIndex:
+    """One slot's context as prompt lookup indexes it: `tokens` (a copy) and, per n-gram size s (list index s-1),
+    each n-gram → its most recent start i among those ending before the last token (i + s <= len(tokens) - 1)."""
+
+    tokens: list[int]
+    last: list[dict[tuple[int, ...], int]]
+
+
 class PromptLookupProposer:
     """Copy what followed the most recent earlier occurrence of the context's last n-gram (n = max_ngram..1).
 
-    Free to run and strong on code edits, repeated identifiers and quoted text; proposals are point masses.
+    Free to run and strong on code edits, repeated identifiers and quoted text; proposals are point masses. Each
+    slot's n-grams are indexed as its context grows (a step adds the n-grams of its new tokens, a dict lookup per
+    size finds the match), so a step costs the same at any context length; the index is rebuilt when the context
+    is not the indexed one extended (a new prompt, a reset slot).
     """
 
     name = "lookup"
@@ -125,6 +137,20 @@ class PromptLookupProposer:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self._index: dict[int, NgramIndex] = {}
+
+    def _indexed(self, tokens: list[int], slot: int) -> NgramIndex:
+        """`slot`'s index brought up to `tokens`."""
+        index = self._index.get(slot)
+        if index is None or len(index.tokens) > len(tokens) or tokens[: len(index.tokens)] != index.tokens:
+            index = self._index[slot] = NgramIndex([], [{} for _ in range(self.max_ngram)])
+        m, n = len(index.tokens), len(tokens)
+        for size in range(1, self.max_ngram + 1):
+            last = index.last[size - 1]
+            for i in range(max(0, m - size), n - size):  # the starts whose n-gram now ends before the last token
+                last[tuple(tokens[i : i + size])] = i
+        index.tokens.extend(tokens[m:])
+        return index
 
     def propose(
         self, tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None
@@ -132,14 +158,12 @@ class PromptLookupProposer:
         """The longest suffix n-gram with an earlier match wins; the most recent match among equals."""
         if k == 0 or len(tokens) < 2:
             return EMPTY
-        context = torch.tensor(tokens, dtype=torch.long)  # [n]
+        index = self._indexed(tokens, slot)
         n = len(tokens)
         for size in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
-            windows = context[: n - 1].unfold(0, size, 1)  # [n-size, size], excludes the suffix itself
-            hits = (windows == context[n - size :]).all(dim=1).nonzero().flatten()  # [m]
-            if hits.numel():
-                follow = int(hits[-1]) + size
-                ids = tokens[follow : follow + k]
+            start = index.last[size - 1].get(tuple(tokens[n - size :]))
+            if start is not None:
+                ids = tokens[start + size : start + size + k]
                 if ids:
                     return Proposal(ids, None, self.name)
         return EMPTY

@@ -70,8 +70,9 @@ class CheckpointInfo:
     lean: bool
 
 
-def checkpoint_info(path: str, model: CausalLM, dtype: torch.dtype) -> CheckpointInfo:
-    """Parameter count from the safetensors headers (no tensor is read), resident bytes at `dtype`."""
+def checkpoint_info(path: str, model: CausalLM, dtype: torch.dtype, weights: str = "dtype") -> CheckpointInfo:
+    """Parameter count from the safetensors headers (no tensor is read), resident bytes at `dtype` (one byte per
+    parameter with int8 `weights`, two with bf16; int8 scales and the embedding's float copy not counted)."""
     from safetensors import safe_open
 
     config = json.loads((Path(path) / "config.json").read_text())
@@ -85,7 +86,7 @@ def checkpoint_info(path: str, model: CausalLM, dtype: torch.dtype) -> Checkpoin
         architecture=str(config.get("model_type", "")),
         parameters=count,
         vocab_size=model.vocab_size,
-        weight_bytes=count * torch.tensor([], dtype=dtype).element_size(),
+        weight_bytes=count * {"int8": 1, "bf16": 2}.get(weights, torch.tensor([], dtype=dtype).element_size()),
         context_length=int(config.get("max_position_embeddings", 0)),
         lean=model.lean_forward,
     )
@@ -150,6 +151,7 @@ class Runtime:
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(ec.target)
         self.stream_decoder = StreamDecoder(self.tokenizer)
         capacity = ec.max_context + ec.max_draft_tokens + 1
+        int8, bf16 = ec.weights == "int8", ec.weights == "bf16"
         graph_tokens = ec.max_draft_tokens + 1 if ec.cuda_graphs else 0  # a verify step's width at most
         # On CUDA, no shape is met first in a request: prefill chunks and catch-ups longer than the graphs cover are
         # padded to a few sizes run at load, and a greedy draft's k steps replay one captured loop.
@@ -157,7 +159,7 @@ class Runtime:
         buckets = bucket_sizes(CHUNKS * graph_tokens + 1, ec.prefill_chunk) if graphed else ()
         self.target: CausalLM = load_model(ec.target, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
                                            max_context=capacity, lean=ec.lean, graph_tokens=graph_tokens,
-                                           buckets=buckets)
+                                           buckets=buckets, int8_weights=int8, bf16_weights=bf16)
         self.draft: CausalLM | None = None
         if ec.draft and ec.draft.lower() != "none":
             check_tokenizers_match(self.tokenizer, load_tokenizer(ec.draft), self.target.vocab_size,
@@ -165,9 +167,11 @@ class Runtime:
             self.draft = load_model(ec.draft, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
                                     max_context=capacity, lean=ec.lean, int8_decode=ec.draft_int8,
                                     graph_tokens=graph_tokens, buckets=buckets,
-                                    draft_loop_steps=ec.max_draft_tokens - 1 if graphed else 0)
-        self.target_info = checkpoint_info(ec.target, self.target, self.dtype)
-        self.draft_info = checkpoint_info(ec.draft, self.draft, self.dtype) if self.draft is not None else None
+                                    draft_loop_steps=ec.max_draft_tokens - 1 if graphed else 0, int8_weights=int8,
+                                    bf16_weights=bf16)
+        self.target_info = checkpoint_info(ec.target, self.target, self.dtype, ec.weights)
+        self.draft_info = (checkpoint_info(ec.draft, self.draft, self.dtype, ec.weights) if self.draft is not None
+                           else None)
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
         self.scheduler = Scheduler(self.engine)
@@ -214,7 +218,8 @@ class Runtime:
             raise
         self.warm = True
         log.info("warm", seconds=round(time.perf_counter() - t0, 2), target_step_ms=round(costs.target_step_s * 1e3, 3),
-                 c=round(costs.c, 3), v={k - 1: round(costs.v(k - 1), 3) for k in sorted(costs.verify_s)})
+                 c=round(costs.c, 3), v={k - 1: round(costs.v(k - 1), 3) for k in sorted(costs.verify_s)},
+                 calibration_rounds=self.engine.calibration_rounds)
 
     def _calibrate(self) -> CostModel:
         """On the device thread: measure the step costs, and seed every slot's policy from them."""

@@ -29,6 +29,7 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     for chart in ("tokens_per_s.png", "accepted_length.png", "speedup_vs_k.png"):
         assert (tmp_path / chart).stat().st_size > 0
     assert "| adaptive |" in (tmp_path / "results.md").read_text()
+    assert "llama.cpp: skipped" in results["llama_cpp"]["skipped"]  # no --llama-server: said, not run
 
 
 def test_keystroke_replay_runs_through_grpc_from_another_process(tmp_path: Path) -> None:
@@ -106,3 +107,21 @@ def test_random_checkpoint_of_a_published_shape_loads_in_transformers_and_matche
             ref = model(ids[None]).logits[0]
         assert torch.equal(loaded.forward(ids, 0, 0, num_logits=12), built.forward(ids, 0, 0, num_logits=12))
         assert (built.forward(ids, 0, 0, num_logits=12) - ref).abs().max().item() < 1e-4
+
+
+def test_random_checkpoint_can_carry_a_byte_level_tokenizer_for_gguf_converters(tmp_path: Path) -> None:
+    """`--write-checkpoint … --tokenizer`: a byte-level BPE with GPT-2's pre-tokenizer within the family's vocabulary
+    (what llama.cpp's converter needs); any text round-trips."""
+    from transformers import AutoTokenizer
+
+    from specrpc.cli import main as cli_main
+
+    assert cli_main(["bench", "realistic", "--write-checkpoint", str(tmp_path), "--model", "qwen2.5-coder-0.5b",
+                     "--scale", "32", "--tokenizer"]) == 0
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert spec["pre_tokenizer"]["type"] == "ByteLevel" and spec["model"]["type"] == "BPE" and spec["model"]["merges"]
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    text = "def f(x):\n    return x  # é ✓"
+    ids = tok(text).input_ids
+    assert tok.decode(ids) == text and max(ids) < cfg["vocab_size"] and len(tok) <= cfg["vocab_size"]

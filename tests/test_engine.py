@@ -386,3 +386,16 @@ def test_prefill_only_caches_the_prompt_and_generates_nothing(pair: tuple[Path, 
         out += gen.step().token_ids
     assert gen.stats.cached_prompt_tokens == len(prompt)
     assert out == run(engine, longer, 10, GREEDY, 0, slot=engine.new_slot(1))
+
+
+def test_calibration_measures_every_width_and_stops_once_settled(pair: tuple[Path, Path]) -> None:
+    """Every verify width and the draft get a cost; at least `repeats` measured rounds, then more only while a
+    median ratio still moves (up to `max_repeats` within the budget); the slot is left empty."""
+    engine = make_engine(pair)
+    costs = engine.calibrate(context=16, repeats=4, max_repeats=12, settle=float("inf"))
+    assert engine.calibration_rounds == 4  # anything counts as settled: the minimum
+    assert sorted(costs.verify_s) == list(range(1, engine.max_k + 2))
+    assert costs.verify_s[1] == costs.target_step_s > 0 and costs.draft_step_s > 0
+    assert engine.target.length(0) == 0 and engine.draft is not None and engine.draft.length(0) == 0
+    engine.calibrate(context=16, repeats=4, max_repeats=12, settle=-1.0, budget_s=60.0)
+    assert engine.calibration_rounds == 12  # nothing ever settles: up to the most rounds

@@ -270,6 +270,53 @@ def test_int8_decode_serves_small_products_close_to_float32(tmp_path: Path, monk
     close(logits[9:], ref[9:], atol=0.05 * max(1.0, ref.abs().max().item()))  # int8 weights: close, not equal
 
 
+def test_int8_weights_keep_no_float_copy_and_stay_close_to_float32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                    ) -> None:
+    """`int8_weights`: decode and verify sizes through the int8 kernel, a long prefill through weights dequantized
+    block by block; both close to float32, and the same token's logits whichever way it is computed."""
+    path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, int8_weights=True)
+    assert isinstance(lm, LlamaLM)
+    assert lm.weights.head.wt is None and lm.weights.head.packed is None and lm.weights.head.q8 is not None
+    kernel, dequant = llama_mod._int8_product, llama_mod._dequantized_product
+    rows: list[tuple[str, int]] = []
+    monkeypatch.setattr(llama_mod, "_int8_product", lambda x, p: rows.append(("int8", x.shape[0])) or kernel(x, p))
+    monkeypatch.setattr(llama_mod, "_dequantized_product",
+                        lambda x, p: rows.append(("dequant", x.shape[0])) or dequant(x, p))
+    monkeypatch.setattr(llama_mod, "DEQUANT_BLOCK", 7)  # several blocks even at this size
+    monkeypatch.setattr(llama_mod, "INT8_WEIGHT_ROWS", 8)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, int8_weights=True)
+    ids = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(4))
+    logits = torch.cat([lm.forward(ids[:9], 0, 0, num_logits=9), lm.forward(ids[9:10], 9, 0),
+                        lm.forward(ids[10:], 10, 0, num_logits=4)])
+    assert set(rows) == {("dequant", 9), ("int8", 1), ("int8", 4)}, "a 9-row prefill dequantizes, the rest int8"
+    ref = reference(model, ids)
+    close(logits, ref, atol=0.05 * max(1.0, ref.abs().max().item()))  # int8 weights: close, not equal
+
+
+@pytest.mark.skipif(not llama_mod.bf16_available(CPU), reason="no oneDNN bf16 on this CPU")
+def test_bf16_weights_keep_only_bf16_and_stay_close_to_float32(tmp_path: Path) -> None:
+    path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, bf16_weights=True)
+    assert isinstance(lm, LlamaLM) and lm.weights.head.bf16_only and lm.weights.head.wt is None
+    assert lm.cache.slot_k[0].dtype == F32  # activations and KV stay float32
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(2))
+    logits = torch.cat([lm.forward(ids[:7], 0, 0, num_logits=7), lm.forward(ids[7:8], 7, 0),
+                        lm.forward(ids[8:], 8, 0, num_logits=4)])
+    close(logits, reference(model, ids), atol=5e-2)
+
+
+def test_int8_weights_need_the_lean_forward_and_name_the_flag(tmp_path: Path) -> None:
+    from specrpc.config import build_config
+
+    path, _ = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    with pytest.raises(ValueError, match="--weights int8 needs the lean forward"):
+        load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, lean=False, int8_weights=True)
+    with pytest.raises(ValueError, match="--weights must be dtype, int8 or bf16"):
+        build_config(None, env={"SPECRPC_WEIGHTS": "q8_0"})
+    assert build_config(None, env={"SPECRPC_WEIGHTS": "int8"}).engine.weights == "int8"
+
+
 def test_decode_kernel_tuning_keeps_the_output(tmp_path: Path) -> None:
     path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
     lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY)

@@ -108,3 +108,26 @@ def test_realized_guard_comes_back_at_the_first_good_probe_and_stays_off_while_p
     assert policy.choose() > policy.probe_k, "back on, at the model's k"
     policy.observe_step("draft", seconds=1.0 + 5.0, tokens=3, catch_up_s=5.0)  # not a probe: counted whole
     assert policy.realized.get("draft") is not None and policy.realized["draft"].seconds > 5.0
+
+
+def test_online_costs_settle_at_the_measured_level_and_ignore_one_stall() -> None:
+    costs = CostModel(target_step_s=0.010, draft_step_s=0.002, verify_s={1: 0.010, 4: 0.014})
+    for _ in range(20):
+        costs.observe_target(4, 0.020)  # the machine got slower than at start-up
+        costs.observe_target(1, 0.015)
+        costs.observe_draft(0.003)
+    assert costs.verify_s[4] == 0.020 and costs.target_step_s == 0.015 and costs.draft_step_s == 0.003
+    costs.observe_target(4, 1.0)  # one stall
+    costs.observe_draft(0.5)
+    assert costs.verify_s[4] == 0.020 and costs.draft_step_s == 0.003
+    assert costs.v(3) == pytest.approx(0.020 / 0.015) and costs.c == pytest.approx(0.2)
+
+
+def test_first_measurements_move_the_calibrated_costs_gradually_and_copies_refine_alone() -> None:
+    costs = CostModel(target_step_s=0.010, verify_s={1: 0.010})
+    costs.observe_target(1, 0.020)
+    assert 0.010 < costs.target_step_s < 0.020  # an EMA from the calibration until a window is in
+    twin = costs.copy()
+    for _ in range(costs.window):
+        twin.observe_target(1, 0.030)
+    assert twin.target_step_s == 0.030 and costs.target_step_s < 0.020

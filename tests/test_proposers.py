@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from specrpc.config import ASSETS, EngineConfig
 from specrpc.engine import Engine, GenerationRequest
 from specrpc.models import load_model, load_tokenizer
-from specrpc.proposers import EMPTY, SuggestionProposer
+from specrpc.proposers import EMPTY, PromptLookupProposer, SuggestionProposer
 from specrpc.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="default models not trained")
@@ -136,3 +136,37 @@ def test_typing_along_the_last_completion_gets_it_back_in_two_verify_steps(text:
         within_two = sum(len(s) for s in fast[:3])  # the prefill's first token, then two verify steps
         assert within_two >= 0.8 * left_tokens, (typed_chars, within_two, left_tokens, proposed)
     assert followed >= 2
+
+
+def lookup_by_search(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
+    """Prompt lookup by brute force: the longest suffix n-gram (max_ngram..1) with an earlier occurrence ending
+    before the last token, its most recent occurrence, the k tokens after it."""
+    n = len(tokens)
+    for size in range(min(max_ngram, n - 1), 0, -1):
+        starts = [i for i in range(n - size) if tokens[i : i + size] == tokens[n - size :]]
+        if starts:
+            return tokens[starts[-1] + size : starts[-1] + size + k]
+    return []
+
+
+def test_prompt_lookup_index_proposes_what_a_search_of_the_whole_context_finds() -> None:
+    """Contexts that grow step by step, restart with a new prompt, shrink (a reset slot) and alternate between
+    slots: the incremental index always proposes what searching the whole context does."""
+    rng = torch.Generator().manual_seed(0)
+    lookup = PromptLookupProposer()
+    greedy = SamplingParams(temperature=0.0)
+    contexts: dict[int, list[int]] = {0: [], 1: []}
+    for step in range(600):
+        slot = int(torch.randint(0, 2, (1,), generator=rng))
+        tokens = contexts[slot]
+        event = int(torch.randint(0, 40, (1,), generator=rng))
+        if event == 0:  # a new prompt sharing a prefix
+            tokens = tokens[: int(torch.randint(0, len(tokens) + 1, (1,), generator=rng))]
+        elif event == 1:  # a reset slot, refilled in place
+            tokens.clear()
+        tokens = tokens + torch.randint(0, 6, (int(torch.randint(1, 4, (1,), generator=rng)),), generator=rng).tolist()
+        contexts[slot] = tokens
+        k = int(torch.randint(1, 6, (1,), generator=rng))
+        proposal = lookup.propose(tokens, slot, k, greedy, None)
+        assert proposal.token_ids == lookup_by_search(tokens, k), step
+        assert proposal is EMPTY or proposal.source == "lookup"

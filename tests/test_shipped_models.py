@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from specrpc.config import ASSETS, EngineConfig
 from specrpc.engine import Engine, GenerationRequest
 from specrpc.models import load_model, load_tokenizer
+from specrpc.models.llama import LlamaLM, bf16_available, int8_available
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.sampling import SamplingParams
 
@@ -81,3 +82,30 @@ def test_greedy_speculation_is_the_targets_greedy_output(engine: Engine) -> None
         accepted += gen.stats.accepted
         proposed += gen.stats.proposed
     assert accepted / proposed > 0.15  # the draft is trained, not random (quality figures are in the model card)
+
+
+@pytest.mark.parametrize(("weights", "k"), [("int8", None), ("int8", 3), ("int8", 8), ("bf16", None), ("bf16", 4)])
+def test_low_precision_weights_greedy_speculation_equals_target_only_at_that_precision(weights: str,
+                                                                                       k: int | None) -> None:
+    """`--weights int8` / `bf16` for target and draft: exact relative to itself (adaptive and fixed k against k = 0
+    at that precision), with no float copy of any projection left resident."""
+    cpu, f32 = torch.device("cpu"), torch.float32
+    if (weights == "int8" and not int8_available(cpu)) or (weights == "bf16" and not bf16_available(cpu)):
+        pytest.skip(f"no CPU {weights} kernel here")
+    kw = {"int8_weights": weights == "int8", "bf16_weights": weights == "bf16"}
+    target = load_model(TARGET, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9, **kw)
+    draft = load_model(DRAFT, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9, **kw)
+    for model in (target, draft):
+        assert isinstance(model, LlamaLM)
+        w = model.weights
+        for p in [w.head, *(q for layer in w.layers for q in (layer.qkv, layer.o, layer.up, layer.down))]:
+            assert p.wt is None
+            if weights == "int8":
+                assert p.packed is None and p.q8 is not None and p.q8.dtype == torch.int8
+            else:
+                assert p.bf16_only and p.packed is not None and p.q8 is None
+    engine = Engine(target, draft, EngineConfig(max_sessions=1, max_context=512))
+    tok = load_tokenizer(TARGET)
+    for text in PROMPTS[:8]:
+        prompt = tok(text).input_ids
+        assert generate(engine, prompt, 32, k) == generate(engine, prompt, 32, 0), text

@@ -7,6 +7,7 @@ bound E/(k·c + V). Tables say "measured costs, simulated acceptance": never mod
     specrpc bench realistic --pair qwen2.5-coder-7b/0.5b --out bench-realistic          # a GPU, full size
     specrpc bench realistic --quick --device cpu --out bench-realistic-cpu              # CPU, shapes / 16
     specrpc bench realistic --write-checkpoint DIR --model qwen2.5-coder-1.5b --scale 8  # a random HF checkpoint
+    specrpc bench realistic --write-checkpoint DIR --model qwen2.5-coder-1.5b --tokenizer  # + tokenizer, for GGUF
 """
 
 from __future__ import annotations
@@ -39,14 +40,16 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def build_engine(pair: str, scale: int, device: torch.device, dtype: torch.dtype, max_context: int,
-                 seed: int = 0) -> Engine:
-    """Target and draft of `pair` with random weights (one slot each), CUDA graphs for draft and verify steps."""
+                 seed: int = 0, weights: str = "dtype") -> Engine:
+    """Target and draft of `pair` with random weights (one slot each), CUDA graphs for draft and verify steps;
+    `weights` int8 / bf16: weight-only int8 / bf16 projections (CPU)."""
     target_name, draft_name = PAIRS[pair]
     capacity = max_context + 8 + 1
     cuda = device.type == "cuda"  # as the server runs there: graphs, padded eager shapes, one-replay draft loops
     kw: dict[str, Any] = {"num_slots": 1, "max_context": capacity, "device": device, "dtype": dtype,
                           "graph_tokens": 9 if cuda else 0,
-                          "buckets": bucket_sizes(CHUNKS * 9 + 1, 512) if cuda else ()}
+                          "buckets": bucket_sizes(CHUNKS * 9 + 1, 512) if cuda else (),
+                          "int8": weights == "int8", "bf16": weights == "bf16"}
     t0 = time.perf_counter()
     target = random_lm(config(target_name, scale), target_name, seed=seed, **kw)
     draft = random_lm(config(draft_name, scale), draft_name, seed=seed + 1, draft_loop_steps=7 if cuda else 0, **kw)
@@ -135,12 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="prompts per contender and α")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16")
+    parser.add_argument("--weights", default="dtype", choices=["dtype", "int8", "bf16"],
+                        help="int8 / bf16: weight-only int8 / bf16 target and draft (CPU); int8 against llama.cpp's "
+                             "q8_0")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-realistic"))
     parser.add_argument("--write-checkpoint", type=Path, metavar="DIR",
                         help="write a random-weight checkpoint of --model (at --scale) to DIR instead, and exit")
     parser.add_argument("--model", choices=sorted(CONFIGS), help="the model --write-checkpoint writes")
+    parser.add_argument("--tokenizer", action="store_true",
+                        help="with --write-checkpoint: also write a byte-level BPE tokenizer (GPT-2's pre-tokenizer, "
+                             "the family's vocabulary size), e.g. for llama.cpp's GGUF converter")
     args = parser.parse_args(argv)
     if args.quick:
         args.scale = args.scale or 16
@@ -153,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.model:
             parser.error("--write-checkpoint needs --model")
         dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-        path = write_checkpoint(config(args.model, scale), args.write_checkpoint, seed=args.seed, dtype=dtype)
-        print(f"wrote {path} ({args.model}, scale 1/{scale}, {dtype}, random weights, no tokenizer)")
+        path = write_checkpoint(config(args.model, scale), args.write_checkpoint, seed=args.seed, dtype=dtype,
+                                tokenizer=args.tokenizer)
+        made = "a byte-level BPE tokenizer" if args.tokenizer else "no tokenizer"
+        print(f"wrote {path} ({args.model}, scale 1/{scale}, {dtype}, random weights, {made})")
         return 0
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -165,12 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     pairs = args.pair or ["qwen2.5-coder-7b/0.5b", "llama-3.1-8b/3.2-1b"]
     results: dict[str, Any] = {
         "label": LABEL, "machine": f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch "
-        f"{torch.__version__}, {dtype}", "command": "specrpc bench realistic " + " ".join(argv or sys.argv[1:]),
+        f"{torch.__version__}, {dtype}" + (f", {args.weights} weights" if args.weights != "dtype" else ""),
+        "command": "specrpc bench realistic " + " ".join(argv or sys.argv[1:]),
         "scale": scale, "pairs": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     for pair in pairs:
-        engine = build_engine(pair, scale, device, dtype, args.prompt_tokens + args.new_tokens + 16, args.seed)
+        engine = build_engine(pair, scale, device, dtype, args.prompt_tokens + args.new_tokens + 16, args.seed,
+                              weights=args.weights)
         results["pairs"][pair] = run_pair(engine, alphas, ks, args.prompt_tokens, args.new_tokens, args.rounds,
                                           args.seed)
         del engine

@@ -11,6 +11,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
+from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs
 from specrpc.bench.workloads import Case, build_cases
 from specrpc.config import Config, EngineConfig, Limits, ServerConfig
 from specrpc.fim import InfillInput
@@ -235,7 +237,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown tables."""
     lines = [f"Machine: {results['machine']}  ", f"Command: `{results['command']}`  ",
-             f"Cases: {results['cases']} ({results['workloads']}), sampling {results['params']}", ""]
+             f"Cases: {results['cases']} ({results['workload_names']}), sampling {results['params']}", ""]
     lines += ["| contender | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p99 ms | tokens/s | speed-up | "
               "acceptance / α | mean accepted len | mean k | efficiency | identical |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -247,6 +249,8 @@ def markdown(results: dict[str, Any]) -> str:
                      f"{s['itl_p99_ms']:.2f} | {s['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
                      f"{s['acceptance']:.2f} / {s['alpha']:.2f} | {s['mean_accepted_length']:.2f} | "
                      f"{s['mean_k']:.1f} | {eff} | {ident} |")
+    if "llama_cpp" in results:
+        lines += ["", llama_cpp_lines(results)]
     if "grpc" in results:
         g = results["grpc"]
         lines += ["", "| through gRPC | TTFT p50 ms | ITL p50 ms | tokens/s | messages |",
@@ -285,6 +289,24 @@ def markdown(results: dict[str, Any]) -> str:
               f"{m['kv_cache_bytes'] / 2**20:.1f} MiB (computed); RSS grew {m['rss_load_delta'] / 2**20:.1f} MiB "
               "while loading both models and allocating the caches (measured)."]
     return "\n".join(lines) + "\n"
+
+
+def llama_cpp_lines(results: dict[str, Any]) -> str:
+    """The skip line, or each contender's decode tokens/s over each llama.cpp plain contender's (same prompts, same
+    run; llama.cpp's figures from its own timings)."""
+    info = results["llama_cpp"]
+    if info.get("skipped"):
+        return str(info["skipped"])
+    contenders = results["contenders"]
+    out = [f"llama.cpp: `{info['binary']}`, {info['threads']} threads; decode tokens/s from its own timings "
+           "((n - 1) / predicted_ms; its own predicted_per_second in results.json).", "",
+           "| contender | tokens/s | " + " | ".join(f"× {p}" for p in info["plain"]) + " |",
+           "| --- | --- | " + " | ".join("---" for _ in info["plain"]) + " |"]
+    for name, r in contenders.items():
+        rate = r["summary"]["tokens_per_s"]
+        ratios = [rate / b if (b := contenders[p]["summary"]["tokens_per_s"]) else 0.0 for p in info["plain"]]
+        out.append(f"| {name} | {rate:.1f} | " + " | ".join(f"{x:.2f}×" for x in ratios) + " |")
+    return "\n".join(out)
 
 
 def charts(results: dict[str, Any], accepted_lengths: list[int], out: Path) -> list[Path]:
@@ -340,9 +362,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,2,4,8")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    parser.add_argument("--weights", default="dtype", choices=["dtype", "int8", "bf16"],
+                        help="int8 / bf16: weight-only int8 / bf16 target and draft (CPU); int8 against llama.cpp's "
+                             "q8_0")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--max-new-tokens", type=int, default=0, help="override every case's length (0: keep)")
     parser.add_argument("--workloads", default="code,infill,text", help="comma-separated subset of code,infill,text")
+    peer = parser.add_argument_group("llama.cpp as a contender (specrpc/bench/llama_server.py; greedy only)")
+    peer.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary (without it, the "
+                      "llama.cpp contenders are skipped)")
+    peer.add_argument("--gguf-target", action="append", default=[], metavar="FILE",
+                      help="the target as GGUF (tools/convert_gguf.py); repeatable, e.g. f32 and q8_0: each runs plain")
+    peer.add_argument("--gguf-draft", action="append", default=[], metavar="FILE",
+                      help="the draft as GGUF, one per --gguf-target in the same order: each pair also runs "
+                           "speculative (llama.cpp's default draft settings)")
+    parser.add_argument("--starts", type=int, default=0, metavar="N",
+                        help="run only the start-to-start spread: `specrpc serve` started N times, the same prompts "
+                             "each time, median decode tokens/s of adaptive and k=0 per start (bench/starts.py)")
     keys = parser.add_argument_group("keystroke replay (specrpc/bench/keystrokes.py)")
     keys.add_argument("--keystrokes", action="store_true",
                       help="run only the keystroke replay: lines typed in held-out files, an Infill per key through "
@@ -363,11 +399,32 @@ def main(argv: list[str] | None = None) -> int:
                                      max_new_tokens=args.max_new_tokens or 16, limit=args.keystroke_chars)
         print(keystroke_table(replayed))
         return 0
+    if args.starts:
+        from specrpc.bench import starts
+
+        cases = build_cases(args.cases, workloads=tuple(w for w in args.workloads.split(",") if w))
+        if args.max_new_tokens:
+            cases = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases]
+        spread = starts.run(cases, args.starts, args.target, args.draft, args.threads, args.dtype, args.weights)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "starts.json").write_text(json.dumps(spread, indent=2))
+        (args.out / "starts.md").write_text(starts.markdown(spread))
+        print(starts.markdown(spread))
+        return 0
+    try:
+        peers = specs(args.llama_server, args.gguf_target, args.gguf_draft, args.threads or torch.get_num_threads())
+    except ValueError as exc:
+        parser.error(str(exc))
+    if peers and args.temperature != 0:
+        parser.error("the llama.cpp contenders run greedy only: use --temperature 0 or leave out --llama-server")
+    if not peers:
+        print(SKIP_LINE, file=sys.stderr, flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",") if k]
     engine_config = EngineConfig(target=args.target, draft=args.draft, max_sessions=8, max_context=1024,
-                                 max_draft_tokens=max([*ks, 8]), threads=args.threads, dtype=args.dtype)
+                                 max_draft_tokens=max([*ks, 8]), threads=args.threads, dtype=args.dtype,
+                                 weights=args.weights)
     config = Config(engine=engine_config, server=ServerConfig(port=0, log_format="console", log_level="warning"),
                     limits=Limits())
     from specrpc.logs import configure
@@ -398,21 +455,33 @@ def main(argv: list[str] | None = None) -> int:
         eos = runtime.tokenizer.eos_token_id
         contenders["hf generate"] = hf_runner(hf_target, None, eos)
         contenders["hf assisted"] = hf_runner(hf_target, hf_draft, eos)
-    for runner in contenders.values():  # warm-up
-        runner(prompt_ids(runtime, cases[0])[:32], 8, params)
-    runs = run_contenders(runtime, contenders, cases, params, args.rounds)
+    with ExitStack() as servers:
+        for spec in peers:  # started one by one; each sits idle while another contender runs
+            log = args.out / "llama-server" / (spec.name.replace(" + ", "+").replace(" ", "_") + ".log")
+            server = servers.enter_context(LlamaServer(spec, log))
+            contenders[spec.name] = server.runner()
+        for runner in contenders.values():  # warm-up
+            runner(prompt_ids(runtime, cases[0])[:32], 8, params)
+        runs = run_contenders(runtime, contenders, cases, params, args.rounds)
     base = summarize(runs["target-only"])["tokens_per_s"]
     reference = [r.tokens for r in runs["target-only"]]
     results: dict[str, Any] = {
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
-                   f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.dtype}",
+                   f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.dtype}"
+                   + (f", {args.weights} weights" if args.weights != "dtype" else ""),
         "command": "specrpc bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "cases": len(cases), "workloads": args.workloads, "params": asdict(params),
+        "cases": len(cases), "workload_names": args.workloads, "params": asdict(params),
         "costs": {"c": engine.costs.c, "V": {k: engine.costs.v(k) for k in range(max(ks) + 1)}},
         "contenders": {},
     }
+    results["llama_cpp"] = ({"binary": args.llama_server, "threads": peers[0].threads,
+                             "plain": [p.name for p in peers if p.draft is None],
+                             "commands": {p.name: " ".join(p.command(0)) for p in peers}}
+                            if peers else {"skipped": SKIP_LINE})
     for name, rs in runs.items():
         s = summarize(rs)
+        if any(r.reported_tokens_per_s for r in rs):
+            s["reported_tokens_per_s_median"] = statistics.median(r.reported_tokens_per_s for r in rs)
         entry: dict[str, Any] = {"summary": s, "speedup": s["tokens_per_s"] / base if base else 0.0}
         if params.greedy:
             entry["identical"] = sum(r.tokens == ref for r, ref in zip(rs, reference, strict=True)) / len(rs)

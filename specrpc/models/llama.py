@@ -16,6 +16,7 @@ at load. Measured on the 2-core AVX-512 dev box, one thread, summed over the fiv
 shapes of one d=384 layer + the 8192-row head: M=1: `x @ wt` 0.60 ms, F.linear 1.36, oneDNN 1.11; M=5: oneDNN 0.97,
 `x @ wt` 2.26, F.linear 2.58. Whole d=384/8-layer step: decode 6.0 ms, 5-token verify 7.2 ms (F.linear only:
 7.9 / 13.8). Elsewhere (CUDA) `wt` is the transposed view of the row-major weight, so `x @ wt` is exactly `F.linear`.
+With int8 weights (`--weights int8`, CPU) a projection keeps only `q8` and its scales (`int8_linear`).
 """
 
 from __future__ import annotations
@@ -200,6 +201,8 @@ class Linear:
     q8: torch.Tensor | None = None
     q8_scale: torch.Tensor | None = None
     packed_rows: int = 2  # products of at least this many rows take `packed` (1: decode too, see `with_packed_decode`)
+    q8_rows: int = 8  # products of at most this many rows take `q8` (INT8_MAX_ROWS; INT8_WEIGHT_ROWS: int8 weights)
+    bf16_only: bool = False  # `packed` is the bf16 weight alone, fed bf16 activations (`bf16_linear`)
 
 
 INT8_MAX_ROWS = 8
@@ -208,18 +211,41 @@ int8 26/34/74 µs for 1/2/5 rows against fp32 29/56/110, but 817 against 565 at 
 8192×256 head takes 188 µs against 447, since decoding is bound by reading weights."""
 
 
+INT8_WEIGHT_ROWS = 80
+"""With int8 weights (`int8_linear`, no float copy), products of up to this many rows go through the int8
+kernel: every decode step and every verify (k + 1 <= 33, a suggestion's 65), so that a token's logits take the same
+kernel whether it is decoded alone or verified; longer products (prefill chunks) dequantize the weight block by block
+into a float32 product, where the int8 kernel falls behind."""
+
+DEQUANT_BLOCK = 4096
+"""Output rows dequantized at once by a long product on int8 weights (bounds the float32 temporary)."""
+
+
 def int8_available(device: torch.device) -> bool:
     """Whether torch has a CPU int8 weight-only kernel (`_weight_int8pack_mm`) to serve int8 decode."""
     return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
 
 
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] → symmetric per-output-row int8 [N, K] and bf16 scales [N] (the kernel's activation type)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [N]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()  # [N, K]
+    return q, scale.to(torch.bfloat16)
+
+
 def quantize_int8(p: Linear) -> Linear:
     """`p` plus a symmetric per-output-row int8 copy of its weight (bf16 scales, the kernel's activation type)."""
     assert p.wt is not None
-    w = p.wt.t().float()  # [N, K]
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [N]
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()  # [N, K]
-    return Linear(p.wt, p.packed, p.bias, q, scale.to(torch.bfloat16))
+    q, scale = _quantize(p.wt.t())
+    return Linear(p.wt, p.packed, p.bias, q, scale)
+
+
+def int8_linear(w: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """w [N, K] as int8 alone (no float copy): `INT8_WEIGHT_ROWS` rows or fewer through the int8 kernel, more
+    dequantized per product (`_dequantized_product`)."""
+    q, scale = _quantize(w)
+    return Linear(wt=None, packed=None, bias=bias, q8=q, q8_scale=scale, q8_rows=INT8_WEIGHT_ROWS)
 
 
 def with_int8_decode(w: LlamaWeights) -> LlamaWeights:
@@ -299,10 +325,31 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def _make_linear(w: torch.Tensor, b: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> Linear:
-    """Store w [N, K] (checkpoint layout) for `_linear` on `device`."""
-    w = w.to(device=device, dtype=dtype).contiguous()
+def bf16_available(device: torch.device) -> bool:
+    """Whether oneDNN computes bf16 products on this CPU (`bf16_linear`)."""
+    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bf16_linear(w: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """w [N, K] as a oneDNN-blocked bf16 weight alone: every product, whatever its rows, rounds its activations to
+    bf16 and runs the same kernel (whose rows do not depend on each other), so a token's logits are the same
+    decoded alone or verified; the result and the bias stay in the activations' dtype."""
+    packed = _onednn_pack(w.to(torch.bfloat16).contiguous())
+    if packed is None:
+        raise ValueError("--weights bf16 needs oneDNN's bf16 products on this CPU")
+    return Linear(wt=None, packed=packed, bias=bias, bf16_only=True)
+
+
+def _make_linear(w: torch.Tensor, b: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                 int8: bool = False, bf16: bool = False) -> Linear:
+    """Store w [N, K] (checkpoint layout) for `_linear` on `device`; `int8`: as int8 alone (CPU, `int8_linear`);
+    `bf16`: as bf16 alone (CPU, `bf16_linear`)."""
     bias = None if b is None else b.to(device=device, dtype=dtype)
+    if int8:
+        return int8_linear(w.to(device=device), bias)
+    if bf16:
+        return bf16_linear(w.to(device=device), bias)
+    w = w.to(device=device, dtype=dtype).contiguous()
     if device.type != "cpu":
         return Linear(wt=w.t(), packed=None, bias=bias)
     bf16 = dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -317,10 +364,32 @@ def _int8_product(x: torch.Tensor, p: Linear) -> torch.Tensor:
     return out if p.bias is None else out.add_(p.bias)
 
 
+def _dequantized_product(x: torch.Tensor, p: Linear) -> torch.Tensor:
+    """x [M, K] W^T (+ b) on int8 weights without a float copy: W dequantized `DEQUANT_BLOCK` output rows at a
+    time into x's dtype."""
+    assert p.q8 is not None and p.q8_scale is not None
+    out = x.new_empty(x.shape[0], p.q8.shape[0])  # [M, N]
+    for n0 in range(0, p.q8.shape[0], DEQUANT_BLOCK):
+        block = p.q8[n0 : n0 + DEQUANT_BLOCK].to(x.dtype) * p.q8_scale[n0 : n0 + DEQUANT_BLOCK, None].to(x.dtype)
+        torch.mm(x, block.t(), out=out[:, n0 : n0 + block.shape[0]])
+    return out if p.bias is None else out.add_(p.bias)
+
+
+def _bf16_product(x: torch.Tensor, p: Linear) -> torch.Tensor:
+    """x [M, K] W^T (+ b) through the bf16 weight alone, back in x's dtype."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), p.packed, None, "none", [], "")
+    out = out.to(x.dtype)  # [M, N]
+    return out if p.bias is None else out.add_(p.bias)
+
+
 def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
     """x [M, K] → [M, N]."""
-    if p.q8 is not None and x.shape[0] <= INT8_MAX_ROWS:
+    if p.bf16_only:
+        return _bf16_product(x, p)
+    if p.q8 is not None and x.shape[0] <= p.q8_rows:
         return _int8_product(x, p)
+    if p.q8 is not None and p.wt is None and p.packed is None:
+        return _dequantized_product(x, p)
     if p.packed is not None and x.shape[0] >= p.packed_rows:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, p.packed, p.bias, "none", [], "")
         return out
@@ -332,8 +401,12 @@ def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
 
 def _linear_add(x: torch.Tensor, p: Linear, residual: torch.Tensor) -> torch.Tensor:
     """residual [M, N] + x [M, K] W^T (+ b), the residual add fused into the product."""
-    if p.q8 is not None and x.shape[0] <= INT8_MAX_ROWS:
+    if p.bf16_only:
+        return _bf16_product(x, p).add_(residual)
+    if p.q8 is not None and x.shape[0] <= p.q8_rows:
         return _int8_product(x, p).add_(residual)
+    if p.q8 is not None and p.wt is None and p.packed is None:
+        return _dequantized_product(x, p).add_(residual)
     if p.packed is not None and x.shape[0] >= p.packed_rows:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, p.packed, p.bias, "add")
         return out
@@ -551,9 +624,12 @@ def checkpoint_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def build_llama_weights(
-    get: TensorSource, args: LlamaArgs, *, capacity: int, device: torch.device, dtype: torch.dtype, where: str
+    get: TensorSource, args: LlamaArgs, *, capacity: int, device: torch.device, dtype: torch.dtype, where: str,
+    int8: bool = False, bf16: bool = False,
 ) -> LlamaWeights:
-    """Fuse and lay out the weights `get` returns (`where` names their origin in errors)."""
+    """Fuse and lay out the weights `get` returns (`where` names their origin in errors); `int8`: every projection
+    and the head as int8 alone (`int8_linear`; CPU), the rest (embedding, norms, KV cache) at `dtype`; `bf16`: the
+    same as bf16 alone (`bf16_linear`)."""
 
     def need(name: str) -> torch.Tensor:
         t = get(name)
@@ -567,7 +643,7 @@ def build_llama_weights(
         bias = None
         if any(b is not None for b in bs):
             bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b.to(w) for w, b in zip(ws, bs, strict=True)])
-        return _make_linear(torch.cat(ws) if len(ws) > 1 else ws[0], bias, device, dtype)
+        return _make_linear(torch.cat(ws) if len(ws) > 1 else ws[0], bias, device, dtype, int8, bf16)
 
     def vec(name: str) -> torch.Tensor:
         return need(name).to(device=device, dtype=dtype)
@@ -607,7 +683,7 @@ def build_llama_weights(
         embed=embed.to(device=device, dtype=dtype),
         layers=layers,
         norm=norm("model.norm"),
-        head=_make_linear(head, None, device, dtype),
+        head=_make_linear(head, None, device, dtype, int8, bf16),
         cos=cos,
         sin=sin,
         positions=torch.arange(capacity, device=device),
@@ -616,12 +692,14 @@ def build_llama_weights(
 
 
 def load_llama_weights(
-    path: Path, args: LlamaArgs, *, capacity: int, device: torch.device, dtype: torch.dtype
+    path: Path, args: LlamaArgs, *, capacity: int, device: torch.device, dtype: torch.dtype, int8: bool = False,
+    bf16: bool = False,
 ) -> LlamaWeights:
-    """Read, fuse and lay out the weights of a Llama-family checkpoint directory."""
+    """Read, fuse and lay out the weights of a Llama-family checkpoint directory (`int8`: see
+    `build_llama_weights`)."""
     with ExitStack() as stack:
         return build_llama_weights(_tensor_reader(path, stack), args, capacity=capacity, device=device, dtype=dtype,
-                                   where=str(path))
+                                   where=str(path), int8=int8, bf16=bf16)
 
 
 class LlamaLM:
@@ -697,17 +775,21 @@ class LlamaLM:
         graph_tokens: int = 0,
         buckets: tuple[int, ...] = (),
         draft_loop_steps: int = 0,
+        int8_weights: bool = False,
+        bf16_weights: bool = False,
     ) -> LlamaLM:
         """Build from a checkpoint directory and its parsed config.json; each slot holds `max_context` positions.
         `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target).
+        `int8_weights`, `bf16_weights`: every projection and the head as int8 / bf16 alone, no float copy (CPU).
         `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off)."""
         args = LlamaArgs.from_config(cfg)
-        weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype)
-        if int8_decode:
+        weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype, int8=int8_weights,
+                                     bf16=bf16_weights)
+        if int8_decode and not (int8_weights or bf16_weights):
             weights = with_int8_decode(weights)
         lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
                  graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
-        if weights.head.packed is not None and weights.head.q8 is None:
+        if weights.head.packed is not None and weights.head.q8 is None and not weights.head.bf16_only:
             lm.tune_decode()
         return lm
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from specrpc.models.hf_fallback import HFCausalLM
-from specrpc.models.llama import LEAN_MODEL_TYPES, LlamaLM, UnsupportedModelError, int8_available
+from specrpc.models.llama import LEAN_MODEL_TYPES, LlamaLM, UnsupportedModelError, bf16_available, int8_available
 
 if TYPE_CHECKING:
     from specrpc.models import CausalLM
@@ -31,6 +31,8 @@ def load_model(
     graph_tokens: int = 0,
     buckets: tuple[int, ...] = (),
     draft_loop_steps: int = 0,
+    int8_weights: bool = False,
+    bf16_weights: bool = False,
 ) -> CausalLM:
     """Load `path` with `num_slots` KV slots of `max_context` positions each (include the verify reserve:
     max_context + k_max + 1). Llama / Mistral / Qwen2 / Qwen3 / StarCoder2 take the lean forward unless `lean` is
@@ -39,15 +41,28 @@ def load_model(
     slightly; for drafts.
     `graph_tokens` (lean path on CUDA only): forwards of up to that many tokens replay CUDA graphs; `buckets` (lean
     path): eager forwards are padded to these token counts, each met once at load; `draft_loop_steps` (lean path on
-    CUDA only): greedy draft loops of up to that many forwards replay one graph."""
+    CUDA only): greedy draft loops of up to that many forwards replay one graph. `int8_weights` (lean path on a CPU
+    with torch's int8 kernel, ValueError elsewhere): every projection and the head stored as int8 alone, weight-only
+    (outputs change slightly; greedy speculation still equals greedy target-only decoding at int8). `bf16_weights`
+    (lean path on a CPU whose oneDNN computes bf16): the same with bf16 weights, activations kept at `dtype`."""
     path = Path(path)
+    if int8_weights and not (lean and int8_available(device)):
+        raise ValueError(f"--weights int8 needs the lean forward on a CPU whose torch has the int8 kernel "
+                         f"(device {device}, lean {lean}); use --weights dtype")
+    if bf16_weights and not (lean and bf16_available(device)):
+        raise ValueError(f"--weights bf16 needs the lean forward on a CPU whose oneDNN computes bf16 "
+                         f"(device {device}, lean {lean}); use --weights dtype")
     cfg = json.loads((path / "config.json").read_text())
     if lean and cfg.get("model_type") in LEAN_MODEL_TYPES:
         try:
             return LlamaLM.load(path, cfg, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
                                 int8_decode=int8_decode and int8_available(device), graph_tokens=graph_tokens,
-                                buckets=buckets, draft_loop_steps=draft_loop_steps)
+                                buckets=buckets, draft_loop_steps=draft_loop_steps, int8_weights=int8_weights,
+                                bf16_weights=bf16_weights)
         except UnsupportedModelError as e:
+            if int8_weights or bf16_weights:
+                raise ValueError(f"{path.name}: --weights int8 / bf16 needs the lean forward, which this model can't "
+                                 f"take ({e})") from e
             log.warning("%s: lean forward unavailable (%s); using transformers", path.name, e)
     return HFCausalLM.load(path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context)
 

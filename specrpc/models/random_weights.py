@@ -43,12 +43,13 @@ def random_source(cfg: dict[str, Any], seed: int, device: torch.device, dtype: t
 
 def random_lm(cfg: dict[str, Any], name: str, *, seed: int, num_slots: int, max_context: int, device: torch.device,
               dtype: torch.dtype, graph_tokens: int = 0, buckets: tuple[int, ...] = (),
-              draft_loop_steps: int = 0) -> LlamaLM:
+              draft_loop_steps: int = 0, int8: bool = False, bf16: bool = False) -> LlamaLM:
     """A lean-forward model of `cfg`'s shapes with random weights, built directly on `device` in `dtype` (graphs,
-    padding sizes and draft loops as `LlamaLM` takes them)."""
+    padding sizes and draft loops as `LlamaLM` takes them; `int8` / `bf16`: projections and head as int8 / bf16
+    weights)."""
     args = LlamaArgs.from_config(cfg)
     weights = build_llama_weights(random_source(cfg, seed, device, dtype), args, capacity=max_context, device=device,
-                                  dtype=dtype, where=f"random {name}")
+                                  dtype=dtype, where=f"random {name}", int8=int8, bf16=bf16)
     return LlamaLM(name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
                    graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
 
@@ -58,8 +59,10 @@ def checkpoint_bytes(cfg: dict[str, Any], dtype: torch.dtype) -> int:
     return sum(math.prod(s) for s in checkpoint_shapes(cfg).values()) * torch.tensor([], dtype=dtype).element_size()
 
 
-def write_checkpoint(cfg: dict[str, Any], path: Path, *, seed: int, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """config.json + model.safetensors with random weights (transformers loads it; tokenizer files are not made)."""
+def write_checkpoint(cfg: dict[str, Any], path: Path, *, seed: int, dtype: torch.dtype = torch.bfloat16,
+                     tokenizer: bool = False) -> Path:
+    """config.json + model.safetensors with random weights (transformers loads it); with `tokenizer`, also a
+    byte-level BPE tokenizer (`write_byte_tokenizer`), so that converters that need one (llama.cpp's) take it."""
     from safetensors.torch import save_file
 
     size = checkpoint_bytes(cfg, dtype)
@@ -72,4 +75,36 @@ def write_checkpoint(cfg: dict[str, Any], path: Path, *, seed: int, dtype: torch
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     torch_dtype = str(dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps({**cfg, "torch_dtype": torch_dtype}, indent=2) + "\n")
+    if tokenizer:
+        write_byte_tokenizer(path, int(cfg["vocab_size"]))
     return path
+
+
+BYTE_TOKENIZER_MERGES = 256
+"""Merges of the tokenizer `write_byte_tokenizer` makes (at most; fewer when the vocabulary is smaller)."""
+
+
+def write_byte_tokenizer(path: Path, vocab_size: int) -> None:
+    """tokenizer.json + tokenizer_config.json of a byte-level BPE with GPT-2's pre-tokenizer, within `vocab_size`
+    ids: `<|endoftext|>` (id 0), the 256 byte symbols, then merges of pairs of common letters. The ids past these
+    are embedding rows no text maps to; random weights make every token meaningless anyway."""
+    from itertools import product
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte symbols
+    vocab = {"<|endoftext|>": 0, **{ch: i + 1 for i, ch in enumerate(alphabet)}}
+    if len(vocab) > vocab_size:
+        raise ValueError(f"a byte-level tokenizer needs {len(vocab)} ids, the model has {vocab_size}")
+    merges: list[tuple[str, str]] = []
+    for a, b in product("etaoinsrhl", "etaoinsrhlcdu"):
+        if len(vocab) >= vocab_size or len(merges) >= BYTE_TOKENIZER_MERGES:
+            break
+        merges.append((a, b))
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",  # type: ignore[no-untyped-call]
+                            pad_token="<|endoftext|>").save_pretrained(str(path))

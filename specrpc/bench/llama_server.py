@@ -1,0 +1,169 @@
+"""llama.cpp's `llama-server` as a contender in `specrpc bench`: the peer a CPU user would run, on the same pair
+converted to GGUF by llama.cpp's own converter (tools/convert_gguf.py), fed the same prompt token ids, greedy, the
+same number of threads. Plain (target alone) and speculative (`-md` the draft with `--spec-type draft-simple`,
+llama.cpp's default draft length and thresholds).
+
+Each request is a non-streamed `/completion` with `cache_prompt` off (the whole prompt is processed, as the engine
+contenders' emptied slots do) and `ignore_eos` (all n tokens are decoded, as theirs are). Its figures come from the
+server's own `timings`: the first token at `prompt_ms`, the rest over `predicted_ms`, so the decode rate
+(n - 1) / predicted_ms is measured the way the engine contenders' is (llama.cpp's `predicted_per_second` counts the
+first token too, which its prompt pass produced; it is kept in the run as reported).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specrpc.bench.contenders import Run, Runner
+from specrpc.sampling import SamplingParams
+
+SKIP_LINE = ("llama.cpp: skipped (no --llama-server binary given; build llama.cpp's llama-server and convert the "
+             "pair with tools/convert_gguf.py, see docs/benchmarks.md)")
+
+
+@dataclass(frozen=True)
+class LlamaServerSpec:
+    """One llama-server contender: a target GGUF and optionally a draft GGUF (speculative)."""
+
+    binary: Path
+    target: Path
+    draft: Path | None
+    threads: int
+    context: int = 2048
+
+    @property
+    def name(self) -> str:
+        """Contender name, e.g. `llama.cpp target-f32` or `llama.cpp target-f32 + draft-f32`."""
+        plain = f"llama.cpp {self.target.stem}"
+        return plain if self.draft is None else f"{plain} + {self.draft.stem}"
+
+    def command(self, port: int) -> list[str]:
+        """The command line: loopback, one slot, no web UI, `threads` for prompt and decode, target and draft."""
+        cmd = [str(self.binary), "-m", str(self.target), "--host", "127.0.0.1", "--port", str(port),
+               "-c", str(self.context), "-np", "1", "--no-webui"]
+        if self.threads:
+            cmd += ["-t", str(self.threads), "-tb", str(self.threads)]
+        if self.draft is not None:  # with -md alone this llama.cpp drafts nothing: its default type is none
+            cmd += ["-md", str(self.draft), "--spec-type", "draft-simple"]
+            if self.threads:
+                cmd += ["-td", str(self.threads), "-tbd", str(self.threads)]
+        return cmd
+
+
+def specs(binary: str | None, targets: list[str], drafts: list[str], threads: int) -> list[LlamaServerSpec]:
+    """Per target GGUF: a plain contender, and a speculative one with the draft GGUF at the same position (when
+    given). Empty without a binary; ValueError naming the flag when a file is missing or counts disagree."""
+    if not binary:
+        return []
+    path = Path(binary)
+    if not path.is_file():
+        raise ValueError(f"--llama-server {binary}: no such file (give the llama-server binary)")
+    if not targets:
+        raise ValueError("--llama-server needs at least one --gguf-target")
+    if drafts and len(drafts) != len(targets):
+        raise ValueError(f"--gguf-draft given {len(drafts)} times for {len(targets)} --gguf-target: one per target, "
+                         "in the same order")
+    for flag, f in [*(("--gguf-target", t) for t in targets), *(("--gguf-draft", d) for d in drafts)]:
+        if not Path(f).is_file():
+            raise ValueError(f"{flag} {f}: no such file")
+    out: list[LlamaServerSpec] = []
+    for i, target in enumerate(targets):
+        out.append(LlamaServerSpec(path, Path(target), None, threads))
+        if drafts:
+            out.append(LlamaServerSpec(path, Path(target), Path(drafts[i]), threads))
+    return out
+
+
+def free_port() -> int:
+    """A currently free loopback TCP port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LlamaServer:
+    """A running llama-server process (a context manager: started on enter, terminated on exit)."""
+
+    def __init__(self, spec: LlamaServerSpec, log_path: Path) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> LlamaServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.spec.command(self.port), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def _wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until /health answers 200 (the models are loaded)."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.spec.name}: llama-server exited with {self.process.returncode} "
+                                   f"(see {self.log_path})")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"{self.spec.name}: llama-server not ready after {timeout_s:.0f} s (see {self.log_path})")
+
+    def complete(self, prompt: list[int], n: int) -> dict[str, Any]:
+        """One greedy, non-streamed /completion of `n` tokens after the token ids `prompt`."""
+        body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False,
+                "return_tokens": True, "stream": False}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            result: dict[str, Any] = json.loads(reply.read())
+        return result
+
+    def runner(self) -> Runner:
+        """A bench Runner (greedy only: llama-server's sampling differs from ours, so only greedy compares)."""
+
+        def run(prompt: list[int], n: int, params: SamplingParams) -> Run:
+            if not params.greedy:
+                raise ValueError("the llama.cpp contenders run greedy only (--temperature 0)")
+            return to_run(self.complete(prompt, n))
+
+        return run
+
+
+def to_run(reply: dict[str, Any]) -> Run:
+    """A /completion reply as a Run: the first token at prompt_ms, the last at prompt_ms + predicted_ms (the
+    server's own clock), draft counts when it speculated."""
+    t = reply["timings"]
+    tokens = [int(i) for i in reply.get("tokens", [])]
+    ttft = float(t["prompt_ms"]) / 1e3
+    total = ttft + float(t["predicted_ms"]) / 1e3
+    rest = max(0, len(tokens) - 1)
+    proposed, accepted = int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0))
+    return Run(tokens, ttft, total, [ttft, total] if rest else [ttft], [1, rest] if rest else [1], proposed, accepted,
+               server_ttft_s=ttft, reported_tokens_per_s=float(t.get("predicted_per_second", 0.0)))
