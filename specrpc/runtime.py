@@ -219,6 +219,8 @@ class Runtime:
     def _calibrate(self) -> CostModel:
         """On the device thread: measure the step costs, and seed every slot's policy from them."""
         costs = self.engine.calibrate()
+        if self.scheduler.batching:
+            self.engine.calibrate_batches([slot.index for slot in self.registry.slots])
         for slot in self.registry.slots:
             slot.policy = self.engine.new_policy()
         return costs

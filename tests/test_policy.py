@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specrpc.policy import AcceptanceEstimate, AdaptivePolicy, CostModel, expected_tokens
+from specrpc.policy import AcceptanceEstimate, AdaptivePolicy, BatchCosts, BatchLoad, CostModel, expected_tokens
 
 
 def costs(c: float, v_per_token: float, max_k: int = 8) -> CostModel:
@@ -108,3 +108,46 @@ def test_realized_guard_comes_back_at_the_first_good_probe_and_stays_off_while_p
     assert policy.choose() > policy.probe_k, "back on, at the model's k"
     policy.observe_step("draft", seconds=1.0 + 5.0, tokens=3, catch_up_s=5.0)  # not a probe: counted whole
     assert policy.realized.get("draft") is not None and policy.realized["draft"].seconds > 5.0
+
+
+def batch_costs(fixed_s: float, per_token_s: float, draft_s: float = 0.05) -> BatchCosts:
+    """A batched target forward of n tokens takes fixed + n · per_token seconds (measured at a few sizes)."""
+    return BatchCosts(target_s={n: fixed_s + per_token_s * n for n in (1, 2, 4, 8, 16, 36, 72, 144)},
+                      draft_s={w: draft_s * (1 + 0.1 * w) for w in (1, 2, 4, 8, 16)})
+
+
+def test_batch_costs_interpolate_and_never_fall() -> None:
+    table = BatchCosts(target_s={2: 2.0, 4: 3.0, 8: 2.9})
+    assert table.target(3) == pytest.approx(2.5) and table.target(1) == pytest.approx(2.0)
+    assert table.target(16) == pytest.approx(2.9)  # noisy last points falling: extended flat, not downwards
+    assert BatchCosts().target(4) > 0 and BatchCosts(target_s={1: 0.0}).target(1) > 0
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4, 8, 16])
+def test_batched_k_shrinks_with_the_batch_and_turns_off(streams: int) -> None:
+    """A device where a forward costs about its tokens beyond a fixed part (a CPU): alone, the stream speculates as
+    its solo policy would; in a batch its k is chosen for the batch's throughput, smaller as the batch grows, and
+    0 once each extra token costs more than the tokens it is expected to add."""
+    policy = AdaptivePolicy(max_k=8, costs=costs(c=0.05, v_per_token=0.1),
+                            acceptance={"draft": AcceptanceEstimate(accepted=80, trials=100)})
+    table = batch_costs(fixed_s=1.0, per_token_s=0.1)
+    others = streams - 1
+    load = BatchLoad(table, tokens=others, committed=float(others), drafting=0)
+    ks = [policy.choose(batch=load) for _ in range(3)]
+    assert len(set(ks)) == 1
+    k = ks[0]
+    if streams == 1:
+        assert k >= 3
+    else:
+        fewer = BatchLoad(table, tokens=others // 2, committed=float(others // 2), drafting=0)
+        assert k <= policy.choose(batch=fewer)
+    if streams == 16:
+        assert k == 0
+
+
+def test_a_flat_batch_cost_keeps_speculating_in_a_batch() -> None:
+    """A device whose forward costs the same for any width (a GPU far from compute-bound): k stays deep."""
+    policy = AdaptivePolicy(max_k=8, costs=costs(c=0.05, v_per_token=0.0),
+                            acceptance={"draft": AcceptanceEstimate(accepted=90, trials=100)})
+    load = BatchLoad(batch_costs(fixed_s=1.0, per_token_s=0.0, draft_s=0.01), tokens=15, committed=15.0, drafting=3)
+    assert policy.choose(batch=load) >= 4
