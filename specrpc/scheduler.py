@@ -240,7 +240,10 @@ class Scheduler:
         if not ready:
             return
         t0 = time.perf_counter()
-        results = self.engine.step_many([job.generation for job in ready if job.generation is not None])
+        try:
+            results = self.engine.step_many([job.generation for job in ready if job.generation is not None])
+        except Exception as exc:  # outside any one stream's share: every stream of the step fails, the thread goes on
+            results = [exc] * len(ready)
         seconds = time.perf_counter() - t0
         for job, result in zip(ready, results, strict=True):
             if job.done_posted:

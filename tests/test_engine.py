@@ -19,7 +19,7 @@ from specrpc.config import ASSETS, EngineConfig
 from specrpc.engine import Engine, GenerationRequest, Slot, Stall, TokenLogprob
 from specrpc.models import load_model, load_tokenizer
 from specrpc.models.llama import LlamaLM
-from specrpc.policy import CostModel
+from specrpc.policy import BatchCosts, CostModel
 from specrpc.proposers import Proposal
 from specrpc.sampling import SamplingParams, logits_to_probs
 
@@ -473,3 +473,23 @@ def test_prefill_only_caches_the_prompt_and_generates_nothing(pair: tuple[Path, 
         out += gen.step().token_ids
     assert gen.stats.cached_prompt_tokens == len(prompt)
     assert out == run(engine, longer, 10, GREEDY, 0, slot=engine.new_slot(1))
+
+
+@pytest.mark.parametrize("per_token_s", [0.0, 1e-2])
+def test_batched_adaptive_k_follows_the_cost_of_the_batch(pair: tuple[Path, Path], per_token_s: float) -> None:
+    """Four adaptive streams in one step: where a batch costs the same whatever its tokens (a GPU far from
+    compute-bound), they draft; where each token costs a plain step's worth (compute-bound), none does, and
+    the output is the same."""
+    engine = make_engine(pair, slots=4)
+    fixed = 1e-2
+    engine.batch_costs = BatchCosts(target_s={n: fixed + per_token_s * n for n in (1, 4, 8, 16, 36)},
+                                    draft_s={w: 1e-4 for w in (1, 2, 4)}, decay=1.0)  # decay 1: measurements ignored
+    requests = [GenerationRequest([i, 2, 3, 1], 16, GREEDY, None, "draft") for i in range(4)]
+    out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    proposed = 0
+    while not all(g.finished for g in gens):
+        live = [g for g in gens if not g.finished]
+        proposed += sum(r.proposed for r in engine.step_many(live) if not isinstance(r, Exception))
+    assert (proposed > 0) == (per_token_s == 0.0)
+    assert out == [run(engine, r.prompt_ids, 16, GREEDY, 0) for r in requests]
