@@ -447,32 +447,87 @@ def llama_forward(
                     slice(last - num_logits, last))
 
 
-def llama_forward_batch(
-    w: LlamaWeights, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], rows: list[BatchRow]
-) -> list[torch.Tensor]:
-    """Several slots in one forward, each row with its own tokens at its own positions (ragged): the rows' tokens
-    are concatenated [N] for every matrix product, and split for attention, where each row attends to its own
-    slot's cache up to its position. k_cache, v_cache: per slot [L, H_kv, C, D]. → per row float32 logits
-    [num_logits, V], as `llama_forward` of that row alone computes them (up to the rounding of a product over more
-    rows)."""
-    bounds: list[tuple[int, int]] = []  # each row's token range in the concatenation
-    at = 0
-    for row in rows:
-        bounds.append((at, at + row.ids.shape[0]))
-        at += row.ids.shape[0]
-    per_row = [_slot_attention(w, k_cache[r.slot], v_cache[r.slot], r.start, r.start + r.ids.shape[0]) for r in rows]
+def _rows_attention(w: LlamaWeights, k_all: torch.Tensor, v_all: torch.Tensor, rows: list[BatchRow]) -> Attention:
+    """Attention of several rows of T tokens each (decode steps, verify steps of one k) as one SDPA per layer, not
+    one per row: the queries go in a [slots, hkv, rep·T, D] batch over the slots from the lowest to the highest of
+    theirs, the keys are the cache itself ([L, S, H_kv, C, D], a strided view, no copy) up to the furthest row's
+    last position, each row masked to its own positions (a slot in the range with no row attends to its key 0, and
+    is dropped)."""
+    a = w.args
+    hkv, rep, dh = a.kv_heads, a.heads // a.kv_heads, a.head_dim
+    count, tokens = len(rows), rows[0].ids.shape[0]
+    slots = [r.slot for r in rows]
+    low = min(slots)
+    width = max(slots) + 1 - low
+    device = k_all.device
+    at = torch.tensor([s - low for s in slots], device=device)  # [n]: each row's place in the batch
+    steps = w.positions[:tokens]  # [T]
+    pos = torch.tensor([r.start for r in rows], device=device)[:, None] + steps  # [n, T]
+    slot_ids = (at + low)[:, None].expand(count, tokens)  # [n, T]
+    span = max(r.start for r in rows) + tokens
+    q_pos = torch.zeros(width, tokens, dtype=torch.long, device=device).index_copy_(0, at, pos)  # [B, T]
+    q_pos = q_pos.repeat(1, rep)[:, :, None]  # [B, rep·T, 1], rows ordered (rep, t)
+    k_pos = w.positions[:span]  # [S]
+    masks: dict[int | None, torch.Tensor] = {}
+    for window in {layer.window for layer in w.layers}:
+        mask = k_pos <= q_pos  # [B, rep·T, S]
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        masks[window] = mask[:, None]  # [B, 1, rep·T, S]
 
     def attention(i: int, window: int | None, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
                   ) -> torch.Tensor:
-        return torch.cat([row_attention(i, window, q[lo:hi], k_new[:, lo:hi], v_new[:, lo:hi])
-                          for row_attention, (lo, hi) in zip(per_row, bounds, strict=True)])  # [N, hq·D]
+        k_all[i, slot_ids, :, pos] = k_new.reshape(hkv, count, tokens, dh).permute(1, 2, 0, 3)  # [n, T, hkv, D]
+        v_all[i, slot_ids, :, pos] = v_new.reshape(hkv, count, tokens, dh).permute(1, 2, 0, 3)
+        q = q.reshape(count, tokens, hkv, rep, dh).permute(0, 2, 3, 1, 4).reshape(count, hkv, rep * tokens, dh)
+        grouped = q.new_zeros(width, hkv, rep * tokens, dh).index_copy_(0, at, q)  # [B, hkv, rep·T, D]
+        o = F.scaled_dot_product_attention(grouped, k_all[i, low : low + width, :, :span],
+                                           v_all[i, low : low + width, :, :span], attn_mask=masks[window])
+        o = o[at].view(count, hkv, rep, tokens, dh).permute(0, 3, 1, 2, 4)  # [n, T, hkv, rep, D]
+        return o.reshape(count * tokens, a.heads * dh)  # [n·T, hq·D]
+
+    return attention
+
+
+def llama_forward_batch(
+    w: LlamaWeights, k_all: torch.Tensor, v_all: torch.Tensor, rows: list[BatchRow]
+) -> list[torch.Tensor]:
+    """Several slots in one forward, each row with its own tokens at its own positions (ragged): the rows' tokens
+    are concatenated [N] for every matrix product, and split for attention, where each row attends to its own
+    slot's cache up to its position (rows of equal length together, `_rows_attention`; a row of a length no other
+    row has, alone). k_all, v_all: the whole cache [L, S, H_kv, C, D]. → per row float32 logits [num_logits, V], as
+    `llama_forward` of that row alone computes them (up to the rounding of a product over more rows)."""
+    order = sorted(range(len(rows)), key=lambda j: rows[j].ids.shape[0])  # rows of one length side by side
+    rows = [rows[j] for j in order]
+    lengths = [r.ids.shape[0] for r in rows]
+    groups: list[tuple[int, int, Attention]] = []  # token range in the concatenation, and its attention
+    end = 0
+    for length, members in itertools.groupby(rows, key=lambda r: r.ids.shape[0]):
+        same = list(members)
+        if len(same) > 1:
+            groups.append((end, end + length * len(same), _rows_attention(w, k_all, v_all, same)))
+        else:
+            r = same[0]
+            groups.append((end, end + length, _slot_attention(w, k_all[:, r.slot], v_all[:, r.slot], r.start,
+                                                              r.start + length)))
+        end += length * len(same)
+
+    def attention(i: int, window: int | None, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+                  ) -> torch.Tensor:
+        parts = [part(i, window, q[lo:hi], k_new[:, lo:hi], v_new[:, lo:hi]) for lo, hi, part in groups]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, hq·D]
 
     ids = torch.cat([r.ids for r in rows])  # [N]
     positions = torch.cat([w.positions[r.start : r.start + r.ids.shape[0]] for r in rows])  # [N]
-    picks = torch.cat([w.positions[hi - r.num_logits : hi] for r, (_, hi) in zip(rows, bounds, strict=True)])  # [R]
+    ends = list(itertools.accumulate(lengths))
+    picks = torch.cat([w.positions[e - r.num_logits : e] for r, e in zip(rows, ends, strict=True)])  # [R]
     logits = _decoder(w, ids, w.cos[positions], w.sin[positions], attention, picks)  # [R, V]
     sizes = [r.num_logits for r in rows]
-    return [logits[at - n : at] for n, at in zip(sizes, itertools.accumulate(sizes), strict=True)]
+    out = [logits[e - n : e] for n, e in zip(sizes, itertools.accumulate(sizes), strict=True)]
+    result: list[torch.Tensor] = [out[0]] * len(out)
+    for place, j in enumerate(order):
+        result[j] = out[place]
+    return result
 
 
 def llama_forward_static(
@@ -811,7 +866,7 @@ class LlamaLM:
         for r in rows:
             self.cache.begin_write(r.slot, r.start, r.ids.shape[0])
         with torch.inference_mode():
-            logits = llama_forward_batch(self.weights, self.cache.slot_k, self.cache.slot_v, rows)
+            logits = llama_forward_batch(self.weights, self.cache.k, self.cache.v, rows)
         for r in rows:
             self.cache.commit(r.slot, r.start + r.ids.shape[0])
         return logits
