@@ -17,7 +17,7 @@ import torch
 
 from specrpc.config import EngineConfig
 from specrpc.models import BatchRow, CausalLM
-from specrpc.policy import AdaptivePolicy, BatchCosts, BatchLoad, CostModel
+from specrpc.policy import AdaptivePolicy, BatchCosts, BatchGuard, BatchLoad, CostModel
 from specrpc.proposers import EMPTY, DraftModelProposer, DraftRequest, PromptLookupProposer, Proposal, Proposer, feed
 from specrpc.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specrpc.verify import VerifyResult, verify
@@ -151,6 +151,7 @@ class Engine:
         self.max_k = 0 if config.speculation == "off" else config.max_draft_tokens
         self.costs = CostModel()
         self.batch_costs = BatchCosts()  # batched steps' costs by total tokens, shared by every stream
+        self.batch_guard = BatchGuard()  # whether speculating pays in fact, per batch width
         self.lookup = PromptLookupProposer()
         self.drafter = DraftModelProposer(draft, config.prefill_chunk) if draft is not None else None
         # "combined": each step, prompt lookup when it finds a match worth verifying, else the draft model
@@ -264,6 +265,7 @@ class Engine:
                 return [gens[0].step()]
             except Exception as exc:  # the caller's to report, as for a batch
                 return [exc]
+        step_t0 = time.perf_counter()
         results: dict[int, StepResult | Exception] = {}
         live: list[int] = []
         for i, gen in enumerate(gens):
@@ -281,7 +283,8 @@ class Engine:
         share = max(16, self.config.prefill_chunk // max(1, len(prefilling)))
         for i in prefilling:
             rows[i] = gens[i]._prefill_row(share)
-        proposals = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results)
+        speculate = len(decoding) < 2 or self.batch_guard.allow(len(decoding))
+        proposals = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results, speculate)
         if self.stall is not None and any(len(p) for p in proposals.values()):
             time.sleep(self.stall.draft_s)
         for i, proposal in proposals.items():
@@ -305,19 +308,25 @@ class Engine:
                                   else gen._prefill_done(logits, rows[i]))
                 except Exception as exc:
                     results[i] = exc
+        if not prefilling and len(decoding) > 1 and all(isinstance(results[i], StepResult) for i in decoding):
+            committed = sum(len(r.token_ids) for r in results.values() if isinstance(r, StepResult))
+            policy_drafted = any(len(p) and gens[i].fixed_k is None and p.source != "suggestion"
+                                 for i, p in proposals.items())  # what the guard decides on; the rest is given
+            self.batch_guard.observe(len(decoding), policy_drafted, time.perf_counter() - step_t0, committed)
         return [results[i] for i in range(len(gens))]
 
     def _plan_batch(self, gens: list[Generation], decoding: list[int], prefill_tokens: int,
-                    results: dict[int, StepResult | Exception]) -> dict[int, Proposal]:
+                    results: dict[int, StepResult | Exception], speculate: bool) -> dict[int, Proposal]:
         """Each decoding generation's proposal for this step, k chosen with the rest of the batch in view (those
-        planned before it at their k, those after it as plain decoding); draft-model proposals drafted together.
-        A generation whose planning fails gets its exception in `results`."""
+        planned before it at their k, those after it as plain decoding; policy k 0 unless `speculate`);
+        draft-model proposals drafted together. A generation whose planning fails gets its exception in
+        `results`."""
         tokens, committed, drafting = prefill_tokens + len(decoding), float(len(decoding)), 0
         plans: dict[int, Proposal | int] = {}
         for i in decoding:
             gen = gens[i]
             tokens, committed = tokens - 1, committed - 1
-            gen.load = BatchLoad(self.batch_costs, tokens, committed, drafting)
+            gen.load = BatchLoad(self.batch_costs, tokens, committed, drafting, speculate)
             try:
                 plan = gen._plan()
             except Exception as exc:
@@ -461,7 +470,12 @@ class Generation:
 
     def _k(self, source: str) -> int:
         """Draft tokens for `source` this step: the request's fixed k or the policy's, within the room left."""
-        k = self.fixed_k if self.fixed_k is not None else self.slot.policy.choose(source, batch=self.load)
+        if self.fixed_k is not None:
+            k = self.fixed_k
+        elif self.load is not None and not self.load.speculate:
+            k = 0  # the batch guard: speculating at this batch width is slower in fact
+        else:
+            k = self.slot.policy.choose(source, batch=self.load)
         return max(0, min(k, self._room(), self.engine.max_k))
 
     def _room(self) -> int:

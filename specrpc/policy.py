@@ -16,7 +16,9 @@ throughput: the step's time is V as a function of the batch's total tokens (`Bat
 over a few batch widths and refined from every batched step), and k maximises (others' expected tokens + E(α, k)) ÷
 (batch time with this stream's k + 1 tokens + its draft steps). Alone, that is S(k); as the batch grows, the tokens a
 stream adds cost every stream's step while adding only its own E, so k shrinks and turns off when plain batched
-decoding is faster.
+decoding is faster. As alone, the model can miss costs (ragged rows, draft catch-ups, host work per stream), so a
+`BatchGuard` keeps the realized seconds per committed token of whole batched steps per width, with and without
+drafts, and turns the policy's speculation off at a width where it is not faster in fact (probing back).
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class BatchLoad:
     tokens: int
     committed: float
     drafting: int
+    speculate: bool = True  # False: the batch guard found speculation slower at this width; policy k is 0
 
 
 @dataclass
@@ -183,6 +186,55 @@ class RealizedRate:
 def default_acceptance() -> dict[str, AcceptanceEstimate]:
     """Optimistic priors, so a new session tries speculating: the draft at α 0.75, prompt lookup at 0.5."""
     return {"draft": AcceptanceEstimate(), "lookup": AcceptanceEstimate(accepted=1.0, trials=2.0)}
+
+
+@dataclass
+class BatchGuard:
+    """Realized seconds per committed token of whole batched steps by width (decoding streams), with drafts the
+    policy chose and without (requests' own k and suggestions draft either way): at a width where steps with policy
+    drafts are not `min_speedup` faster per token than steps without, policy k is 0; a probe every `probe_every`
+    plain steps restarts the drafted rate from its own step, so speculation comes back at the first good probe.
+    Until both rates have `min_steps` steps, it lets the policy speculate first, then has plain steps measured."""
+
+    min_speedup: float = 1.0
+    min_steps: int = 4
+    probe_every: int = 32
+    rates: dict[tuple[int, bool], RealizedRate] = field(default_factory=dict)  # (width, drafted) → rate
+    _off: dict[int, int] = field(default_factory=dict)
+    _probing: set[int] = field(default_factory=set)
+
+    def allow(self, width: int) -> bool:
+        """Whether the policy may speculate in the next batched step of `width` decoding streams."""
+        drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
+        if drafted is None or drafted.steps < self.min_steps:
+            return True
+        if plain is None or plain.steps < self.min_steps:
+            return False
+        if plain.per_token > self.min_speedup * drafted.per_token:
+            self._off[width] = 0
+            return True
+        off = self._off.get(width, 0) + 1
+        if off >= self.probe_every:
+            self._off[width] = 0
+            self._probing.add(width)
+            return True
+        self._off[width] = off
+        return False
+
+    def observe(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """A batched step of `width` decoding streams (no prefill in it), with drafts or without, took `seconds`
+        and committed `tokens`."""
+        if drafted and width in self._probing:
+            self._probing.discard(width)
+            self.rates[(width, True)] = RealizedRate(steps=self.min_steps - 1)
+        self.rates.setdefault((width, drafted), RealizedRate()).observe(seconds, tokens)
+
+    def speedup(self, width: int) -> float | None:
+        """Realized speed-up of drafted over plain steps at `width` (None until both were measured)."""
+        drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
+        if drafted is None or plain is None or not drafted.tokens or not plain.tokens:
+            return None
+        return plain.per_token / drafted.per_token
 
 
 @dataclass

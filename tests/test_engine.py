@@ -19,7 +19,7 @@ from specrpc.config import ASSETS, EngineConfig
 from specrpc.engine import Engine, GenerationRequest, Slot, Stall, TokenLogprob
 from specrpc.models import load_model, load_tokenizer
 from specrpc.models.llama import LlamaLM
-from specrpc.policy import BatchCosts, CostModel
+from specrpc.policy import BatchCosts, BatchGuard, CostModel
 from specrpc.proposers import Proposal
 from specrpc.sampling import SamplingParams, logits_to_probs
 
@@ -484,6 +484,7 @@ def test_batched_adaptive_k_follows_the_cost_of_the_batch(pair: tuple[Path, Path
     fixed = 1e-2
     engine.batch_costs = BatchCosts(target_s={n: fixed + per_token_s * n for n in (1, 4, 8, 16, 36)},
                                     draft_s={w: 1e-4 for w in (1, 2, 4)}, decay=1.0)  # decay 1: measurements ignored
+    engine.batch_guard = BatchGuard(min_steps=10**6)  # the guard judges measured step times: out of the way here
     requests = [GenerationRequest([i, 2, 3, 1], 16, GREEDY, None, "draft") for i in range(4)]
     out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
     gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
@@ -493,3 +494,28 @@ def test_batched_adaptive_k_follows_the_cost_of_the_batch(pair: tuple[Path, Path
         proposed += sum(r.proposed for r in engine.step_many(live) if not isinstance(r, Exception))
     assert (proposed > 0) == (per_token_s == 0.0)
     assert out == [run(engine, r.prompt_ids, 16, GREEDY, 0) for r in requests]
+
+
+def test_batch_guard_off_at_a_width_stops_policy_drafts_but_not_a_requests_own_k(pair: tuple[Path, Path]) -> None:
+    """Where the guard found drafting slower at a width (3 here), adaptive streams decode plainly there, a request
+    that asked for k still drafts, and the output is the same (once a stream is done, the width is another one)."""
+    engine = make_engine(pair, slots=3)
+    guard = BatchGuard(probe_every=10**6)
+    for drafted, seconds in ((True, 4.0), (False, 1.0)):
+        for _ in range(guard.min_steps):
+            guard.observe(3, drafted, seconds, 3)
+    engine.batch_guard = guard
+    requests = [GenerationRequest([1, 2, 3, 1, 2, 3], 20, GREEDY, None, "combined"),
+                GenerationRequest([0, 5, 2], 20, GREEDY, None, "draft"),
+                GenerationRequest([4, 4, 1], 20, GREEDY, 3, "draft")]
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    proposed = [0, 0, 0]
+    out: list[list[int]] = [[], [], []]
+    while not all(g.finished for g in gens):
+        live = [i for i, g in enumerate(gens) if not g.finished]
+        for i, result in zip(live, engine.step_many([gens[i] for i in live]), strict=True):
+            assert not isinstance(result, Exception)
+            proposed[i] += result.proposed if len(live) == 3 else 0
+            out[i] += result.token_ids
+    assert proposed[0] == proposed[1] == 0 and proposed[2] > 0
+    assert out == [run(engine, r.prompt_ids, 20, GREEDY, 0, proposer=r.proposer or "draft") for r in requests]

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from specrpc.policy import AcceptanceEstimate, AdaptivePolicy, BatchCosts, BatchLoad, CostModel, expected_tokens
+from specrpc.policy import (
+    AcceptanceEstimate,
+    AdaptivePolicy,
+    BatchCosts,
+    BatchGuard,
+    BatchLoad,
+    CostModel,
+    expected_tokens,
+)
 
 
 def costs(c: float, v_per_token: float, max_k: int = 8) -> CostModel:
@@ -151,3 +159,26 @@ def test_a_flat_batch_cost_keeps_speculating_in_a_batch() -> None:
                             acceptance={"draft": AcceptanceEstimate(accepted=90, trials=100)})
     load = BatchLoad(batch_costs(fixed_s=1.0, per_token_s=0.0, draft_s=0.01), tokens=15, committed=15.0, drafting=3)
     assert policy.choose(batch=load) >= 4
+
+
+def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes_back() -> None:
+    guard = BatchGuard(min_steps=2, probe_every=4)
+    width = 8
+    seen = []
+    for _ in range(2):  # drafted steps first (the policy's choice), then plain ones are measured
+        seen.append(guard.allow(width))
+        guard.observe(width, True, 2.0, 8)  # 0.25 s per token with drafts
+    for _ in range(2):
+        seen.append(guard.allow(width))
+        guard.observe(width, False, 1.0, 8)  # 0.125 s per token plain: drafting is slower here
+    assert seen == [True, True, False, False]
+    decisions = [guard.allow(width) for _ in range(8)]
+    assert decisions.count(True) == 2 and decisions[3] and decisions[7]  # off, a probe every 4th step
+    assert guard.allow(4)  # another width decides on its own
+    for _ in range(4):  # the stall is gone: the next probe is fast, and speculation stays on
+        if guard.allow(width):
+            guard.observe(width, True, 0.5, 8)
+            break
+        guard.observe(width, False, 1.0, 8)
+    assert all(guard.allow(width) for _ in range(5))
+    assert guard.speedup(width) is not None and guard.speedup(width) > 1
