@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 from service_helpers import collect, ids_of
 
+from specrpc.config import build_config
 from specrpc.engine import StepResult
 from specrpc.scheduler import Job
 from specrpc.server import Running
@@ -89,3 +90,10 @@ async def test_a_prefill_shares_its_step_with_the_decoding_streams(stub: pb_grpc
     prefill = steps[first_long]
     assert prefill[1] == 1, "the whole prompt in one chunk, its first token out"
     assert any(s[0] == "short" and s[2] == prefill[2] and s[1] == 1 for s in steps), "same step, a token each"
+
+
+def test_batching_setting_defaults_on_and_is_validated() -> None:
+    assert build_config(None, env={}).engine.batching == "on"
+    assert build_config(None, env={"SPECRPC_BATCHING": "off"}).engine.batching == "off"
+    with pytest.raises(ValueError, match="--batching must be on or off"):
+        build_config(None, env={"SPECRPC_BATCHING": "maybe"})
