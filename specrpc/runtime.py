@@ -170,7 +170,7 @@ class Runtime:
         self.draft_info = checkpoint_info(ec.draft, self.draft, self.dtype) if self.draft is not None else None
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
-        self.scheduler = Scheduler(self.engine)
+        self.scheduler = Scheduler(self.engine, batching=ec.batching == "on")
         self.stop_token_ids = self._stop_token_ids()
         file_sep = [self._special_id(n) for n in FILE_SEP_NAMES]
         self.file_sep_id = next((i for i in file_sep if i is not None), None)

@@ -138,10 +138,10 @@ class Scheduler:
     """Every active job one step per device step, batched or round-robin, on a dedicated thread."""
 
     def __init__(self, engine: Engine, on_step: Callable[[Job, StepResult, float], None] | None = None,
-                 batching: bool | None = None) -> None:
-        """`batching`: one batched engine step for all jobs (default: the engine config's `batching`)."""
+                 batching: bool = True) -> None:
+        """`batching`: one batched engine step for all jobs (`--batching on`), else round-robin."""
         self.engine = engine
-        self.batching = engine.config.batching == "on" if batching is None else batching
+        self.batching = batching
         self.on_step = on_step
         self._jobs: list[Job] = []
         self._incoming: list[Job] = []
