@@ -283,6 +283,7 @@ class Engine:
         share = max(16, self.config.prefill_chunk // max(1, len(prefilling)))
         for i in prefilling:
             rows[i] = gens[i]._prefill_row(share)
+        self._prefill_draft(gens, prefilling, rows, results)
         speculate = len(decoding) < 2 or self.batch_guard.allow(len(decoding))
         proposals = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results, speculate)
         if self.stall is not None and any(len(p) for p in proposals.values()):
@@ -314,6 +315,25 @@ class Engine:
                                  for i, p in proposals.items())  # what the guard decides on; the rest is given
             self.batch_guard.observe(len(decoding), policy_drafted, time.perf_counter() - step_t0, committed)
         return [results[i] for i in range(len(gens))]
+
+    def _prefill_draft(self, gens: list[Generation], prefilling: list[int], rows: dict[int, BatchRow],
+                       results: dict[int, StepResult | Exception]) -> None:
+        """The draft takes the same prefill chunks as the target (one batched draft forward), for the prompts that
+        may draft and whose draft cache has reached the chunk: otherwise the first batched draft after a prefill
+        would catch up on whole prompts at once, in a step every stream waits for. A failure fails those rows."""
+        if self.draft is None or self.max_k == 0:
+            return
+        draft = self.draft
+        chunks = [i for i in prefilling if gens[i].fixed_k != 0 and gens[i].proposer != "lookup"
+                  and draft.length(rows[i].slot) == rows[i].start]
+        if not chunks:
+            return
+        try:
+            draft.forward_batch([rows[i] for i in chunks])
+        except Exception as exc:  # a shared forward: every row's slot may be half written
+            for i in chunks:
+                results[i] = exc
+                del rows[i]
 
     def _plan_batch(self, gens: list[Generation], decoding: list[int], prefill_tokens: int,
                     results: dict[int, StepResult | Exception], speculate: bool) -> dict[int, Proposal]:

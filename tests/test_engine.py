@@ -519,3 +519,21 @@ def test_batch_guard_off_at_a_width_stops_policy_drafts_but_not_a_requests_own_k
             out[i] += result.token_ids
     assert proposed[0] == proposed[1] == 0 and proposed[2] > 0
     assert out == [run(engine, r.prompt_ids, 20, GREEDY, 0, proposer=r.proposer or "draft") for r in requests]
+
+
+def test_a_batched_prefill_feeds_the_draft_the_same_chunks(pair: tuple[Path, Path]) -> None:
+    """In a batched step, prompts that may draft go through the draft with the target's prefill chunks (no
+    whole-prompt catch-up in a later step every stream waits for); plain and lookup-only requests do not."""
+    engine = make_engine(pair, slots=3)
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2]  # 20 tokens: chunks of 16 and 4
+    requests = [GenerationRequest(prompt, 8, GREEDY, None, "draft"), GenerationRequest(prompt, 8, GREEDY, 0, "draft"),
+                GenerationRequest(prompt, 8, GREEDY, None, "lookup")]
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    assert engine.draft is not None
+    engine.step_many(gens)
+    assert [engine.draft.length(i) for i in range(3)] == [16, 0, 0]  # at least 16 prompt tokens each per step
+    engine.step_many(gens)
+    assert [engine.draft.length(i) for i in range(3)] == [20, 0, 0]
+    assert [g.generated for g in gens] == [1, 1, 1]
+    out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
+    assert out == [run(engine, prompt, 8, GREEDY, 0)] * 3
