@@ -190,21 +190,29 @@ def default_acceptance() -> dict[str, AcceptanceEstimate]:
 
 @dataclass
 class BatchGuard:
-    """Realized seconds per committed token of whole batched steps by width (decoding streams), with drafts the
-    policy chose and without (requests' own k and suggestions draft either way): at a width where steps with policy
-    drafts are not `min_speedup` faster per token than steps without, policy k is 0; a probe every `probe_every`
-    plain steps restarts the drafted rate from its own step, so speculation comes back at the first good probe.
-    Until both rates have `min_steps` steps, it lets the policy speculate first, then has plain steps measured."""
+    """Realized seconds per committed token of whole batched steps by width (decoding streams, in `bucket`s), with
+    drafts the policy chose and without (requests' own k and suggestions draft either way): at a width where steps
+    with policy drafts are not `min_speedup` faster per token than steps without, policy k is 0; a probe every
+    `probe_every` plain steps restarts the drafted rate from its own step, so speculation comes back at the first
+    good probe. Until both rates have `min_steps` steps, it lets the policy speculate first, then has plain steps
+    measured."""
 
     min_speedup: float = 1.0
     min_steps: int = 4
     probe_every: int = 32
-    rates: dict[tuple[int, bool], RealizedRate] = field(default_factory=dict)  # (width, drafted) → rate
+    rates: dict[tuple[int, bool], RealizedRate] = field(default_factory=dict)  # (width bucket, drafted) → rate
     _off: dict[int, int] = field(default_factory=dict)
     _probing: set[int] = field(default_factory=set)
 
+    @staticmethod
+    def bucket(width: int) -> int:
+        """Widths judged together: 1, 2, 3-4, 5-8, 9-16, … (a batch's width moves as streams come and go, and each
+        bucket's judgement costs steps of both kinds first)."""
+        return 1 << max(0, width - 1).bit_length()
+
     def allow(self, width: int) -> bool:
         """Whether the policy may speculate in the next batched step of `width` decoding streams."""
+        width = self.bucket(width)
         drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
         if drafted is None or drafted.steps < self.min_steps:
             return True
@@ -224,6 +232,7 @@ class BatchGuard:
     def observe(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
         """A batched step of `width` decoding streams (no prefill in it), with drafts or without, took `seconds`
         and committed `tokens`."""
+        width = self.bucket(width)
         if drafted and width in self._probing:
             self._probing.discard(width)
             self.rates[(width, True)] = RealizedRate(steps=self.min_steps - 1)
@@ -231,6 +240,7 @@ class BatchGuard:
 
     def speedup(self, width: int) -> float | None:
         """Realized speed-up of drafted over plain steps at `width` (None until both were measured)."""
+        width = self.bucket(width)
         drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
         if drafted is None or plain is None or not drafted.tokens or not plain.tokens:
             return None

@@ -174,7 +174,8 @@ def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes
     assert seen == [True, True, False, False]
     decisions = [guard.allow(width) for _ in range(8)]
     assert decisions.count(True) == 2 and decisions[3] and decisions[7]  # off, a probe every 4th step
-    assert guard.allow(4)  # another width decides on its own
+    assert guard.allow(4) and not guard.allow(7)  # another bucket of widths decides on its own; 5..8 go together
+    assert [BatchGuard.bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
     for _ in range(4):  # the stall is gone: the next probe is fast, and speculation stays on
         if guard.allow(width):
             guard.observe(width, True, 0.5, 8)
