@@ -284,8 +284,8 @@ class Engine:
         for i in prefilling:
             rows[i] = gens[i]._prefill_row(share)
         self._prefill_draft(gens, prefilling, rows, results)
-        speculate = len(decoding) < 2 or self.batch_guard.allow(len(decoding))
-        proposals = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results, speculate)
+        limit = None if len(decoding) < 2 else self.batch_guard.limit(len(decoding))
+        proposals = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results, limit)
         if self.stall is not None and any(len(p) for p in proposals.values()):
             time.sleep(self.stall.draft_s)
         for i, proposal in proposals.items():
@@ -336,9 +336,9 @@ class Engine:
                 del rows[i]
 
     def _plan_batch(self, gens: list[Generation], decoding: list[int], prefill_tokens: int,
-                    results: dict[int, StepResult | Exception], speculate: bool) -> dict[int, Proposal]:
+                    results: dict[int, StepResult | Exception], limit: int | None) -> dict[int, Proposal]:
         """Each decoding generation's proposal for this step, k chosen with the rest of the batch in view (those
-        planned before it at their k, those after it as plain decoding; policy k 0 unless `speculate`);
+        planned before it at their k, those after it as plain decoding; policy k at most `limit`, the guard's);
         draft-model proposals drafted together. A generation whose planning fails gets its exception in
         `results`."""
         tokens, committed, drafting = prefill_tokens + len(decoding), float(len(decoding)), 0
@@ -346,7 +346,7 @@ class Engine:
         for i in decoding:
             gen = gens[i]
             tokens, committed = tokens - 1, committed - 1
-            gen.load = BatchLoad(self.batch_costs, tokens, committed, drafting, speculate)
+            gen.load = BatchLoad(self.batch_costs, tokens, committed, drafting, limit)
             try:
                 plan = gen._plan()
             except Exception as exc:
@@ -492,10 +492,12 @@ class Generation:
         """Draft tokens for `source` this step: the request's fixed k or the policy's, within the room left."""
         if self.fixed_k is not None:
             k = self.fixed_k
-        elif self.load is not None and not self.load.speculate:
+        elif self.load is not None and self.load.k_limit == 0:
             k = 0  # the batch guard: speculating at this batch width is slower in fact
         else:
             k = self.slot.policy.choose(source, batch=self.load)
+            if self.load is not None and self.load.k_limit is not None:
+                k = min(k, self.load.k_limit)  # the guard is measuring what drafting costs at this width
         return max(0, min(k, self._room(), self.engine.max_k))
 
     def _room(self) -> int:

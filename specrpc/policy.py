@@ -137,7 +137,7 @@ class BatchLoad:
     tokens: int
     committed: float
     drafting: int
-    speculate: bool = True  # False: the batch guard found speculation slower at this width; policy k is 0
+    k_limit: int | None = None  # the batch guard's cap on policy k at this width (0: drafting was slower there)
 
 
 @dataclass
@@ -194,12 +194,13 @@ class BatchGuard:
     drafts the policy chose and without (requests' own k and suggestions draft either way): at a width where steps
     with policy drafts are not `min_speedup` faster per token than steps without, policy k is 0; a probe every
     `probe_every` plain steps restarts the drafted rate from its own step, so speculation comes back at the first
-    good probe. Until both rates have `min_steps` steps, it lets the policy speculate first, then has plain steps
-    measured."""
+    good probe. Until both rates have `min_steps` steps, it lets the policy draft (at most `probe_k`) first, then has
+    plain steps measured."""
 
     min_speedup: float = 1.0
     min_steps: int = 4
     probe_every: int = 32
+    probe_k: int = 2
     rates: dict[tuple[int, bool], RealizedRate] = field(default_factory=dict)  # (width bucket, drafted) → rate
     _off: dict[int, int] = field(default_factory=dict)
     _probing: set[int] = field(default_factory=set)
@@ -210,24 +211,26 @@ class BatchGuard:
         bucket's judgement costs steps of both kinds first)."""
         return 1 << max(0, width - 1).bit_length()
 
-    def allow(self, width: int) -> bool:
-        """Whether the policy may speculate in the next batched step of `width` decoding streams."""
+    def limit(self, width: int) -> int | None:
+        """The most policy k may be in the next batched step of `width` decoding streams: None (no limit: drafting
+        was faster), 0 (it was not), or `probe_k` while drafting is being measured (first, and in each probe), so
+        that finding out costs little."""
         width = self.bucket(width)
         drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
         if drafted is None or drafted.steps < self.min_steps:
-            return True
+            return self.probe_k
         if plain is None or plain.steps < self.min_steps:
-            return False
+            return 0
         if plain.per_token > self.min_speedup * drafted.per_token:
             self._off[width] = 0
-            return True
+            return None
         off = self._off.get(width, 0) + 1
         if off >= self.probe_every:
             self._off[width] = 0
             self._probing.add(width)
-            return True
+            return self.probe_k
         self._off[width] = off
-        return False
+        return 0
 
     def observe(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
         """A batched step of `width` decoding streams (no prefill in it), with drafts or without, took `seconds`

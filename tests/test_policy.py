@@ -162,24 +162,24 @@ def test_a_flat_batch_cost_keeps_speculating_in_a_batch() -> None:
 
 
 def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes_back() -> None:
-    guard = BatchGuard(min_steps=2, probe_every=4)
+    guard = BatchGuard(min_steps=2, probe_every=4, probe_k=2)
     width = 8
     seen = []
-    for _ in range(2):  # drafted steps first (the policy's choice), then plain ones are measured
-        seen.append(guard.allow(width))
+    for _ in range(2):  # drafted steps first (at most probe_k), then plain ones are measured
+        seen.append(guard.limit(width))
         guard.observe(width, True, 2.0, 8)  # 0.25 s per token with drafts
     for _ in range(2):
-        seen.append(guard.allow(width))
+        seen.append(guard.limit(width))
         guard.observe(width, False, 1.0, 8)  # 0.125 s per token plain: drafting is slower here
-    assert seen == [True, True, False, False]
-    decisions = [guard.allow(width) for _ in range(8)]
-    assert decisions.count(True) == 2 and decisions[3] and decisions[7]  # off, a probe every 4th step
-    assert guard.allow(4) and not guard.allow(7)  # another bucket of widths decides on its own; 5..8 go together
+    assert seen == [2, 2, 0, 0]
+    decisions = [guard.limit(width) for _ in range(8)]
+    assert decisions == [0, 0, 0, 2, 0, 0, 0, 2]  # off, a probe (at most probe_k) every 4th step
+    assert guard.limit(4) == 2 and guard.limit(7) == 0  # another bucket of widths decides on its own; 5..8 together
     assert [BatchGuard.bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
-    for _ in range(4):  # the stall is gone: the next probe is fast, and speculation stays on
-        if guard.allow(width):
+    for _ in range(4):  # the stall is gone: the next probe is fast, and speculation stays on, unlimited
+        if guard.limit(width):
             guard.observe(width, True, 0.5, 8)
             break
         guard.observe(width, False, 1.0, 8)
-    assert all(guard.allow(width) for _ in range(5))
+    assert all(guard.limit(width) is None for _ in range(5))
     assert guard.speedup(width) is not None and guard.speedup(width) > 1
