@@ -319,10 +319,11 @@ class Engine:
     def _prefill_draft(self, gens: list[Generation], prefilling: list[int], rows: dict[int, BatchRow],
                        results: dict[int, StepResult | Exception]) -> None:
         """The draft takes the same prefill chunks as the target (one batched draft forward), for the prompts that
-        may draft and whose draft cache has reached the chunk: otherwise the first batched draft after a prefill
-        would catch up on whole prompts at once, in a step every stream waits for. A failure fails those rows."""
-        if self.draft is None or self.max_k == 0:
-            return
+        may draft and whose draft cache has reached the chunk, unless the guard found drafting slower at this
+        width: otherwise the first batched draft after a prefill would catch up on whole prompts at once, in a step
+        every stream waits for. A failure fails those rows."""
+        if self.draft is None or self.max_k == 0 or self.batch_guard.drafting_off(len(gens)):
+            return  # where drafting does not pay at this width, a prompt's draft prefill would be spent for nothing
         draft = self.draft
         chunks = [i for i in prefilling if gens[i].fixed_k != 0 and gens[i].proposer != "lookup"
                   and draft.length(rows[i].slot) == rows[i].start]

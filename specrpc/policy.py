@@ -232,6 +232,13 @@ class BatchGuard:
         self._off[width] = off
         return 0
 
+    def drafting_off(self, width: int) -> bool:
+        """Whether drafting was found slower at `width` (without counting a step towards a probe)."""
+        width = self.bucket(width)
+        drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
+        return (drafted is not None and plain is not None and min(drafted.steps, plain.steps) >= self.min_steps
+                and plain.per_token <= self.min_speedup * drafted.per_token)
+
     def observe(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
         """A batched step of `width` decoding streams (no prefill in it), with drafts or without, took `seconds`
         and committed `tokens`."""

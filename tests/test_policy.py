@@ -171,7 +171,7 @@ def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes
     for _ in range(2):
         seen.append(guard.limit(width))
         guard.observe(width, False, 1.0, 8)  # 0.125 s per token plain: drafting is slower here
-    assert seen == [2, 2, 0, 0]
+    assert seen == [2, 2, 0, 0] and guard.drafting_off(width) and guard.drafting_off(5) and not guard.drafting_off(4)
     decisions = [guard.limit(width) for _ in range(8)]
     assert decisions == [0, 0, 0, 2, 0, 0, 0, 2]  # off, a probe (at most probe_k) every 4th step
     assert guard.limit(4) == 2 and guard.limit(7) == 0  # another bucket of widths decides on its own; 5..8 together
