@@ -32,6 +32,7 @@ class EngineConfig:
     speculation: str = "adaptive"
     proposer: str = "combined"
     prefill_chunk: int = 512
+    batching: str = "on"
     lean: bool = True
     threads: int = 0
     draft_int8: bool = True
@@ -102,6 +103,8 @@ HELP: dict[str, str] = {
     "speculation": "adaptive (choose k from measured acceptance and costs), fixed (always max_draft_tokens), off",
     "proposer": "default proposer: combined (prompt lookup when it matches, else the draft model), draft or lookup",
     "prefill_chunk": "prompt tokens per prefill forward (long prompts are prefilled in chunks)",
+    "batching": "on: each device step runs every runnable stream together (one batched draft and target forward, "
+                "prefill chunks mixed in within --prefill-chunk tokens); off: one stream's step at a time, round-robin",
     "lean": "use specrpc's lean Llama-family forward when the architecture allows (else transformers)",
     "threads": "CPU threads for torch (0: torch's default)",
     "draft_int8": "on CPU, run the draft's decode steps on int8 weight copies (drafting is bound by reading weights; "
@@ -222,6 +225,7 @@ def validate(config: Config) -> None:
         (e.speculation in {"adaptive", "fixed", "off"}, "--speculation must be adaptive, fixed or off"),
         (e.proposer in {"draft", "lookup", "combined"}, "--proposer must be draft, lookup or combined"),
         (e.prefill_chunk >= 16, "--prefill-chunk must be >= 16"),
+        (e.batching in {"on", "off"}, "--batching must be on or off"),
         (e.fim_template in ("", *template_names()),
          f"--fim-template must be one of {', '.join(template_names())} (or empty: the model's own)"),
         (s.log_format in {"json", "console"}, "--log-format must be json or console"),

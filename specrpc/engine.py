@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specrpc.config import EngineConfig
-from specrpc.models import CausalLM
-from specrpc.policy import AdaptivePolicy, CostModel
-from specrpc.proposers import EMPTY, DraftModelProposer, PromptLookupProposer, Proposal, Proposer, feed
+from specrpc.models import BatchRow, CausalLM
+from specrpc.policy import AdaptivePolicy, BatchCosts, BatchGuard, BatchLoad, CostModel
+from specrpc.proposers import EMPTY, DraftModelProposer, DraftRequest, PromptLookupProposer, Proposal, Proposer, feed
 from specrpc.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specrpc.verify import VerifyResult, verify
 
@@ -151,6 +151,8 @@ class Engine:
         self.max_k = 0 if config.speculation == "off" else config.max_draft_tokens
         self.costs = CostModel()
         self.calibration_rounds = 0  # measured rounds of the last `calibrate`
+        self.batch_costs = BatchCosts()  # batched steps' costs by total tokens, shared by every stream
+        self.batch_guard = BatchGuard()  # whether speculating pays in fact, per batch width
         self.lookup = PromptLookupProposer()
         self.drafter = DraftModelProposer(draft, config.prefill_chunk) if draft is not None else None
         # "combined": each step, prompt lookup when it finds a match worth verifying, else the draft model
@@ -236,6 +238,168 @@ class Engine:
         self.costs = costs
         return costs
 
+    def calibrate_batches(self, slots: list[int], context: int = 64, repeats: int = 3) -> BatchCosts:
+        """Measure batched target forwards over 1, 2, 4, … of `slots` (distinct, empty; left empty) with 1, k/2+1
+        and k+1 tokens per row, and batched draft forwards of one token per row: the costs the policy starts from in
+        a batched step (refined online from every one)."""
+        widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= len(slots)]
+        per_row = sorted({1, self.max_k // 2 + 1, self.max_k + 1})
+        ids = [(i * 7919) % min(self.target.vocab_size, 256) for i in range(context + self.max_k + 2)]
+        costs = BatchCosts()
+        models = [self.target] if self.draft is None else [self.target, self.draft]
+        for model in models:
+            for slot in slots[: widths[-1]]:
+                model.truncate(slot, 0)
+                feed(model, slot, ids[:context], 0, self.config.prefill_chunk)
+        for width in widths:
+            for tokens in per_row if self.max_k else [1]:
+                times: list[float] = []
+                for _ in range(repeats):
+                    rows = [BatchRow(torch.tensor(ids[context : context + tokens], dtype=torch.long,
+                                                  device=self.target.device), context, s, tokens)
+                            for s in slots[:width]]
+                    t0 = time.perf_counter()
+                    out = self.target.forward_batch(rows)
+                    out[-1].sum().item()
+                    times.append(time.perf_counter() - t0)
+                costs.target_s[width * tokens] = statistics.median(times)
+            if self.draft is not None and self.max_k:
+                times = []
+                for _ in range(repeats):
+                    rows = [BatchRow(torch.tensor(ids[context : context + 1], dtype=torch.long,
+                                                  device=self.draft.device), context, s, 1) for s in slots[:width]]
+                    t0 = time.perf_counter()
+                    self.draft.forward_batch(rows)[-1].sum().item()
+                    times.append(time.perf_counter() - t0)
+                costs.draft_s[width] = statistics.median(times)
+        for model in models:
+            for slot in slots[: widths[-1]]:
+                model.truncate(slot, 0)
+        self.batch_costs = costs
+        return costs
+
+    def step_many(self, gens: list[Generation]) -> list[StepResult | Exception]:
+        """One device step for several generations on distinct slots: each prefilling one takes a prefill chunk
+        (together within `prefill_chunk` tokens, at least 16 each), each decoding one plans its proposal with the
+        batch's load in view, the draft model drafts for all that use it together, and the target runs every row
+        (prefill chunks, verify k+1, plain decode 1) in one batched forward; then each verifies and commits alone.
+        Returns per generation its StepResult or the exception that ended its step (the others go on; a failure
+        of a shared forward fails every generation in it). One generation steps exactly as `Generation.step`."""
+        if len(gens) == 1:
+            try:
+                return [gens[0].step()]
+            except Exception as exc:  # the caller's to report, as for a batch
+                return [exc]
+        step_t0 = time.perf_counter()
+        results: dict[int, StepResult | Exception] = {}
+        live: list[int] = []
+        for i, gen in enumerate(gens):
+            try:
+                if gen.finished:
+                    raise RuntimeError("generation already finished")
+                if not gen.started:
+                    gen._reuse_prefix()
+                live.append(i)
+            except Exception as exc:
+                results[i] = exc
+        prefilling = [i for i in live if gens[i].prefilling]
+        decoding = [i for i in live if not gens[i].prefilling]
+        rows: dict[int, BatchRow] = {}
+        share = max(16, self.config.prefill_chunk // max(1, len(prefilling)))
+        for i in prefilling:
+            rows[i] = gens[i]._prefill_row(share)
+        self._prefill_draft(gens, prefilling, rows, results)
+        limit = None if len(decoding) < 2 else self.batch_guard.limit(len(decoding))
+        proposals = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results, limit)
+        if self.stall is not None and any(len(p) for p in proposals.values()):
+            time.sleep(self.stall.draft_s)
+        for i, proposal in proposals.items():
+            rows[i] = gens[i]._verify_row(proposal)
+        order = sorted(rows)
+        if order:
+            t0 = time.perf_counter()
+            try:
+                outs = self.target.forward_batch([rows[i] for i in order])
+            except Exception as exc:  # a shared forward: every row's slot may be half written
+                results.update(dict.fromkeys(order, exc))
+                outs = []
+            if outs:
+                self.batch_costs.observe_target(sum(rows[i].ids.shape[0] for i in order), time.perf_counter() - t0)
+                if self.stall is not None and any(len(p) for p in proposals.values()):
+                    time.sleep(self.stall.verify_s)
+            for i, logits in zip(order, outs, strict=False):
+                try:
+                    gen = gens[i]
+                    results[i] = (gen._verified(proposals[i], logits, t0, None) if i in proposals
+                                  else gen._prefill_done(logits, rows[i]))
+                except Exception as exc:
+                    results[i] = exc
+        if not prefilling and len(decoding) > 1 and all(isinstance(results[i], StepResult) for i in decoding):
+            committed = sum(len(r.token_ids) for r in results.values() if isinstance(r, StepResult))
+            policy_drafted = any(len(p) and gens[i].fixed_k is None and p.source != "suggestion"
+                                 for i, p in proposals.items())  # what the guard decides on; the rest is given
+            self.batch_guard.observe(len(decoding), policy_drafted, time.perf_counter() - step_t0, committed)
+        return [results[i] for i in range(len(gens))]
+
+    def _prefill_draft(self, gens: list[Generation], prefilling: list[int], rows: dict[int, BatchRow],
+                       results: dict[int, StepResult | Exception]) -> None:
+        """The draft takes the same prefill chunks as the target (one batched draft forward), for the prompts that
+        may draft and whose draft cache has reached the chunk, unless the guard found drafting slower at this
+        width: otherwise the first batched draft after a prefill would catch up on whole prompts at once, in a step
+        every stream waits for. A failure fails those rows."""
+        if self.draft is None or self.max_k == 0 or self.batch_guard.drafting_off(len(gens)):
+            return  # where drafting does not pay at this width, a prompt's draft prefill would be spent for nothing
+        draft = self.draft
+        chunks = [i for i in prefilling if gens[i].fixed_k != 0 and gens[i].proposer != "lookup"
+                  and draft.length(rows[i].slot) == rows[i].start]
+        if not chunks:
+            return
+        try:
+            draft.forward_batch([rows[i] for i in chunks])
+        except Exception as exc:  # a shared forward: every row's slot may be half written
+            for i in chunks:
+                results[i] = exc
+                del rows[i]
+
+    def _plan_batch(self, gens: list[Generation], decoding: list[int], prefill_tokens: int,
+                    results: dict[int, StepResult | Exception], limit: int | None) -> dict[int, Proposal]:
+        """Each decoding generation's proposal for this step, k chosen with the rest of the batch in view (those
+        planned before it at their k, those after it as plain decoding; policy k at most `limit`, the guard's);
+        draft-model proposals drafted together. A generation whose planning fails gets its exception in
+        `results`."""
+        tokens, committed, drafting = prefill_tokens + len(decoding), float(len(decoding)), 0
+        plans: dict[int, Proposal | int] = {}
+        for i in decoding:
+            gen = gens[i]
+            tokens, committed = tokens - 1, committed - 1
+            gen.load = BatchLoad(self.batch_costs, tokens, committed, drafting, limit)
+            try:
+                plan = gen._plan()
+            except Exception as exc:
+                results[i] = exc
+                continue
+            finally:
+                gen.load = None
+            k = plan if isinstance(plan, int) else len(plan)
+            source = "draft" if isinstance(plan, int) else ("draft" if plan.source == "draft" else "lookup")
+            tokens += k + 1
+            committed += gen.slot.policy.expected(source, k)
+            drafting += isinstance(plan, int)
+            plans[i] = plan
+        proposals = {i: p for i, p in plans.items() if isinstance(p, Proposal)}
+        wanted = {i: p for i, p in plans.items() if not isinstance(p, Proposal)}
+        if wanted:
+            assert self.drafter is not None
+            try:
+                drafted, timings = self.drafter.propose_batch([gens[i]._draft_request(k) for i, k in wanted.items()])
+            except Exception as exc:  # a shared forward: every drafting stream's step fails
+                results.update(dict.fromkeys(wanted, exc))
+                drafted, timings = [], []
+            proposals.update(zip(wanted, drafted, strict=False))
+            for width, seconds in timings:
+                self.batch_costs.observe_draft(width, seconds)
+        return proposals
+
     def start(self, slot: Slot, request: GenerationRequest) -> Generation:
         """A generation on `slot`, reusing the cached prefix shared with the prompt."""
         return Generation(self, slot, request)
@@ -259,6 +423,7 @@ class Generation:
         self.finish: str | None = None
         self.started = False
         self.prefill_pos = 0
+        self.load: BatchLoad | None = None  # set by `Engine.step_many` while it plans a batched step
         name = request.proposer or engine.default_proposer
         if name not in engine.proposers:
             raise ValueError(f"proposer {name!r} is not available; loaded: {sorted(engine.proposers)}")
@@ -312,12 +477,22 @@ class Generation:
         self.started = True
 
     def _prefill_chunk(self) -> StepResult:
+        row = self._prefill_row(self.engine.config.prefill_chunk)
+        return self._prefill_done(self.engine.target.forward(row.ids, row.start, row.slot, num_logits=1), row)
+
+    def _prefill_row(self, budget: int) -> BatchRow:
+        """The next prefill chunk, at most `budget` tokens, as a target row."""
         engine, prompt = self.engine, self.request.prompt_ids
-        end = min(len(prompt), self.prefill_pos + engine.config.prefill_chunk)
+        end = min(len(prompt), self.prefill_pos + budget)
         chunk = torch.tensor(prompt[self.prefill_pos : end], dtype=torch.long, device=engine.target.device)  # [T]
-        logits = engine.target.forward(chunk, self.prefill_pos, self.slot.index, num_logits=1)  # [1, V]
+        return BatchRow(chunk, self.prefill_pos, self.slot.index, 1)
+
+    def _prefill_done(self, logits: torch.Tensor, row: BatchRow) -> StepResult:
+        """After the target ran prefill `row`: logits [1, V] of its last position (the first token after the last
+        chunk)."""
+        end = row.start + row.ids.shape[0]
         self.prefill_pos = end
-        if end < len(prompt):
+        if end < len(self.request.prompt_ids):
             return StepResult([], 0, 0, None)
         if self.request.prefill_only:
             return self._prefilled()
@@ -341,16 +516,23 @@ class Generation:
 
     def _k(self, source: str) -> int:
         """Draft tokens for `source` this step: the request's fixed k or the policy's, within the room left."""
-        k = self.fixed_k if self.fixed_k is not None else self.slot.policy.choose(source)
+        if self.fixed_k is not None:
+            k = self.fixed_k
+        elif self.load is not None and self.load.k_limit == 0:
+            k = 0  # the batch guard: speculating at this batch width is slower in fact
+        else:
+            k = self.slot.policy.choose(source, batch=self.load)
+            if self.load is not None and self.load.k_limit is not None:
+                k = min(k, self.load.k_limit)  # the guard is measuring what drafting costs at this width
         return max(0, min(k, self._room(), self.engine.max_k))
 
     def _room(self) -> int:
         """Draft tokens that fit this step: the bonus token must stay within max_new_tokens and the context."""
         return min(self.request.max_new_tokens - self.generated - 1, self.engine.capacity - len(self.slot.tokens))
 
-    def _propose(self) -> Proposal:
+    def _plan(self) -> Proposal | int:
         """The session's last suggestion while it still matches, then prompt lookup when allowed (free to draft),
-        else the draft model; EMPTY for plain decoding."""
+        else the draft model's k (an int > 0: the caller drafts); EMPTY for plain decoding."""
         engine, slot = self.engine, self.slot
         suggestion = self.request.suggestion
         if suggestion is not None and engine.max_k > 0:
@@ -368,42 +550,65 @@ class Generation:
         if engine.drafter is None:
             return EMPTY
         k = self._k("draft")
-        if k == 0:
-            return EMPTY
-        proposal = engine.drafter.propose(slot.tokens, slot.index, k, self.params, self.generator)
+        return k if k > 0 else EMPTY
+
+    def _draft_request(self, k: int) -> DraftRequest:
+        return DraftRequest(self.slot.tokens, self.slot.index, k, self.params, self.generator)
+
+    def _propose(self) -> Proposal:
+        """What `_plan` chose, drafted alone when it is the draft model's turn."""
+        plan = self._plan()
+        if isinstance(plan, Proposal):
+            return plan
+        assert self.engine.drafter is not None
+        proposal = self.engine.drafter.propose(self.slot.tokens, self.slot.index, plan, self.params, self.generator)
         if proposal.step_s is not None:
-            slot.policy.costs.observe_draft(proposal.step_s)
+            self.slot.policy.costs.observe_draft(proposal.step_s)
         return proposal
 
     def _speculate(self) -> StepResult:
-        engine, slot = self.engine, self.slot
-        target = engine.target
+        engine = self.engine
         step_t0 = time.perf_counter()
         proposal = self._propose()
         if engine.stall is not None and len(proposal):
             time.sleep(engine.stall.draft_s)
-        n = len(slot.tokens)
-        ids = torch.tensor([slot.tokens[-1], *proposal.token_ids], dtype=torch.long, device=target.device)  # [k+1]
+        row = self._verify_row(proposal)
         t0 = time.perf_counter()
-        logits = target.forward(ids, n - 1, slot.index, num_logits=len(ids))  # [k+1, V]
+        logits = engine.target.forward(row.ids, row.start, row.slot, num_logits=row.num_logits)  # [k+1, V]
+        return self._verified(proposal, logits, step_t0, t0)
+
+    def _verify_row(self, proposal: Proposal) -> BatchRow:
+        """The target row scoring `proposal`: the last committed token and the k drafts, k+1 logits."""
+        n = len(self.slot.tokens)
+        ids = torch.tensor([self.slot.tokens[-1], *proposal.token_ids], dtype=torch.long,
+                           device=self.engine.target.device)  # [k+1]
+        return BatchRow(ids, n - 1, self.slot.index, len(ids))
+
+    def _verified(self, proposal: Proposal, logits: torch.Tensor, step_t0: float, verify_t0: float | None
+                  ) -> StepResult:
+        """Verify `proposal` against the target's logits [k+1, V] and commit. `verify_t0`: when the target forward
+        began, for the cost model of a solo step; None in a batched step (its costs are the batch's)."""
+        engine, slot = self.engine, self.slot
         result = engine.verifier(
-            torch.tensor(proposal.token_ids, dtype=torch.long, device=target.device),  # [k]
+            torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
             self._pad_probs(proposal.probs),
             self._pad_logits(logits),
             self.params,
             self.generator,
         )
-        slot.policy.costs.observe_target(len(ids), time.perf_counter() - t0)
-        if engine.stall is not None and len(proposal):
-            time.sleep(engine.stall.verify_s)
+        if verify_t0 is not None:
+            slot.policy.costs.observe_target(len(proposal) + 1, time.perf_counter() - verify_t0)
+            if engine.stall is not None and len(proposal):
+                time.sleep(engine.stall.verify_s)
         self.stats.verify_steps += 1
         self.stats.last_k = len(proposal)
         self.stats.accepted_lengths.append(result.accepted + 1)
         if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
             if len(proposal):
                 slot.policy.observe(proposal.source, len(proposal), result.accepted)
-            slot.policy.observe_step(proposal.source if len(proposal) else "plain", time.perf_counter() - step_t0,
-                                     len(result.tokens), proposal.catch_up_s)
+            if verify_t0 is not None:  # a batched step's time is every stream's: only solo steps are judged
+                slot.policy.observe_step(proposal.source if len(proposal) else "plain",
+                                         time.perf_counter() - step_t0, len(result.tokens), proposal.catch_up_s)
         step = self._commit(result.tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)
         if proposal.source == "suggestion":
             self.stats.suggestion_accepted += step.accepted

@@ -10,6 +10,15 @@ the first time, host work between kernels), so the policy also keeps the realize
 each proposer's whole steps and switches a proposer off when it is not faster than plain decoding in fact. While a
 proposer is off, what was measured before is stale: each probe restarts its realized rate from the probe's own step,
 so a proposer comes back at the first good probe once the stall is gone, and stays off while probes are slow.
+
+In a batched step (several streams in one target forward, `BatchLoad`), a stream's k is chosen for the whole batch's
+throughput: the step's time is V as a function of the batch's total tokens (`BatchCosts`, calibrated at start-up
+over a few batch widths and refined from every batched step), and k maximises (others' expected tokens + E(α, k)) ÷
+(batch time with this stream's k + 1 tokens + its draft steps). Alone, that is S(k); as the batch grows, the tokens a
+stream adds cost every stream's step while adding only its own E, so k shrinks and turns off when plain batched
+decoding is faster. As alone, the model can miss costs (ragged rows, draft catch-ups, host work per stream), so a
+`BatchGuard` keeps the realized seconds per committed token of whole batched steps per width, with and without
+drafts, and turns the policy's speculation off at a width where it is not faster in fact (probing back).
 """
 
 from __future__ import annotations
@@ -90,6 +99,65 @@ class CostModel:
                                            for key, values in self._recent.items()})
 
 
+def _interpolate(table: dict[int, float], x: int) -> float:
+    """table (size → seconds) at x: linear between measured sizes, the smallest one's below them, extended along
+    the last two (never downwards) above them; never below a nanosecond."""
+    known = sorted(table)
+    if x in table:
+        return max(1e-9, table[x])
+    if x < known[0]:
+        return max(1e-9, table[known[0]])
+    above = [n for n in known if n > x]
+    if above:
+        lo, hi = max(n for n in known if n < x), above[0]
+        return max(1e-9, table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo))
+    last = table[known[-1]]
+    if len(known) == 1:
+        return max(1e-9, last * x / known[-1])
+    slope = max(0.0, (last - table[known[-2]]) / (known[-1] - known[-2]))
+    return max(1e-9, last + slope * (x - known[-1]))
+
+
+@dataclass
+class BatchCosts:
+    """Seconds of one batched target forward by its total tokens, and of one batched draft forward by its rows, as
+    EMAs of measured times (shared by every stream: the device is one)."""
+
+    target_s: dict[int, float] = field(default_factory=dict)
+    draft_s: dict[int, float] = field(default_factory=dict)
+    decay: float = 0.9
+
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        """A batched target forward over `tokens` tokens in all took `seconds`."""
+        old = self.target_s.get(tokens)
+        self.target_s[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        """A batched draft forward over `rows` streams (one token each) took `seconds`."""
+        old = self.draft_s.get(rows)
+        self.draft_s[rows] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def target(self, tokens: int) -> float:
+        """Seconds of a target forward over `tokens` tokens (1 ms per token before anything was measured)."""
+        return _interpolate(self.target_s, tokens) if self.target_s else 1e-3 * tokens
+
+    def draft(self, rows: int) -> float:
+        """Seconds of a draft forward over `rows` rows (0.1 ms per row before anything was measured)."""
+        return _interpolate(self.draft_s, rows) if self.draft_s else 1e-4 * rows
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """What the other streams of this step bring: the tokens they put in the target forward, the tokens they are
+    expected to commit, and how many of them draft with the draft model."""
+
+    costs: BatchCosts
+    tokens: int
+    committed: float
+    drafting: int
+    k_limit: int | None = None  # the batch guard's cap on policy k at this width (0: drafting was slower there)
+
+
 @dataclass
 class AcceptanceEstimate:
     """Decayed counts of accepted and rejected draft tokens: α = accepted / trials."""
@@ -139,6 +207,75 @@ def default_acceptance() -> dict[str, AcceptanceEstimate]:
 
 
 @dataclass
+class BatchGuard:
+    """Realized seconds per committed token of whole batched steps by width (decoding streams, in `bucket`s), with
+    drafts the policy chose and without (requests' own k and suggestions draft either way): at a width where steps
+    with policy drafts are not `min_speedup` faster per token than steps without, policy k is 0; a probe every
+    `probe_every` plain steps restarts the drafted rate from its own step, so speculation comes back at the first
+    good probe. Until both rates have `min_steps` steps, it lets the policy draft (at most `probe_k`) first, then has
+    plain steps measured."""
+
+    min_speedup: float = 1.0
+    min_steps: int = 4
+    probe_every: int = 32
+    probe_k: int = 2
+    rates: dict[tuple[int, bool], RealizedRate] = field(default_factory=dict)  # (width bucket, drafted) → rate
+    _off: dict[int, int] = field(default_factory=dict)
+    _probing: set[int] = field(default_factory=set)
+
+    @staticmethod
+    def bucket(width: int) -> int:
+        """Widths judged together: 1, 2, 3-4, 5-8, 9-16, … (a batch's width moves as streams come and go, and each
+        bucket's judgement costs steps of both kinds first)."""
+        return 1 << max(0, width - 1).bit_length()
+
+    def limit(self, width: int) -> int | None:
+        """The most policy k may be in the next batched step of `width` decoding streams: None (no limit: drafting
+        was faster), 0 (it was not), or `probe_k` while drafting is being measured (first, and in each probe), so
+        that finding out costs little."""
+        width = self.bucket(width)
+        drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
+        if drafted is None or drafted.steps < self.min_steps:
+            return self.probe_k
+        if plain is None or plain.steps < self.min_steps:
+            return 0
+        if plain.per_token > self.min_speedup * drafted.per_token:
+            self._off[width] = 0
+            return None
+        off = self._off.get(width, 0) + 1
+        if off >= self.probe_every:
+            self._off[width] = 0
+            self._probing.add(width)
+            return self.probe_k
+        self._off[width] = off
+        return 0
+
+    def drafting_off(self, width: int) -> bool:
+        """Whether drafting was found slower at `width` (without counting a step towards a probe)."""
+        width = self.bucket(width)
+        drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
+        return (drafted is not None and plain is not None and min(drafted.steps, plain.steps) >= self.min_steps
+                and plain.per_token <= self.min_speedup * drafted.per_token)
+
+    def observe(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """A batched step of `width` decoding streams (no prefill in it), with drafts or without, took `seconds`
+        and committed `tokens`."""
+        width = self.bucket(width)
+        if drafted and width in self._probing:
+            self._probing.discard(width)
+            self.rates[(width, True)] = RealizedRate(steps=self.min_steps - 1)
+        self.rates.setdefault((width, drafted), RealizedRate()).observe(seconds, tokens)
+
+    def speedup(self, width: int) -> float | None:
+        """Realized speed-up of drafted over plain steps at `width` (None until both were measured)."""
+        width = self.bucket(width)
+        drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
+        if drafted is None or plain is None or not drafted.tokens or not plain.tokens:
+            return None
+        return plain.per_token / drafted.per_token
+
+
+@dataclass
 class AdaptivePolicy:
     """Per-session choice of k for each proposer: argmax over k of S(k); 0 while S ≤ `min_speedup`, with periodic
     probes to come back. Prompt lookup drafts for free (c = 0); the draft model costs c per token."""
@@ -157,21 +294,39 @@ class AdaptivePolicy:
     def _alpha(self, source: str) -> AcceptanceEstimate:
         return self.acceptance.setdefault(source, AcceptanceEstimate())
 
-    def speedup(self, k: int, source: str = "draft", alpha: float | None = None) -> float:
-        """Expected speed-up over target-only decoding with k drafts from `source`."""
+    def speedup(self, k: int, source: str = "draft", alpha: float | None = None, batch: BatchLoad | None = None
+                ) -> float:
+        """Expected speed-up over target-only decoding with k drafts from `source`; in a batch (`batch`), of the
+        whole batch's tokens per second over this stream decoding plainly in it."""
         a = self._alpha(source).alpha if alpha is None else alpha
-        c = 0.0 if source == "lookup" else self.costs.c
         if k == 0:
             return 1.0
+        if batch is not None:
+            return self._batch_rate(k, source, a, batch) / self._batch_rate(0, source, a, batch)
+        c = 0.0 if source == "lookup" else self.costs.c
         return expected_tokens(a, k) / (k * c + self.costs.v(k))
 
-    def choose(self, source: str = "draft", load: int = 1) -> int:
-        """k for the next step with `source`. `load` = streams sharing the device: steps are interleaved, not
-        batched, so each stream's S is unchanged by load; only the probe rate drops (probes cost every stream)."""
+    @staticmethod
+    def _batch_rate(k: int, source: str, alpha: float, batch: BatchLoad) -> float:
+        """Expected tokens per second of the whole batch with this stream drafting k from `source`."""
+        seconds = batch.costs.target(batch.tokens + k + 1)
+        if source == "draft" and k:
+            seconds += k * batch.costs.draft(batch.drafting + 1)
+        return (batch.committed + expected_tokens(alpha, k)) / seconds
+
+    def expected(self, source: str, k: int) -> float:
+        """Tokens a step with k drafts from `source` is expected to commit."""
+        return expected_tokens(self._alpha(source).alpha, k) if k else 1.0
+
+    def choose(self, source: str = "draft", load: int = 1, batch: BatchLoad | None = None) -> int:
+        """k for the next step with `source`. `load` = streams sharing the device: the probe rate drops with it
+        (probes cost every stream). `batch`: the step is shared with other streams (see the module docstring);
+        the realized-rate guard judges only solo steps, whose times are this stream's own."""
         if self.max_k == 0:
             return 0
-        best_k = max(range(self.max_k + 1), key=lambda k: self.speedup(k, source))
-        if self.speedup(best_k, source) <= self.min_speedup or self.realized_speedup(source) <= self.min_speedup:
+        best_k = max(range(self.max_k + 1), key=lambda k: self.speedup(k, source, batch=batch))
+        realized = self.realized_speedup(source) if batch is None else float("inf")
+        if self.speedup(best_k, source, batch=batch) <= self.min_speedup or realized <= self.min_speedup:
             off = self._steps_off.get(source, 0) + 1
             if off >= self.probe_every * max(1, load):
                 self._steps_off[source] = 0

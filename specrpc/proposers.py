@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from specrpc.models import CausalLM
+from specrpc.models import BatchRow, CausalLM
 from specrpc.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -58,6 +58,17 @@ def feed(model: CausalLM, slot: int, ids: list[int], start: int, chunk: int, num
     return logits
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """One stream's share of a batched draft: `propose`'s arguments."""
+
+    tokens: list[int]
+    slot: int
+    k: int
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
 class DraftModelProposer:
     """Autoregressive drafting with a small model that shares the target's tokenizer and KV-slot layout."""
 
@@ -103,6 +114,53 @@ class DraftModelProposer:
         step_s = (time.perf_counter() - t0) / forwards if forwards else None
         return Proposal(ids, probs_out, self.name, step_s, catch_up_s)
 
+
+    def propose_batch(self, requests: list[DraftRequest]) -> tuple[list[Proposal], list[tuple[int, float]]]:
+        """`propose` for several streams (distinct slots, each k >= 1) with one batched draft forward per draft
+        position: the first also catches each slot up on its new tokens (a catch-up beyond a prefill chunk is fed
+        alone first), the next ones carry one token per stream still drafting. Each stream samples from its own
+        logits with its own generator, in its own order, as alone. Returns the proposals and, per batched forward,
+        (rows, seconds) for the batch cost model."""
+        model = self.model
+        rows: list[BatchRow] = []
+        for r in requests:
+            start = model.length(r.slot)
+            rest = r.tokens[start:]
+            if len(rest) > self.prefill_chunk:
+                skip = len(rest) - self.prefill_chunk
+                feed(model, r.slot, rest[:skip], start, self.prefill_chunk)
+                start, rest = start + skip, rest[skip:]
+            rows.append(BatchRow(torch.tensor(rest, dtype=torch.long, device=model.device), start, r.slot, 1))
+        timings: list[tuple[int, float]] = []
+        t0 = time.perf_counter()
+        logits = model.forward_batch(rows)  # per stream [1, V]
+        timings.append((len(rows), time.perf_counter() - t0))
+        drafted: list[list[torch.Tensor]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        for i in range(max(r.k for r in requests)):
+            active = [j for j, r in enumerate(requests) if r.k > i]
+            step: list[BatchRow] = []
+            for j, row_logits in zip(active, logits, strict=True):
+                r = requests[j]
+                if r.params.greedy:  # verify ignores draft probabilities when greedy
+                    token = row_logits[0].argmax().view(1)  # [1]
+                else:
+                    p = logits_to_probs(row_logits, r.params)  # [1, V]
+                    token = sample(p, r.generator)  # [1]
+                    probs[j].append(p[0])
+                drafted[j].append(token)
+                if i + 1 < r.k:
+                    step.append(BatchRow(token, len(r.tokens) + i, r.slot, 1))
+            if not step:
+                break
+            t0 = time.perf_counter()
+            logits = model.forward_batch(step)  # per stream still drafting [1, V]
+            timings.append((len(step), time.perf_counter() - t0))
+        proposals = []
+        for r, tokens, rows_p in zip(requests, drafted, probs, strict=True):
+            ids: list[int] = torch.cat(tokens).tolist()  # [k]
+            proposals.append(Proposal(ids, None if r.params.greedy else torch.stack(rows_p), self.name))
+        return proposals, timings
 
     def _greedy_loop(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
         """k greedy tokens [k] from one replay of the model's captured k-step loop (a lean model on CUDA), or None

@@ -174,7 +174,7 @@ class Runtime:
                            else None)
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
-        self.scheduler = Scheduler(self.engine)
+        self.scheduler = Scheduler(self.engine, batching=ec.batching == "on")
         self.stop_token_ids = self._stop_token_ids()
         file_sep = [self._special_id(n) for n in FILE_SEP_NAMES]
         self.file_sep_id = next((i for i in file_sep if i is not None), None)
@@ -224,6 +224,8 @@ class Runtime:
     def _calibrate(self) -> CostModel:
         """On the device thread: measure the step costs, and seed every slot's policy from them."""
         costs = self.engine.calibrate()
+        if self.scheduler.batching:
+            self.engine.calibrate_batches([slot.index for slot in self.registry.slots])
         for slot in self.registry.slots:
             slot.policy = self.engine.new_policy()
         return costs

@@ -1,6 +1,7 @@
-"""One thread owns the device: it advances every active generation one step per turn (fair interleaving) and hands
-events back to the asyncio loop (a deque per job, woken with `call_soon_threadsafe`). Cancellation is checked
-between steps."""
+"""One thread owns the device: each device step advances every active generation by one step, together in one
+batched engine step (`Engine.step_many`, `--batching on`) or one after the other (round-robin, `--batching off`),
+and hands events back to the asyncio loop (a deque per job, woken with `call_soon_threadsafe`). Cancellation is
+checked between steps, and between the streams' deliveries of a batched step."""
 
 from __future__ import annotations
 
@@ -134,10 +135,13 @@ class Job:
 
 
 class Scheduler:
-    """Round-robin over active jobs on a dedicated thread."""
+    """Every active job one step per device step, batched or round-robin, on a dedicated thread."""
 
-    def __init__(self, engine: Engine, on_step: Callable[[Job, StepResult, float], None] | None = None) -> None:
+    def __init__(self, engine: Engine, on_step: Callable[[Job, StepResult, float], None] | None = None,
+                 batching: bool = True) -> None:
+        """`batching`: one batched engine step for all jobs (`--batching on`), else round-robin."""
         self.engine = engine
+        self.batching = batching
         self.on_step = on_step
         self._jobs: list[Job] = []
         self._incoming: list[Job] = []
@@ -205,6 +209,9 @@ class Scheduler:
                         future.set_result(fn())
                     except BaseException as exc:  # the caller's to handle; the device thread goes on
                         future.set_exception(exc)
+            if self.batching:
+                self._step_together(jobs)
+                continue
             for job in jobs:
                 self._reap_cancelled()
                 if job.done_posted:
@@ -212,6 +219,44 @@ class Scheduler:
                 final = self._advance(job)
                 if final is not None:
                     self._finish(job, final)
+
+    def _step_together(self, jobs: list[Job]) -> None:
+        """One batched engine step for every job still running, then each one's events (cancelled jobs reaped before
+        the step and between deliveries)."""
+        self._reap_cancelled()
+        ready: list[Job] = []
+        for job in jobs:
+            if job.done_posted:
+                continue
+            try:
+                started = self._begin(job)
+            except Exception as exc:
+                self._finish(job, self._fail(job, exc))
+                continue
+            if not started:
+                self._finish(job, self._done(job, FINISH_CANCELLED, ""))
+                continue
+            ready.append(job)
+        if not ready:
+            return
+        t0 = time.perf_counter()
+        try:
+            results = self.engine.step_many([job.generation for job in ready if job.generation is not None])
+        except Exception as exc:  # outside any one stream's share: every stream of the step fails, the thread goes on
+            results = [exc] * len(ready)
+        seconds = time.perf_counter() - t0
+        for job, result in zip(ready, results, strict=True):
+            if job.done_posted:
+                continue
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                final = self._deliver(job, result, seconds)
+            except Exception as exc:
+                final = self._fail(job, exc)
+            if final is not None:
+                self._finish(job, final)
+            self._reap_cancelled()
 
     def _finish(self, job: Job, final: Done | Failed) -> None:
         with self._wake:
@@ -227,50 +272,64 @@ class Scheduler:
             self._finish(job, self._done(job, FINISH_CANCELLED, ""))
 
     def _advance(self, job: Job) -> Done | Failed | None:
-        """One step of `job`; its final event once it has ended."""
+        """One step of `job` alone; its final event once it has ended."""
         try:
-            if job.generation is None:
-                job.started_at = time.perf_counter()
-                job.generation = self.engine.start(job.slot, job.request)
-            generation = job.generation
-            if job.cancelled.is_set():
+            if not self._begin(job):
                 return self._done(job, FINISH_CANCELLED, "")
+            assert job.generation is not None
             t0 = time.perf_counter()
-            result = generation.step()
-            if self.on_step is not None:
-                self.on_step(job, result, time.perf_counter() - t0)
-            if not result.token_ids and result.finish is None:
-                return None
-            delta = job.detokenizer.push(result.token_ids)
-            finish = result.finish
-            if finish is not None:
-                delta += job.detokenizer.flush()
-            safe, stopped = job.stops.feed(delta)
-            if finish is not None and not stopped:
-                safe += job.stops.flush()
-                stopped = job.stops.matched is not None
-            now = time.perf_counter()
-            if job.first_token_at is None and result.token_ids:
-                job.first_token_at = now
-            out_of_time = (job.max_time_s > 0 and job.first_token_at is not None
-                           and now - job.first_token_at > job.max_time_s)
-            safe, limited = job.guard.feed(safe, out_of_time)
-            if limited is None and (stopped or finish is not None):
-                safe += job.guard.flush()
-            job.text.append(safe)
-            if safe or result.token_ids:  # a prefill-only request ends without any
-                job.post(Chunk(safe, result.token_ids, result.accepted, now, result.logprobs))
-            if limited is not None:
-                return self._done(job, limited, "")
-            if stopped:
-                return self._done(job, "stop", job.stops.matched or "")
-            if finish is not None:
-                return self._done(job, finish, "")
-            return None
+            result = job.generation.step()
+            return self._deliver(job, result, time.perf_counter() - t0)
         except Exception as exc:  # the failure belongs to this stream only
-            log.exception("engine step failed", slot=job.slot.index)
-            self.engine.reset_slot(job.slot)
-            return Failed(exc)
+            return self._fail(job, exc)
+
+    def _begin(self, job: Job) -> bool:
+        """Start `job`'s generation on its first turn; False when it was cancelled (it must not step)."""
+        if job.generation is None:
+            job.started_at = time.perf_counter()
+            job.generation = self.engine.start(job.slot, job.request)
+        return not job.cancelled.is_set()
+
+    def _fail(self, job: Job, exc: Exception) -> Failed:
+        """The failure belongs to this stream only: forget its slot's (maybe half-written) cache. Called while
+        handling `exc` (logged with its traceback)."""
+        log.exception("engine step failed", slot=job.slot.index)
+        self.engine.reset_slot(job.slot)
+        return Failed(exc)
+
+    def _deliver(self, job: Job, result: StepResult, seconds: float) -> Done | Failed | None:
+        """Hand one step's tokens to the loop (detokenized, through stop strings and the line guard); the final
+        event once the job has ended."""
+        if self.on_step is not None:
+            self.on_step(job, result, seconds)
+        if not result.token_ids and result.finish is None:
+            return None
+        delta = job.detokenizer.push(result.token_ids)
+        finish = result.finish
+        if finish is not None:
+            delta += job.detokenizer.flush()
+        safe, stopped = job.stops.feed(delta)
+        if finish is not None and not stopped:
+            safe += job.stops.flush()
+            stopped = job.stops.matched is not None
+        now = time.perf_counter()
+        if job.first_token_at is None and result.token_ids:
+            job.first_token_at = now
+        out_of_time = (job.max_time_s > 0 and job.first_token_at is not None
+                       and now - job.first_token_at > job.max_time_s)
+        safe, limited = job.guard.feed(safe, out_of_time)
+        if limited is None and (stopped or finish is not None):
+            safe += job.guard.flush()
+        job.text.append(safe)
+        if safe or result.token_ids:  # a prefill-only request ends without any
+            job.post(Chunk(safe, result.token_ids, result.accepted, now, result.logprobs))
+        if limited is not None:
+            return self._done(job, limited, "")
+        if stopped:
+            return self._done(job, "stop", job.stops.matched or "")
+        if finish is not None:
+            return self._done(job, finish, "")
+        return None
 
     def _done(self, job: Job, finish: str, stop_sequence: str) -> Done:
         stats = job.generation.stats if job.generation is not None else GenerationStats()

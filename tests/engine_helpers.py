@@ -12,3 +12,24 @@ def decode(engine: Engine, slot: Slot, request: GenerationRequest) -> list[int]:
     while not gen.finished:
         out += gen.step().token_ids
     return out
+
+
+def decode_together(engine: Engine, runs: list[tuple[Slot, GenerationRequest, int]]
+                    ) -> tuple[list[list[int]], list[list[int]]]:
+    """Every request on its slot, advanced together by `Engine.step_many`; a request joins at the step its `int`
+    says. Returns each request's tokens, and per step the tokens each running request got (-1: not running)."""
+    gens = [engine.start(slot, request) for slot, request, _ in runs]
+    out: list[list[int]] = [[] for _ in runs]
+    steps: list[list[int]] = []
+    step = 0
+    while not all(g.finished for g in gens):
+        running = [i for i, (g, (_, _, join)) in enumerate(zip(gens, runs, strict=True))
+                   if join <= step and not g.finished]
+        got = [-1] * len(runs)
+        for i, result in zip(running, engine.step_many([gens[i] for i in running]), strict=True):
+            assert not isinstance(result, Exception), result
+            out[i] += result.token_ids
+            got[i] = len(result.token_ids)
+        steps.append(got)
+        step += 1
+    return out, steps

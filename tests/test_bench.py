@@ -25,7 +25,15 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert expected <= set(contenders)
     for name in ("adaptive", "adaptive draft only", "k=2", "prompt lookup only"):
         assert contenders[name]["identical"] == 1.0, name  # greedy: token-for-token the target-only output
-    assert results["grpc"]["concurrency"]["2:adaptive"]["aggregate_tokens_per_s"] > 0
+    sweep = results["grpc"]["concurrency"]
+    assert sweep["2:adaptive"]["aggregate_tokens_per_s"] > 0
+    for mode in ("batched", "round-robin"):  # batched against round-robin in one run
+        for name in ("adaptive", "target-only"):
+            point = sweep[f"2:{mode}:{name}"]
+            assert point["aggregate_tokens_per_s"] > 0 and point["per_stream_tokens_per_s"] > 0
+            assert point["itl_p99_ms"] >= point["itl_p50_ms"] > 0 and point["bound_tokens_per_s"] > 0
+    assert sweep["2:batched:target-only"]["mean_k"] == 0
+    assert "| 2 | round-robin |" in (tmp_path / "results.md").read_text()
     for chart in ("tokens_per_s.png", "accepted_length.png", "speedup_vs_k.png"):
         assert (tmp_path / chart).stat().st_size > 0
     assert "| adaptive |" in (tmp_path / "results.md").read_text()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import decode
+from engine_helpers import decode, decode_together
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -19,7 +19,7 @@ from specrpc.config import ASSETS, EngineConfig
 from specrpc.engine import Engine, GenerationRequest, Slot, Stall, TokenLogprob
 from specrpc.models import load_model, load_tokenizer
 from specrpc.models.llama import LlamaLM
-from specrpc.policy import CostModel
+from specrpc.policy import BatchCosts, BatchGuard, CostModel
 from specrpc.proposers import Proposal
 from specrpc.sampling import SamplingParams, logits_to_probs
 
@@ -55,13 +55,14 @@ def one_thread() -> object:
 
 
 def make_engine(pair: tuple[Path, Path], draft_int8: bool = False, dtype: torch.dtype = torch.float32,
-                **overrides: object) -> Engine:
+                slots: int = 2, **overrides: object) -> Engine:
     """`draft_int8`: the draft decodes on int8 weight copies, as the server runs it on CPU by default."""
-    config = replace(EngineConfig(max_sessions=2, max_context=CAPACITY - 9, max_draft_tokens=8, prefill_chunk=16),
+    config = replace(EngineConfig(max_sessions=slots, max_context=CAPACITY - 9, max_draft_tokens=8, prefill_chunk=16),
                      **overrides)  # type: ignore[arg-type]
     cpu = torch.device("cpu")
-    target = load_model(pair[0], device=cpu, dtype=dtype, num_slots=2, max_context=CAPACITY)
-    draft = load_model(pair[1], device=cpu, dtype=dtype, num_slots=2, max_context=CAPACITY, int8_decode=draft_int8)
+    target = load_model(pair[0], device=cpu, dtype=dtype, num_slots=slots, max_context=CAPACITY)
+    draft = load_model(pair[1], device=cpu, dtype=dtype, num_slots=slots, max_context=CAPACITY,
+                       int8_decode=draft_int8)
     assert not draft_int8 or (isinstance(draft, LlamaLM) and draft.weights.head.q8 is not None)
     return Engine(target, draft, config)
 
@@ -242,6 +243,92 @@ def test_sampled_sequences_follow_the_target_distribution(pair: tuple[Path, Path
     assert chi_square_pvalue(counts, sequence_probs(pair[1], prompt, 3, params), n) < 1e-4
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=5)],
+                         ids=["t1", "k5"])
+def test_sampled_sequences_follow_the_target_distribution_in_a_batch(pair: tuple[Path, Path],
+                                                                     params: SamplingParams) -> None:
+    """As above, with two streams stepped together (one batched draft and one batched verify per step), each
+    with its own generator: every stream's 3-token continuations are the target's."""
+    engine = make_engine(pair)
+    prompt = [3, 1, 4]
+    n = 5000
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(n // 2):
+        gens = [engine.start(engine.new_slot(s), GenerationRequest(prompt, 4, replace(params, seed=2 * i + s), 2,
+                                                                   "draft")) for s in (0, 1)]
+        steps = [engine.step_many(gens) for _ in range(2)]
+        tokens: list[list[int]] = [[], []]
+        for step in steps:
+            for j, result in enumerate(step):
+                assert not isinstance(result, Exception)
+                tokens[j] += result.token_ids
+        assert [[r.proposed for r in step if not isinstance(r, Exception)] for step in steps] == [[0, 0], [2, 2]]
+        for j, gen in enumerate(gens):
+            if not gen.finished:
+                tokens[j] += gen.step().token_ids
+            counts[tuple(tokens[j][:3])] = counts.get(tuple(tokens[j][:3]), 0) + 1
+    assert chi_square_pvalue(counts, sequence_probs(pair[0], prompt, 3, params), n) > 1e-4
+    assert chi_square_pvalue(counts, sequence_probs(pair[1], prompt, 3, params), n) < 1e-4
+
+
+def test_batched_streams_equal_their_solo_runs(pair: tuple[Path, Path]) -> None:
+    """Four streams with different prompts, k, proposers and logprobs share every step; one joins late with a
+    prompt of three prefill chunks while the others decode (none of them waits for it): each stream's tokens and
+    log-probabilities are its solo run's."""
+    engine = make_engine(pair, slots=4)
+    g = torch.Generator().manual_seed(5)
+    long_prompt = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+    requests = [
+        GenerationRequest([0, 5, 2, 1, 1], 30, GREEDY, None, "draft"),
+        GenerationRequest(long_prompt, 12, GREEDY, 3, "combined"),
+        GenerationRequest([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 20, GREEDY, 4, "lookup", logprobs=True, top_logprobs=2),
+        GenerationRequest([4, 4, 1], 25, GREEDY, 0, "draft", logprobs=True),
+    ]
+    solo = [decode(engine, engine.new_slot(0), r) for r in requests]
+    together, steps = decode_together(engine, [(engine.new_slot(i), r, 3 if i == 1 else 0)
+                                               for i, r in enumerate(requests)])
+    assert together == solo
+    joined = next(i for i, got in enumerate(steps) if got[1] >= 0)
+    first = next(i for i, got in enumerate(steps) if got[1] > 0)
+    assert first - joined == 2, "40 prompt tokens: chunks of 16, 16, 8 (the last gives the first token)"
+    assert all(got[3] >= 1 for got in steps[joined : first + 1]), "the others decode during its prefill"
+    assert max(sum(n >= 0 for n in got) for got in steps) == 4
+    solo_lp = [logprob_run(engine, r.prompt_ids, r.max_new_tokens, r.num_draft_tokens or 0, r.top_logprobs,
+                           proposer=r.proposer or "draft")[1] for r in requests[2:]]
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests[2:])]
+    batched_lp: list[list[TokenLogprob]] = [[], []]
+    while not all(gen.finished for gen in gens):
+        live = [i for i, gen in enumerate(gens) if not gen.finished]
+        for i, result in zip(live, engine.step_many([gens[i] for i in live]), strict=True):
+            assert not isinstance(result, Exception)
+            batched_lp[i] += result.logprobs
+    for a, b in zip(batched_lp, solo_lp, strict=True):
+        assert_logprobs_close(a, b)
+
+
+def test_seeded_sampling_in_a_batch_reproduces_its_solo_run(pair: tuple[Path, Path]) -> None:
+    """A seeded request at a given k samples what it samples alone, whatever shares its steps (an adaptive k
+    follows measured timings, so there only greedy output is fixed)."""
+    engine = make_engine(pair, slots=3)
+    seeded = GenerationRequest([0, 5, 2], 30, SamplingParams(temperature=1.0, seed=11), 3, "draft")
+    others = [GenerationRequest([1, 2, 3, 1, 2, 3], 20, SamplingParams(temperature=0.8, seed=3), 2, "combined"),
+              GenerationRequest([2, 2], 28, GREEDY, None, "draft")]
+    solo = decode(engine, engine.new_slot(0), seeded)
+    runs = [(engine.new_slot(i), r, 0) for i, r in enumerate([seeded, *others])]
+    together, _ = decode_together(engine, runs)
+    assert together[0] == solo
+    assert decode_together(engine, [(engine.new_slot(i), r, j) for i, (_, r, j) in enumerate(runs)])[0] == together
+
+
+def test_batch_calibration_measures_widths_and_leaves_the_slots_empty(pair: tuple[Path, Path]) -> None:
+    engine = make_engine(pair, slots=4)
+    costs = engine.calibrate_batches([0, 1, 2, 3], context=8, repeats=1)
+    assert sorted(costs.draft_s) == [1, 2, 4]
+    assert {1, 5, 9, 2, 10, 18, 4, 20, 36} <= set(costs.target_s)
+    assert all(engine.target.length(s) == 0 and engine.draft is not None and engine.draft.length(s) == 0
+               for s in range(4))
+
+
 def test_rollback_leaves_target_logits_as_without_speculation(pair: tuple[Path, Path]) -> None:
     """After many rejections, the cached slot's next-position logits equal those of a fresh full prefill."""
     engine = make_engine(pair)
@@ -399,3 +486,67 @@ def test_calibration_measures_every_width_and_stops_once_settled(pair: tuple[Pat
     assert engine.target.length(0) == 0 and engine.draft is not None and engine.draft.length(0) == 0
     engine.calibrate(context=16, repeats=4, max_repeats=12, settle=-1.0, budget_s=60.0)
     assert engine.calibration_rounds == 12  # nothing ever settles: up to the most rounds
+
+
+@pytest.mark.parametrize("per_token_s", [0.0, 1e-2])
+def test_batched_adaptive_k_follows_the_cost_of_the_batch(pair: tuple[Path, Path], per_token_s: float) -> None:
+    """Four adaptive streams in one step: where a batch costs the same whatever its tokens (a GPU far from
+    compute-bound), they draft; where each token costs a plain step's worth (compute-bound), none does, and
+    the output is the same."""
+    engine = make_engine(pair, slots=4)
+    fixed = 1e-2
+    engine.batch_costs = BatchCosts(target_s={n: fixed + per_token_s * n for n in (1, 4, 8, 16, 36)},
+                                    draft_s={w: 1e-4 for w in (1, 2, 4)}, decay=1.0)  # decay 1: measurements ignored
+    engine.batch_guard = BatchGuard(min_steps=10**6)  # the guard judges measured step times: out of the way here
+    requests = [GenerationRequest([i, 2, 3, 1], 16, GREEDY, None, "draft") for i in range(4)]
+    out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    proposed = 0
+    while not all(g.finished for g in gens):
+        live = [g for g in gens if not g.finished]
+        proposed += sum(r.proposed for r in engine.step_many(live) if not isinstance(r, Exception))
+    assert (proposed > 0) == (per_token_s == 0.0)
+    assert out == [run(engine, r.prompt_ids, 16, GREEDY, 0) for r in requests]
+
+
+def test_batch_guard_off_at_a_width_stops_policy_drafts_but_not_a_requests_own_k(pair: tuple[Path, Path]) -> None:
+    """Where the guard found drafting slower at a width (3 here), adaptive streams decode plainly there, a request
+    that asked for k still drafts, and the output is the same (once a stream is done, the width is another one)."""
+    engine = make_engine(pair, slots=3)
+    guard = BatchGuard(probe_every=10**6)
+    for drafted, seconds in ((True, 4.0), (False, 1.0)):
+        for _ in range(guard.min_steps):
+            guard.observe(3, drafted, seconds, 3)
+    engine.batch_guard = guard
+    requests = [GenerationRequest([1, 2, 3, 1, 2, 3], 20, GREEDY, None, "combined"),
+                GenerationRequest([0, 5, 2], 20, GREEDY, None, "draft"),
+                GenerationRequest([4, 4, 1], 20, GREEDY, 3, "draft")]
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    proposed = [0, 0, 0]
+    out: list[list[int]] = [[], [], []]
+    while not all(g.finished for g in gens):
+        live = [i for i, g in enumerate(gens) if not g.finished]
+        for i, result in zip(live, engine.step_many([gens[i] for i in live]), strict=True):
+            assert not isinstance(result, Exception)
+            proposed[i] += result.proposed if len(live) == 3 else 0
+            out[i] += result.token_ids
+    assert proposed[0] == proposed[1] == 0 and proposed[2] > 0
+    assert out == [run(engine, r.prompt_ids, 20, GREEDY, 0, proposer=r.proposer or "draft") for r in requests]
+
+
+def test_a_batched_prefill_feeds_the_draft_the_same_chunks(pair: tuple[Path, Path]) -> None:
+    """In a batched step, prompts that may draft go through the draft with the target's prefill chunks (no
+    whole-prompt catch-up in a later step every stream waits for); plain and lookup-only requests do not."""
+    engine = make_engine(pair, slots=3)
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2]  # 20 tokens: chunks of 16 and 4
+    requests = [GenerationRequest(prompt, 8, GREEDY, None, "draft"), GenerationRequest(prompt, 8, GREEDY, 0, "draft"),
+                GenerationRequest(prompt, 8, GREEDY, None, "lookup")]
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    assert engine.draft is not None
+    engine.step_many(gens)
+    assert [engine.draft.length(i) for i in range(3)] == [16, 0, 0]  # at least 16 prompt tokens each per step
+    engine.step_many(gens)
+    assert [engine.draft.length(i) for i in range(3)] == [20, 0, 0]
+    assert [g.generated for g in gens] == [1, 1, 1]
+    out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
+    assert out == [run(engine, prompt, 8, GREEDY, 0)] * 3

@@ -31,7 +31,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import specrpc
-from specrpc.models import CausalLM, load_model
+from specrpc.models import BatchRow, CausalLM, load_model
 from specrpc.models import llama as llama_mod
 from specrpc.models.hf_fallback import HFCausalLM
 from specrpc.models.llama import LlamaArgs, LlamaLM, bucket_for, bucket_sizes, rope_inv_freq
@@ -399,3 +399,37 @@ def test_greedy_draft_loop_equals_step_by_step_greedy(tmp_path: Path) -> None:
         tokens = llama_mod.greedy_draft_static(w, cache.slot_k[1], cache.slot_v[1], torch.tensor(expected[:1]),
                                                torch.tensor([10]), 5)
     assert tokens.tolist() == expected
+
+
+@pytest.mark.parametrize(("case", "lean"), [("llama-tied-gqa", True), ("qwen3-head-dim-bias-window", True),
+                                            ("starcoder2-tied-window", True), ("mistral-window", True),
+                                            ("llama-tied-gqa", False)])
+def test_batched_forward_gives_each_rows_solo_logits(case: str, lean: bool, tmp_path: Path) -> None:
+    """Ragged rows on five of six slots in one call (a prefill chunk; two verifies of 5, one into an empty slot;
+    plain decodes at different positions, one rewriting rolled-back positions; slot 3, inside the range of the
+    slots of equal-length rows, not in the batch): each row's logits, and its slot's cache afterwards, are those of
+    the row run alone; slot 3 is left as it was."""
+    cls, config = CASES[case]
+    path, _ = save(tmp_path, cls, config)
+    solo = load_model(path, device=CPU, dtype=F32, num_slots=6, max_context=CAPACITY, lean=lean)
+    batched = load_model(path, device=CPU, dtype=F32, num_slots=6, max_context=CAPACITY, lean=lean)
+    g = torch.Generator().manual_seed(3)
+    contexts = [0, 12, 20, 9, 30, 0]  # tokens each slot already holds
+    for lm in (solo, batched):
+        for slot, n in enumerate(contexts):
+            if n:
+                lm.forward(torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(slot)), 0, slot)
+        lm.truncate(4, 7)  # a rollback: the row below rewrites position 7 of slot 4
+    shapes = {0: (11, 0, 1), 1: (5, 12, 5), 2: (1, 20, 1), 4: (1, 7, 1), 5: (5, 0, 5)}  # slot: (tokens, start, logits)
+    rows = [BatchRow(torch.randint(0, VOCAB, (t,), generator=g), start, slot, logits)
+            for slot, (t, start, logits) in shapes.items()]
+    out = batched.forward_batch(list(reversed(rows)))[::-1]
+    for row, logits in zip(rows, out, strict=True):
+        close(logits, solo.forward(row.ids, row.start, row.slot, row.num_logits), atol=1e-5)
+        assert batched.length(row.slot) == solo.length(row.slot) == row.start + row.ids.shape[0]
+    for slot in range(6):
+        nxt = torch.tensor([7])
+        close(batched.forward(nxt, batched.length(slot), slot), solo.forward(nxt, solo.length(slot), slot), atol=1e-5)
+    assert batched.length(3) == 10
+    with pytest.raises(ValueError, match="each slot once"):
+        batched.forward_batch([rows[0], rows[0]])

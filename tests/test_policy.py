@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from specrpc.policy import AcceptanceEstimate, AdaptivePolicy, CostModel, expected_tokens
+from specrpc.policy import (
+    AcceptanceEstimate,
+    AdaptivePolicy,
+    BatchCosts,
+    BatchGuard,
+    BatchLoad,
+    CostModel,
+    expected_tokens,
+)
 
 
 def costs(c: float, v_per_token: float, max_k: int = 8) -> CostModel:
@@ -131,3 +139,70 @@ def test_first_measurements_move_the_calibrated_costs_gradually_and_copies_refin
     for _ in range(costs.window):
         twin.observe_target(1, 0.030)
     assert twin.target_step_s == 0.030 and costs.target_step_s < 0.020
+
+
+def batch_costs(fixed_s: float, per_token_s: float, draft_s: float = 0.05) -> BatchCosts:
+    """A batched target forward of n tokens takes fixed + n · per_token seconds (measured at a few sizes)."""
+    return BatchCosts(target_s={n: fixed_s + per_token_s * n for n in (1, 2, 4, 8, 16, 36, 72, 144)},
+                      draft_s={w: draft_s * (1 + 0.1 * w) for w in (1, 2, 4, 8, 16)})
+
+
+def test_batch_costs_interpolate_and_never_fall() -> None:
+    table = BatchCosts(target_s={2: 2.0, 4: 3.0, 8: 2.9})
+    assert table.target(3) == pytest.approx(2.5) and table.target(1) == pytest.approx(2.0)
+    assert table.target(16) == pytest.approx(2.9)  # noisy last points falling: extended flat, not downwards
+    assert BatchCosts().target(4) > 0 and BatchCosts(target_s={1: 0.0}).target(1) > 0
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4, 8, 16])
+def test_batched_k_shrinks_with_the_batch_and_turns_off(streams: int) -> None:
+    """A device where a forward costs about its tokens beyond a fixed part (a CPU): alone, the stream speculates as
+    its solo policy would; in a batch its k is chosen for the batch's throughput, smaller as the batch grows, and
+    0 once each extra token costs more than the tokens it is expected to add."""
+    policy = AdaptivePolicy(max_k=8, costs=costs(c=0.05, v_per_token=0.1),
+                            acceptance={"draft": AcceptanceEstimate(accepted=80, trials=100)})
+    table = batch_costs(fixed_s=1.0, per_token_s=0.1)
+    others = streams - 1
+    load = BatchLoad(table, tokens=others, committed=float(others), drafting=0)
+    ks = [policy.choose(batch=load) for _ in range(3)]
+    assert len(set(ks)) == 1
+    k = ks[0]
+    if streams == 1:
+        assert k >= 3
+    else:
+        fewer = BatchLoad(table, tokens=others // 2, committed=float(others // 2), drafting=0)
+        assert k <= policy.choose(batch=fewer)
+    if streams == 16:
+        assert k == 0
+
+
+def test_a_flat_batch_cost_keeps_speculating_in_a_batch() -> None:
+    """A device whose forward costs the same for any width (a GPU far from compute-bound): k stays deep."""
+    policy = AdaptivePolicy(max_k=8, costs=costs(c=0.05, v_per_token=0.0),
+                            acceptance={"draft": AcceptanceEstimate(accepted=90, trials=100)})
+    load = BatchLoad(batch_costs(fixed_s=1.0, per_token_s=0.0, draft_s=0.01), tokens=15, committed=15.0, drafting=3)
+    assert policy.choose(batch=load) >= 4
+
+
+def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes_back() -> None:
+    guard = BatchGuard(min_steps=2, probe_every=4, probe_k=2)
+    width = 8
+    seen = []
+    for _ in range(2):  # drafted steps first (at most probe_k), then plain ones are measured
+        seen.append(guard.limit(width))
+        guard.observe(width, True, 2.0, 8)  # 0.25 s per token with drafts
+    for _ in range(2):
+        seen.append(guard.limit(width))
+        guard.observe(width, False, 1.0, 8)  # 0.125 s per token plain: drafting is slower here
+    assert seen == [2, 2, 0, 0] and guard.drafting_off(width) and guard.drafting_off(5) and not guard.drafting_off(4)
+    decisions = [guard.limit(width) for _ in range(8)]
+    assert decisions == [0, 0, 0, 2, 0, 0, 0, 2]  # off, a probe (at most probe_k) every 4th step
+    assert guard.limit(4) == 2 and guard.limit(7) == 0  # another bucket of widths decides on its own; 5..8 together
+    assert [BatchGuard.bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+    for _ in range(4):  # the stall is gone: the next probe is fast, and speculation stays on, unlimited
+        if guard.limit(width):
+            guard.observe(width, True, 0.5, 8)
+            break
+        guard.observe(width, False, 1.0, 8)
+    assert all(guard.limit(width) is None for _ in range(5))
+    assert guard.speedup(width) is not None and guard.speedup(width) > 1

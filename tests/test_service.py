@@ -624,6 +624,8 @@ async def test_only_the_latest_of_queued_requests_on_a_session_runs(
     await first_tokens(first)
     # two keystrokes in a burst: the middle one is replaced before (or just after) it starts
     middle = asyncio.ensure_future(collect(stub.Generate(long_request(session_id=session, prompt="Once upon"))))
+    # the middle request must reach the server first (two concurrent calls may arrive in either order)
+    await wait_until(lambda: server.runtime.registry.sessions[session].latest >= 2, what="the middle request seen")
     last = asyncio.ensure_future(collect(stub.Generate(greedy(n=4, session_id=session, speculation=GREEDY_K0))))
     _, middle_summary = await asyncio.wait_for(middle, timeout=20)
     _, last_summary = await asyncio.wait_for(last, timeout=20)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -211,27 +213,54 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             }
 
             sweep: dict[str, dict[str, float]] = {}
-            for streams in concurrency:
-                for name, k in (("adaptive", None), ("target-only", 0)):
-                    t0 = time.perf_counter()
-                    batches = [cases[i % len(cases) :: streams] or cases[:1] for i in range(streams)]
-
-                    async def worker(batch: list[Case], k: int | None = k) -> list[Run]:
-                        return [(await one(c, k, j))[0] for j, c in enumerate(batch)]
-
-                    results = await asyncio.gather(*(worker(b) for b in batches))
-                    wall = time.perf_counter() - t0
-                    runs = [r for rs in results for r in rs]
-                    s = summarize(runs)
-                    sweep[f"{streams}:{name}"] = {
-                        "streams": streams, "aggregate_tokens_per_s": sum(len(r.tokens) for r in runs) / wall,
-                        "itl_p99_ms": s["itl_p99_ms"], "ttft_p99_ms": percentile([r.ttft_s for r in runs], 99) * 1e3,
-                    }
+            for streams in concurrency:  # both modes in one run, side by side: the same server, machine and moment
+                for mode in ("batched", "round-robin"):
+                    await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, mode)))
+                    for name, k in (("adaptive", None), ("target-only", 0)):
+                        sweep[f"{streams}:{mode}:{name}"] = await sweep_point(one, cases, streams, k, runtime)
+                        sweep[f"{streams}:{mode}:{name}"]["streams"] = streams
+            await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, "batched")))
+            for key, value in list(sweep.items()):  # the batched figures also under their former names
+                if ":batched:" in key:
+                    sweep[key.replace(":batched:", ":")] = value
             out["concurrency"] = sweep
     finally:
         await running.server.stop(0)
         running.janitor.cancel()
     return out
+
+
+def set_batching(runtime: Runtime, mode: str) -> None:
+    """On the device thread: batched steps ("batched") or round-robin for what follows."""
+    runtime.scheduler.batching = mode == "batched"
+
+
+async def sweep_point(one: Callable[[Case, int | None, int], Awaitable[tuple[Run, int]]], cases: list[Case],
+                      streams: int, k: int | None, runtime: Runtime) -> dict[str, float]:
+    """`streams` clients at once, each running its share of `cases` one after the other with k (None: adaptive):
+    aggregate and per-stream tokens/s, ITL p50/p99, mean k, and the bound plain batched decoding has from the
+    measured batch costs (`streams` tokens per target forward of that many tokens, nothing else)."""
+    t0 = time.perf_counter()
+    batches = [cases[i % len(cases) :: streams] or cases[:1] for i in range(streams)]
+
+    async def worker(batch: list[Case]) -> list[Run]:
+        return [(await one(c, k, j))[0] for j, c in enumerate(batch)]
+
+    results = await asyncio.gather(*(worker(b) for b in batches))
+    wall = time.perf_counter() - t0
+    runs = [r for rs in results for r in rs]
+    s = summarize(runs)
+    per_stream = [sum(len(r.tokens) for r in rs) / sum(r.total_s for r in rs) for rs in results if rs]
+    steps = sum(r.steps for r in runs)
+    costs = runtime.engine.batch_costs
+    return {
+        "aggregate_tokens_per_s": sum(len(r.tokens) for r in runs) / wall,
+        "per_stream_tokens_per_s": statistics.fmean(per_stream) if per_stream else 0.0,
+        "itl_p50_ms": s["itl_p50_ms"], "itl_p99_ms": s["itl_p99_ms"],
+        "ttft_p99_ms": percentile([r.ttft_s for r in runs], 99) * 1e3,
+        "mean_k": sum(r.proposed for r in runs) / steps if steps else 0.0,
+        "bound_tokens_per_s": streams / costs.target(streams) if costs.target_s else 0.0,
+    }
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -265,14 +294,20 @@ def markdown(results: dict[str, Any]) -> str:
                   f"{o['ttft_delta_ms']:+.2f} ms over in-process (client TTFT beyond the server's own: median "
                   f"{o['edge_ttft_ms']:.2f} ms); {o['per_message_us']:.0f} µs per streamed message "
                   "(total-time difference ÷ messages).", "",
-                  "| streams | adaptive tokens/s | target-only tokens/s | adaptive ITL p99 ms | "
-                  "target-only ITL p99 ms |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | bound (batched "
+                  "target-only, measured batch costs) | adaptive ITL p50 / p99 ms | target-only ITL p99 ms | "
+                  "mean k |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         sweep = g["concurrency"]
-        for streams in sorted({v["streams"] for v in sweep.values()}):
-            a, t = sweep[f"{int(streams)}:adaptive"], sweep[f"{int(streams)}:target-only"]
-            lines.append(f"| {int(streams)} | {a['aggregate_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
-                         f"{a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} |")
+        for streams in sorted({int(v["streams"]) for v in sweep.values()}):
+            for mode in ("batched", "round-robin"):
+                if f"{streams}:{mode}:adaptive" not in sweep:
+                    continue
+                a, t = sweep[f"{streams}:{mode}:adaptive"], sweep[f"{streams}:{mode}:target-only"]
+                lines.append(f"| {streams} | {mode} | {a['aggregate_tokens_per_s']:.1f} | "
+                             f"{a['per_stream_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
+                             f"{t['bound_tokens_per_s']:.1f} | {a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | "
+                             f"{t['itl_p99_ms']:.1f} | {a['mean_k']:.2f} |")
     if "workloads" in results:
         lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
                   "| --- | --- | --- | --- | --- |"]
@@ -359,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", default="1,2,3,4,6,8", help="fixed k contenders")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers contenders")
     parser.add_argument("--no-grpc", action="store_true", help="skip the gRPC phase and concurrency sweep")
-    parser.add_argument("--concurrency", default="1,2,4,8")
+    parser.add_argument("--concurrency", default="1,2,4,8,16",
+                        help="streams at once in the sweep, batched and round-robin (raises --max-sessions to fit)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     parser.add_argument("--weights", default="dtype", choices=["dtype", "int8", "bf16"],
@@ -422,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",") if k]
-    engine_config = EngineConfig(target=args.target, draft=args.draft, max_sessions=8, max_context=1024,
+    widest = max([int(c) for c in args.concurrency.split(",") if c] or [1])
+    engine_config = EngineConfig(target=args.target, draft=args.draft, max_sessions=max(8, widest), max_context=1024,
                                  max_draft_tokens=max([*ks, 8]), threads=args.threads, dtype=args.dtype,
                                  weights=args.weights)
     config = Config(engine=engine_config, server=ServerConfig(port=0, log_format="console", log_level="warning"),
@@ -434,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = Runtime(config)
     rss_load = rss_bytes() - rss0
     runtime.engine.calibrate()
+    runtime.engine.calibrate_batches([slot.index for slot in runtime.registry.slots])
     cases = build_cases(args.cases, workloads=tuple(w for w in args.workloads.split(",") if w))
     if args.max_new_tokens:
         cases = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases]

@@ -7,9 +7,10 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specrpc.kv_cache import SlotLengths
+from specrpc.models.batch import BatchRow
 from specrpc.models.loader import load_model, load_tokenizer
 
-__all__ = ["CausalLM", "load_model", "load_tokenizer"]
+__all__ = ["BatchRow", "CausalLM", "load_model", "load_tokenizer"]
 
 
 @runtime_checkable
@@ -34,6 +35,11 @@ class CausalLM(Protocol):
         positions [0, start) plus the new tokens causally; sets the slot length to start+T; returns float32 logits
         [num_logits, V] for the LAST num_logits positions (prefill asks 1, verify asks k+1). Needs
         start <= length(slot) and start+T <= max_context (ValueError otherwise); start < length overwrites."""
+        ...
+
+    def forward_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        """Several slots in one call, each row as `forward` would run it alone (its own tokens at its own positions
+        of its own slot, each slot at most once) → per row float32 logits [num_logits, V]."""
         ...
 
     def truncate(self, slot: int, length: int) -> None:

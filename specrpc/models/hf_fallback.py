@@ -4,6 +4,10 @@ In transformers 5.24 a StaticCache layer tracks its own fill level (`cumulative_
 in, so the length of a slot is that counter and a rollback is `StaticCache.crop(-n)`. The causal mask is built from
 the counter (query offset) over the whole preallocated length, so entries left past the length after a rollback are
 hidden, then overwritten by the next write.
+
+A batched forward (`forward_batch`) runs its rows one after the other: each slot is its own StaticCache object,
+which a transformers forward takes one at a time, so stacking slots would mean copying every row's cache in and
+out. The engine's batching is then a loop here (correct, not faster); the lean forward batches for real.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import StaticLayer
 
 from specrpc.kv_cache import SlotLengths
+from specrpc.models.batch import BatchRow, check_rows
 
 
 class StaticSlotCache(SlotLengths):
@@ -99,6 +104,11 @@ class HFCausalLM:
         self.cache.commit(slot, start + count)
         logits: torch.Tensor = out.logits[0].float()  # [num_logits, V]
         return logits
+
+    def forward_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        """Each row's `forward`, in order (see the module docstring) → per row float32 logits [num_logits, V]."""
+        check_rows(rows)
+        return [self.forward(r.ids, r.start, r.slot, r.num_logits) for r in rows]
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll `slot` back to `length` positions."""

@@ -22,6 +22,7 @@ With int8 weights (`--weights int8`, CPU) a projection keeps only `q8` and its s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from specrpc.kv_cache import KVCache
+from specrpc.models.batch import BatchRow, check_rows
 
 if TYPE_CHECKING:
     from specrpc.models.cuda_graphs import GraphedDraftLoop, GraphedForward
@@ -436,7 +438,20 @@ def _attention_spans(
     return spans
 
 
-Attended = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # keys, values [1, hkv, S, D], mask [rep·T, S]
+Attention = Callable[[int, int | None, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(layer index, window, q [T, hq, D], k_new [hkv, T, D], v_new [hkv, T, D]) → attention output [T, hq·D]: stores
+the new K/V and attends to what each query may see."""
+
+
+def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [T, hq, D] against k, v [1, hkv, S, D] under mask [rep·T, S] (None: all visible) → [T, hq·D]. Query heads
+    are grouped by their KV head ([1, hkv, rep·T, D]) so GQA needs no repeated K/V."""
+    count, hq, dh = q.shape
+    hkv = k.shape[1]
+    rep = hq // hkv
+    q = q.reshape(count, hkv, rep, dh).permute(1, 2, 0, 3).reshape(1, hkv, rep * count, dh)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [1, hkv, rep·T, D] (4-D: fused CPU kernel)
+    return o.view(hkv, rep, count, dh).permute(2, 0, 1, 3).reshape(count, hq * dh)  # [T, hq·D]
 
 
 def _decoder(
@@ -444,21 +459,16 @@ def _decoder(
     ids: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    attend: Callable[[int, int | None, torch.Tensor, torch.Tensor], Attended],
-    num_logits: int,
-    valid: int | None = None,
+    attention: Attention,
+    logit_rows: slice | torch.Tensor,
 ) -> torch.Tensor:
-    """The layers over ids [T] with RoPE rows cos, sin [T, D] → logits [num_logits, V] (float32) of the last
-    `num_logits` of the first `valid` rows (all T by default; fewer when ids end in padding).
-
-    attend(layer index, window, k_new [hkv, T, D], v_new [hkv, T, D]) stores the new K/V and returns the keys and
-    values to attend to ([1, hkv, S, D] each) and a bool mask [rep·T, S] (None: all visible).
-    Query heads are grouped by their KV head ([H_kv, rep·T, D]) so GQA needs no repeated K/V.
-    """
+    """The layers over ids [T] with RoPE rows cos, sin [T, D] → float32 logits [R, V] of the rows `logit_rows`
+    selects (R of them). `attention` (see `Attention`) is all that differs between one slot, a fixed-shape graph
+    and a batch of slots: the matrix products run once over all T tokens."""
     a = w.args
     count = ids.shape[0]
     hq, hkv, dh = a.heads, a.kv_heads, a.head_dim
-    rep, nqk = hq // hkv, (hq + hkv) * dh
+    nqk = (hq + hkv) * dh
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
     x = F.embedding(ids, w.embed)  # [T, d]
     for i, layer in enumerate(w.layers):
@@ -468,18 +478,31 @@ def _decoder(
         if layer.qk_norm is not None:
             qk = F.rms_norm(qk, (dh,), None, a.eps).mul_(layer.qk_norm)  # per head, [T, hq + hkv, D]
         qk = torch.addcmul(qk * cos, qk.roll(dh // 2, -1), sin)  # rotary, [T, hq + hkv, D]
-        k, v, mask = attend(i, layer.window, qk[:, hq:].transpose(0, 1),  # [hkv, T, D]
-                            qkv[:, nqk:].view(count, hkv, dh).transpose(0, 1))  # [hkv, T, D]
-        q = qk[:, :hq].reshape(count, hkv, rep, dh).permute(1, 2, 0, 3).reshape(1, hkv, rep * count, dh)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [1, hkv, rep·T, D] (4-D: fused CPU kernel)
-        o = o.view(hkv, rep, count, dh).permute(2, 0, 1, 3).reshape(count, hq * dh)  # [T, hq·D]
+        o = attention(i, layer.window, qk[:, :hq], qk[:, hq:].transpose(0, 1),  # [T, hq, D], [hkv, T, D]
+                      qkv[:, nqk:].view(count, hkv, dh).transpose(0, 1))  # [hkv, T, D] → o [T, hq·D]
         x = _linear_add(o, layer.o, x)  # [T, d]
         up = _linear(layer.mlp_norm(x), layer.up)  # [T, 2·ffn] gated, [T, ffn] plain
         hidden = w.act(up[:, : a.ffn]).mul_(up[:, a.ffn :]) if a.gated else w.act(up)  # [T, ffn]
         x = _linear_add(hidden, layer.down, x)  # [T, d]
-    end = count if valid is None else valid
-    x = w.norm(x[end - num_logits : end])  # [num_logits, d]
-    return _linear(x, w.head).float()  # [num_logits, V]
+    x = w.norm(x[logit_rows])  # [R, d]
+    return _linear(x, w.head).float()  # [R, V]
+
+
+def _slot_attention(
+    w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, end: int
+) -> Attention:
+    """Attention of positions start..end-1 of one slot (k_cache, v_cache [L, H_kv, C, D]): writes their K/V, reads
+    only the span a layer can see, so the cost grows with the context, not the capacity."""
+    spans = _attention_spans(w, start, end)
+
+    def attention(i: int, window: int | None, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+                  ) -> torch.Tensor:
+        k_cache[i, :, start:end] = k_new
+        v_cache[i, :, start:end] = v_new
+        lo, mask = spans[window]
+        return _grouped_sdpa(q, k_cache[i, None, :, lo:end], v_cache[i, None, :, lo:end], mask)  # [T, hq·D]
+
+    return attention
 
 
 def llama_forward(
@@ -489,19 +512,95 @@ def llama_forward(
     """ids [T] at positions start..start+T-1 → logits [num_logits, V] (float32) for the last positions (of the first
     `valid` ids, when the rest is padding: its K/V lie past the slot's length, where nothing reads them).
 
-    k_cache, v_cache: one slot's [L, H_kv, C, D]; positions start..start+T-1 are written, [0, start) are read
-    (only the span a layer can see, so the cost grows with the context, not the capacity).
+    k_cache, v_cache: one slot's [L, H_kv, C, D]; positions start..start+T-1 are written, [0, start) are read.
     """
     end = start + ids.shape[0]
-    spans = _attention_spans(w, start, end)
+    last = ids.shape[0] if valid is None else valid
+    return _decoder(w, ids, w.cos[start:end], w.sin[start:end], _slot_attention(w, k_cache, v_cache, start, end),
+                    slice(last - num_logits, last))
 
-    def attend(i: int, window: int | None, k_new: torch.Tensor, v_new: torch.Tensor) -> Attended:
-        k_cache[i, :, start:end] = k_new
-        v_cache[i, :, start:end] = v_new
-        lo, mask = spans[window]
-        return k_cache[i, None, :, lo:end], v_cache[i, None, :, lo:end], mask  # [1, hkv, S, D]
 
-    return _decoder(w, ids, w.cos[start:end], w.sin[start:end], attend, num_logits, valid)
+def _rows_attention(w: LlamaWeights, k_all: torch.Tensor, v_all: torch.Tensor, rows: list[BatchRow]) -> Attention:
+    """Attention of several rows of T tokens each (decode steps, verify steps of one k) as one SDPA per layer, not
+    one per row: the queries go in a [slots, hkv, rep·T, D] batch over the slots from the lowest to the highest of
+    theirs, the keys are the cache itself ([L, S, H_kv, C, D], a strided view, no copy) up to the furthest row's
+    last position, each row masked to its own positions (a slot in the range with no row attends to its key 0, and
+    is dropped)."""
+    a = w.args
+    hkv, rep, dh = a.kv_heads, a.heads // a.kv_heads, a.head_dim
+    count, tokens = len(rows), rows[0].ids.shape[0]
+    slots = [r.slot for r in rows]
+    low = min(slots)
+    width = max(slots) + 1 - low
+    device = k_all.device
+    at = torch.tensor([s - low for s in slots], device=device)  # [n]: each row's place in the batch
+    steps = w.positions[:tokens]  # [T]
+    pos = torch.tensor([r.start for r in rows], device=device)[:, None] + steps  # [n, T]
+    slot_ids = (at + low)[:, None].expand(count, tokens)  # [n, T]
+    span = max(r.start for r in rows) + tokens
+    q_pos = torch.zeros(width, tokens, dtype=torch.long, device=device).index_copy_(0, at, pos)  # [B, T]
+    q_pos = q_pos.repeat(1, rep)[:, :, None]  # [B, rep·T, 1], rows ordered (rep, t)
+    k_pos = w.positions[:span]  # [S]
+    masks: dict[int | None, torch.Tensor] = {}
+    for window in {layer.window for layer in w.layers}:
+        mask = k_pos <= q_pos  # [B, rep·T, S]
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        masks[window] = mask[:, None]  # [B, 1, rep·T, S]
+
+    def attention(i: int, window: int | None, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+                  ) -> torch.Tensor:
+        k_all[i, slot_ids, :, pos] = k_new.reshape(hkv, count, tokens, dh).permute(1, 2, 0, 3)  # [n, T, hkv, D]
+        v_all[i, slot_ids, :, pos] = v_new.reshape(hkv, count, tokens, dh).permute(1, 2, 0, 3)
+        q = q.reshape(count, tokens, hkv, rep, dh).permute(0, 2, 3, 1, 4).reshape(count, hkv, rep * tokens, dh)
+        grouped = q.new_zeros(width, hkv, rep * tokens, dh).index_copy_(0, at, q)  # [B, hkv, rep·T, D]
+        o = F.scaled_dot_product_attention(grouped, k_all[i, low : low + width, :, :span],
+                                           v_all[i, low : low + width, :, :span], attn_mask=masks[window])
+        o = o[at].view(count, hkv, rep, tokens, dh).permute(0, 3, 1, 2, 4)  # [n, T, hkv, rep, D]
+        return o.reshape(count * tokens, a.heads * dh)  # [n·T, hq·D]
+
+    return attention
+
+
+def llama_forward_batch(
+    w: LlamaWeights, k_all: torch.Tensor, v_all: torch.Tensor, rows: list[BatchRow]
+) -> list[torch.Tensor]:
+    """Several slots in one forward, each row with its own tokens at its own positions (ragged): the rows' tokens
+    are concatenated [N] for every matrix product, and split for attention, where each row attends to its own
+    slot's cache up to its position (rows of equal length together, `_rows_attention`; a row of a length no other
+    row has, alone). k_all, v_all: the whole cache [L, S, H_kv, C, D]. → per row float32 logits [num_logits, V], as
+    `llama_forward` of that row alone computes them (up to the rounding of a product over more rows)."""
+    order = sorted(range(len(rows)), key=lambda j: rows[j].ids.shape[0])  # rows of one length side by side
+    rows = [rows[j] for j in order]
+    lengths = [r.ids.shape[0] for r in rows]
+    groups: list[tuple[int, int, Attention]] = []  # token range in the concatenation, and its attention
+    end = 0
+    for length, members in itertools.groupby(rows, key=lambda r: r.ids.shape[0]):
+        same = list(members)
+        if len(same) > 1:
+            groups.append((end, end + length * len(same), _rows_attention(w, k_all, v_all, same)))
+        else:
+            r = same[0]
+            groups.append((end, end + length, _slot_attention(w, k_all[:, r.slot], v_all[:, r.slot], r.start,
+                                                              r.start + length)))
+        end += length * len(same)
+
+    def attention(i: int, window: int | None, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+                  ) -> torch.Tensor:
+        parts = [part(i, window, q[lo:hi], k_new[:, lo:hi], v_new[:, lo:hi]) for lo, hi, part in groups]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, hq·D]
+
+    ids = torch.cat([r.ids for r in rows])  # [N]
+    positions = torch.cat([w.positions[r.start : r.start + r.ids.shape[0]] for r in rows])  # [N]
+    ends = list(itertools.accumulate(lengths))
+    picks = torch.cat([w.positions[e - r.num_logits : e] for r, e in zip(rows, ends, strict=True)])  # [R]
+    logits = _decoder(w, ids, w.cos[positions], w.sin[positions], attention, picks)  # [R, V]
+    sizes = [r.num_logits for r in rows]
+    out = [logits[e - n : e] for n, e in zip(sizes, itertools.accumulate(sizes), strict=True)]
+    result: list[torch.Tensor] = [out[0]] * len(out)
+    for place, j in enumerate(order):
+        result[j] = out[place]
+    return result
 
 
 def llama_forward_static(
@@ -518,12 +617,14 @@ def llama_forward_static(
     masks = {window: causal if window is None else causal & (k_pos > q_pos - window)
              for window in {layer.window for layer in w.layers}}
 
-    def attend(i: int, window: int | None, k_new: torch.Tensor, v_new: torch.Tensor) -> Attended:
+    def attention(i: int, window: int | None, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+                  ) -> torch.Tensor:
         k_cache[i].index_copy_(1, pos, k_new)  # [hkv, C, D]
         v_cache[i].index_copy_(1, pos, v_new)
-        return k_cache[i, None], v_cache[i, None], masks[window]  # [1, hkv, C, D]
+        return _grouped_sdpa(q, k_cache[i, None], v_cache[i, None], masks[window])  # [T, hq·D]
 
-    return _decoder(w, ids, w.cos[pos], w.sin[pos], attend, num_logits)
+    count = ids.shape[0]
+    return _decoder(w, ids, w.cos[pos], w.sin[pos], attention, slice(count - num_logits, count))
 
 
 def greedy_draft_static(
@@ -834,6 +935,22 @@ class LlamaLM:
                     self.weights, self.cache.slot_k[slot], self.cache.slot_v[slot], padded, start, num_logits, count
                 )
         self.cache.commit(slot, start + count)
+        return logits
+
+    def forward_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        """Several slots in one forward (`llama_forward_batch`) → per row float32 logits [num_logits, V]. One row
+        takes `forward` (CUDA graphs, padded sizes); more rows run eagerly, their tokens concatenated for every
+        matrix product."""
+        check_rows(rows)
+        if len(rows) == 1:
+            r = rows[0]
+            return [self.forward(r.ids, r.start, r.slot, r.num_logits)]
+        for r in rows:
+            self.cache.begin_write(r.slot, r.start, r.ids.shape[0])
+        with torch.inference_mode():
+            logits = llama_forward_batch(self.weights, self.cache.k, self.cache.v, rows)
+        for r in rows:
+            self.cache.commit(r.slot, r.start + r.ids.shape[0])
         return logits
 
     def greedy_draft(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:

@@ -1,0 +1,99 @@
+"""The device thread's two ways of stepping many streams, through the real server (shipped pair, CPU): batched steps
+(one engine step for every runnable stream) and round-robin give every stream its solo output, streams that join
+while others decode included, and a stream's prefill does not hold the others back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+from service_helpers import collect, ids_of
+
+from specrpc.config import build_config
+from specrpc.engine import StepResult
+from specrpc.scheduler import Job
+from specrpc.server import Running
+from specrpc.v1 import generator_pb2 as pb
+from specrpc.v1 import generator_pb2_grpc as pb_grpc
+
+PROMPTS = ["def parse(line):\n    ", "import os\n\nclass Cache:\n    def __init__(self", "for i in range(10):\n",
+           "# " + "a long comment that takes more than one prefill chunk " * 12 + "\nx ="]
+
+
+@pytest.fixture
+def batching(server: Running) -> Iterator[None]:
+    """Restore the scheduler's mode after the test."""
+    scheduler = server.runtime.scheduler
+    old = scheduler.batching
+    yield
+    scheduler.call(lambda: setattr(scheduler, "batching", old)).result()
+
+
+def request(prompt: str, i: int) -> pb.GenerateRequest:
+    spec = [pb.SpeculationParams(), pb.SpeculationParams(num_draft_tokens=0), pb.SpeculationParams(num_draft_tokens=3)]
+    return pb.GenerateRequest(prompt=prompt, max_new_tokens=24 + 4 * i, speculation=spec[i % 3],
+                              sampling=pb.SamplingParams(temperature=0.0))
+
+
+async def concurrently(stub: pb_grpc.GeneratorStub, delays: list[float]) -> list[list[int]]:
+    async def one(i: int, prompt: str) -> list[int]:
+        await asyncio.sleep(delays[i])
+        chunks, _ = await collect(stub.Generate(request(prompt, i)))
+        return ids_of(chunks)
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+
+
+@pytest.mark.parametrize("mode", [True, False], ids=["batched", "round-robin"])
+async def test_concurrent_greedy_streams_equal_their_solo_runs(stub: pb_grpc.GeneratorStub, server: Running,
+                                                               batching: None, mode: bool) -> None:
+    scheduler = server.runtime.scheduler
+    scheduler.call(lambda: setattr(scheduler, "batching", mode)).result()
+    solo = [ids_of((await collect(stub.Generate(request(p, i))))[0]) for i, p in enumerate(PROMPTS)]
+    widths: Counter[float] = Counter()  # jobs per engine step, by the step's measured seconds
+    scheduler.on_step = lambda job, result, seconds: widths.update([seconds])
+    try:
+        assert await concurrently(stub, [0.0, 0.0, 0.0, 0.0]) == solo
+        assert await concurrently(stub, [0.0, 0.05, 0.1, 0.02]) == solo  # the long prompt joins while others decode
+    finally:
+        scheduler.on_step = None
+    assert (max(widths.values()) == len(PROMPTS)) == mode
+
+
+async def test_a_prefill_shares_its_step_with_the_decoding_streams(stub: pb_grpc.GeneratorStub, server: Running,
+                                                                    batching: None) -> None:
+    """With batched steps, a prompt arriving while another stream decodes is prefilled in the same engine steps
+    as that stream's decode steps (the decoding stream waits no step for it)."""
+    scheduler = server.runtime.scheduler
+    scheduler.call(lambda: setattr(scheduler, "batching", True)).result()
+    long_prompt = "# " + "spam and eggs " * 60
+    assert 100 < len(server.runtime.encode(long_prompt)) < 400
+    steps: list[tuple[str, int, float]] = []  # (stream, tokens, seconds of the engine step it was in)
+
+    def record(job: Job, result: StepResult, seconds: float) -> None:
+        steps.append(("long" if len(job.request.prompt_ids) > 100 else "short", len(result.token_ids), seconds))
+
+    scheduler.on_step = record
+    try:
+        decoding = stub.Generate(pb.GenerateRequest(prompt="x = 1\n", max_new_tokens=200,
+                                                    speculation=pb.SpeculationParams(num_draft_tokens=0)))
+        async for _ in decoding:
+            break
+        _, summary = await collect(stub.Generate(pb.GenerateRequest(prompt=long_prompt, max_new_tokens=2)))
+        decoding.cancel()
+    finally:
+        scheduler.on_step = None
+    assert summary.completion_tokens == 2
+    first_long = next(i for i, s in enumerate(steps) if s[0] == "long")
+    prefill = steps[first_long]
+    assert prefill[1] == 1, "the whole prompt in one chunk, its first token out"
+    assert any(s[0] == "short" and s[2] == prefill[2] and s[1] == 1 for s in steps), "same step, a token each"
+
+
+def test_batching_setting_defaults_on_and_is_validated() -> None:
+    assert build_config(None, env={}).engine.batching == "on"
+    assert build_config(None, env={"SPECRPC_BATCHING": "off"}).engine.batching == "off"
+    with pytest.raises(ValueError, match="--batching must be on or off"):
+        build_config(None, env={"SPECRPC_BATCHING": "maybe"})
