@@ -32,7 +32,7 @@ class EngineConfig:
     speculation: str = "adaptive"
     proposer: str = "combined"
     prefill_chunk: int = 512
-    batching: str = "on"
+    batching: str = "off"  # on: see docs/benchmarks.md (issue 18) for where it wins and where it loses today
     lean: bool = True
     threads: int = 0
     draft_int8: bool = True

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from specrpc.fim import declared_fim
 from specrpc.training.corpus import EVALUATION_PACKAGES, SourceFile, evaluation_sources, is_heldout, iter_sources
 from specrpc.training.fim_eval import fim_exact_match
 from specrpc.training.tokenizer import FILE_SEP
@@ -127,6 +128,7 @@ def main() -> int:
         "sample_bare": sample_bare,
         "python": platform.python_version(), "heldout_files": len(heldout), "window": args.window,
         "corpus": json.loads(manifest_path.read_text()) if manifest_path.exists() else None,
+        "fim_orders": list((declared_fim(tdir) or {}).get("orders", [])),
     }
     (args.assets / "model_card.json").write_text(json.dumps(card, indent=2))
     (args.assets / "MODEL_CARD.md").write_text(render(card))
@@ -228,6 +230,7 @@ def render(card: dict[str, Any]) -> str:
         for name, v in r.items()
     )
     fim = card.get("fim_next_line") or {}
+    fim_orders = card.get("fim_orders") or []
     fim_rows = "\n".join(f"| {order.upper()} | {v['cases']} | {v['line_start']:.3f} | {v['mid_line']:.3f} |"
                          for order, v in fim.items())
     fim_table = (f"""
@@ -243,6 +246,17 @@ Fill-in-the-middle, next-line exact match of the target on held-out code (`specr
 A byte-level BPE tokenizer ({plan['vocab_size']} tokens, with `<|endoftext|>`, `<|fim_prefix|>`, `<|fim_suffix|>`,
 `<|fim_middle|>` and `<|file_sep|>`), a Llama-architecture **target** and a Llama-architecture **draft** sharing it.
 The embedded default of `specrpc serve` and the fixture of its tests; not a general-purpose model.
+
+## Fill-in-the-middle spelling
+Both orders, as `specrpc/fim.py` (template `specrpc`) builds them and the training layouts write them:
+- prefix-suffix-middle: `<|fim_prefix|>` [`<|file_sep|>`path`\n`] prefix `<|fim_suffix|>` suffix `<|fim_middle|>`
+  middle `<|endoftext|>`;
+- suffix-prefix-middle (llama.cpp's `--spm-infill` order): `<|fim_suffix|>` suffix `<|fim_prefix|>`
+  [`<|file_sep|>`path`\n`] prefix `<|fim_middle|>` middle `<|endoftext|>`;
+- repository form: extra files first, each `<|file_sep|>`path`\n`text`<|endoftext|>`, then the block above.
+
+This pair declares the orders it was trained with in `tokenizer_config.json`: `"fim": {{"template": "specrpc",
+"orders": {json.dumps(fim_orders)}}}`.
 
 ## Corpus
 {corpus_section(card)}
