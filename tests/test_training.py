@@ -5,6 +5,7 @@ server load offline, and the model card."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -106,7 +107,7 @@ def test_model_card_renders(trained: tuple[Path, str, str]) -> None:
     assert set(fim) == {"psm", "spm"}
     assert all(v["cases"] == 3 and 0 <= v["line_start"] <= 1 and 0 <= v["mid_line"] <= 1 for v in fim.values())
     assert "| python-stdlib |" in card and "| SPM | 3 |" in card and "suffix-prefix-middle" in card
-    assert "/root/" not in card and "/work/" not in card
+    assert not re.search(r"/(?:root|work|home)/", card), "the card names a path of the training machine"
 
 
 def test_a_warm_start_continues_the_pair_with_its_tokenizer(trained: tuple[Path, str, str], tmp_path: Path) -> None:
