@@ -47,6 +47,7 @@ from specrpc.http_wire import (
     ErrorKind,
     GenerationResponse,
     HttpError,
+    NoDelayProtocol,
     bad,
     error_body,
     error_response,
@@ -395,7 +396,7 @@ class HttpServer:
                 options |= {"ssl_ca_certs": s.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         self.config = uvicorn.Config(api.app, host=s.host, port=s.http_port, log_config=None, access_log=False,
                                      lifespan="off", timeout_graceful_shutdown=int(s.grace_s) or 1,
-                                     h11_max_incomplete_event_size=64 * 1024, **options)
+                                     http=NoDelayProtocol, h11_max_incomplete_event_size=64 * 1024, **options)
         self.server = uvicorn.Server(self.config)
         self.sockets: list[socket.socket] = []
 

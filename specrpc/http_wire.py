@@ -1,11 +1,14 @@
 """The HTTP edge's plumbing, beside its routes: OpenAI-shaped errors, reading JSON bodies with checks that name the
-field, and the ASGI response that runs a generation (SSE or one object) and cancels it when the client goes away."""
+field, the ASGI response that runs a generation (SSE or one object) and cancels it when the client goes away, and
+the connection protocol that sends each write at once."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +17,7 @@ import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specrpc.auth import TooManyStreams
 from specrpc.fim import NoInfillSupport, PromptTooLong
@@ -290,3 +294,18 @@ async def watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
         if message["type"] == "http.disconnect":
             gone.set()
             return
+
+
+class NoDelayProtocol(H11Protocol):
+    """uvicorn's h11 connection protocol with TCP_NODELAY on every connection. asyncio turns Nagle off only for
+    sockets whose `proto` is IPPROTO_TCP, and the listening socket from `socket.create_server` (so every accepted
+    one) has proto 0: with Nagle on, the first SSE event, written right after the response headers, waited for the
+    client's delayed ACK, ~40 ms on every request of a kept-alive connection (measured: first event after 47–57 ms
+    instead of 9–15)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().connection_made(transport)  # type: ignore[arg-type]

@@ -425,3 +425,22 @@ async def test_http_requests_are_counted_with_the_protocol_label(http: httpx2.As
     await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     await http.post("/v1/completions", json={"prompt": "x", "temperature": -1})
     assert (count("OK"), count("INVALID_ARGUMENT")) == (ok + 1, bad + 1)
+
+
+async def test_connections_send_each_write_at_once(server: Running) -> None:
+    """Every accepted connection has TCP_NODELAY (asyncio sets it only for sockets whose proto is IPPROTO_TCP, which
+    the listening socket's accepted ones are not): else the first SSE event after the headers waits for the
+    client's delayed ACK on a kept-alive connection."""
+    import socket
+
+    assert server.http is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: specrpc\r\n\r\n")
+        await writer.drain()
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200")  # the connection is open and served
+        sockets = [p.transport.get_extra_info("socket") for p in server.http.server.server_state.connections]
+        assert sockets
+        assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+    finally:
+        writer.close()
