@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specrpc.bench.common import free_port, percentile
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -187,14 +187,6 @@ def summarize_along(lines: list[list[Keystroke]]) -> dict[str, float]:
     }
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
 def summarize(strokes: list[list[Keystroke]], interval_s: float) -> dict[str, float]:
     """Figures over the keystrokes of every line typed in one layout at one interval."""
     flat = [k for line in strokes for k in line]
@@ -322,10 +314,3 @@ def run(target: str, draft: str, out: Path, files: int, layouts: list[str], inte
     (out / "keystrokes.json").write_text(json.dumps(results, indent=2))
     (out / "keystrokes.md").write_text(markdown(results))
     return results
-
-
-def free_port() -> int:
-    """A currently free loopback TCP port (the server binds it right after)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

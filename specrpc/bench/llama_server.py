@@ -13,7 +13,6 @@ first token too, which its prompt pass produced; it is kept in the run as report
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specrpc.bench.common import free_port
 from specrpc.bench.contenders import Run, Runner
 from specrpc.sampling import SamplingParams
 
@@ -80,13 +80,6 @@ def specs(binary: str | None, targets: list[str], drafts: list[str], threads: in
         if drafts:
             out.append(LlamaServerSpec(path, Path(target), Path(drafts[i]), threads))
     return out
-
-
-def free_port() -> int:
-    """A currently free loopback TCP port."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class LlamaServer:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from specrpc.bench.common import percentile
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs
 from specrpc.bench.workloads import Case, build_cases
@@ -29,14 +30,6 @@ from specrpc.openmp import release_workers
 from specrpc.policy import expected_tokens
 from specrpc.runtime import Runtime
 from specrpc.sampling import SamplingParams
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def summarize(runs: list[Run]) -> dict[str, float]:

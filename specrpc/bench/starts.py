@@ -15,7 +15,8 @@ from typing import Any
 
 import grpc
 
-from specrpc.bench.keystrokes import free_port, wait_serving
+from specrpc.bench.common import free_port
+from specrpc.bench.keystrokes import wait_serving
 from specrpc.bench.workloads import Case
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
