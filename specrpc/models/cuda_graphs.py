@@ -12,7 +12,9 @@ speculation policy that verifying is dear. A forward of a shape met for the firs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +22,21 @@ from specrpc.models.llama import LlamaWeights, greedy_draft_static, llama_forwar
 
 CHUNKS = 4
 """Forwards of up to CHUNKS × max_tokens tokens that ask only the last logits replay graphs in pieces."""
+
+
+def capture(run: Callable[[], torch.Tensor], device: torch.device, pool: Any
+            ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run `run` once on a side stream (lazy cuBLAS / attention initialisation must not happen inside a capture),
+    then capture it into a graph drawing on `pool`; returns the graph and the tensor its replays write."""
+    side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
 
 
 @dataclass(frozen=True)
@@ -73,19 +90,13 @@ class GraphedForward:
         return g.logits
 
     def _capture(self, ids: torch.Tensor, start: int, slot: int, num_logits: int) -> _Graph:
-        """Warm up on a side stream (lazy cuBLAS / attention initialisation must not happen inside a capture), then
-        capture; the graph reads its inputs from the static copies made here."""
+        """The graph of one forward shape (warmed up first, see `capture`); it reads its inputs from the static
+        copies made here."""
         w, k, v = self.weights, self.slot_k[slot], self.slot_v[slot]
         static_ids = ids.clone()  # [T]
         static_pos = w.positions[start : start + ids.shape[0]].clone()  # [T]
-        side = torch.cuda.Stream(device=static_ids.device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(static_ids.device))
-        with torch.cuda.stream(side):
-            llama_forward_static(w, k, v, static_ids, static_pos, num_logits)
-        torch.cuda.current_stream(static_ids.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = llama_forward_static(w, k, v, static_ids, static_pos, num_logits)  # [num_logits, V]
+        graph, logits = capture(lambda: llama_forward_static(w, k, v, static_ids, static_pos, num_logits),
+                                static_ids.device, self.pool)  # logits [num_logits, V]
         return _Graph(graph, static_ids, static_pos, logits)
 
 
@@ -126,12 +137,6 @@ class GraphedDraftLoop:
         w, k, v = self.weights, self.slot_k[slot], self.slot_v[slot]
         first = torch.zeros(1, dtype=torch.long, device=w.embed.device)  # [1]
         base = torch.zeros(1, dtype=torch.long, device=w.embed.device)  # [1]
-        side = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(first.device))
-        with torch.cuda.stream(side):
-            greedy_draft_static(w, k, v, first, base, steps)
-        torch.cuda.current_stream(first.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            tokens = greedy_draft_static(w, k, v, first, base, steps)  # [steps + 1]
+        graph, tokens = capture(lambda: greedy_draft_static(w, k, v, first, base, steps), first.device,
+                                self.pool)  # tokens [steps + 1]
         return _LoopGraph(graph, first, base, tokens)
