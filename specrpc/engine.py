@@ -381,7 +381,7 @@ class Engine:
             finally:
                 gen.load = None
             k = plan if isinstance(plan, int) else len(plan)
-            source = "draft" if isinstance(plan, int) else ("draft" if plan.source == "draft" else "lookup")
+            source = "draft" if isinstance(plan, int) else plan.estimate
             tokens += k + 1
             committed += gen.slot.policy.expected(source, k)
             drafting += isinstance(plan, int)
@@ -543,14 +543,38 @@ class Generation:
             if found.token_ids:
                 return found
         if self.proposer in ("lookup", "combined"):
-            k = self._k("lookup")
-            found = engine.lookup.propose(slot.tokens, slot.index, k, self.params, self.generator) if k else EMPTY
-            if found.token_ids or self.proposer == "lookup":
+            found = self._lookup()
+            if self.proposer == "lookup" or (found.token_ids and not self._draft_pays_more(found)):
                 return found
         if engine.drafter is None:
             return EMPTY
         k = self._k("draft")
         return k if k > 0 else EMPTY
+
+    def _lookup(self) -> Proposal:
+        """Prompt lookup's match, cut to the k the policy chooses for its kind (the match's n-gram size)."""
+        engine, slot = self.engine, self.slot
+        room = max(0, min(self._room(), engine.max_k if self.fixed_k is None else self.fixed_k))
+        found = engine.lookup.propose(slot.tokens, slot.index, room, self.params, self.generator) if room else EMPTY
+        if not found.token_ids:
+            return EMPTY
+        k = min(self._k(found.estimate), len(found))
+        return found.first(k) if k else EMPTY
+
+    def _draft_pays_more(self, found: Proposal) -> bool:
+        """Whether the draft model's best k is expected to beat prompt lookup's `found` this step (combined): lookup
+        costs nothing to draft but a short or unlikely match commits little; the draft costs c per token."""
+        engine, policy = self.engine, self.slot.policy
+        if engine.drafter is None or (self.load is not None and self.load.k_limit == 0):
+            return False
+        if self.fixed_k is None and policy.realized_speedup("draft") <= policy.min_speedup:
+            return False  # the draft is off in fact (its probes still come through `_k`)
+        cap = min(self._room(), engine.max_k if self.fixed_k is None else self.fixed_k)
+        if self.load is not None and self.load.k_limit is not None:
+            cap = min(cap, self.load.k_limit)
+        ks = range(1, cap + 1) if self.fixed_k is None else [cap]
+        draft = max((policy.speedup(k, "draft", batch=self.load) for k in ks), default=0.0)
+        return draft > policy.speedup(len(found), found.estimate, batch=self.load)
 
     def _draft_request(self, k: int) -> DraftRequest:
         return DraftRequest(self.slot.tokens, self.slot.index, k, self.params, self.generator)
@@ -605,9 +629,9 @@ class Generation:
         self.stats.accepted_lengths.append(result.accepted + 1)
         if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
             if len(proposal):
-                slot.policy.observe(proposal.source, len(proposal), result.accepted)
+                slot.policy.observe(proposal.estimate, len(proposal), result.accepted)
             if verify_t0 is not None:  # a batched step's time is every stream's: only solo steps are judged
-                slot.policy.observe_step(proposal.source if len(proposal) else "plain",
+                slot.policy.observe_step(proposal.estimate if len(proposal) else "plain",
                                          time.perf_counter() - step_t0, len(result.tokens), proposal.catch_up_s)
         step = self._commit(result.tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)
         if proposal.source == "suggestion":

@@ -202,8 +202,9 @@ class RealizedRate:
 
 
 def default_acceptance() -> dict[str, AcceptanceEstimate]:
-    """Optimistic priors, so a new session tries speculating: the draft at α 0.75, prompt lookup at 0.5."""
-    return {"draft": AcceptanceEstimate(), "lookup": AcceptanceEstimate(accepted=1.0, trials=2.0)}
+    """Optimistic priors, so a new session tries speculating: the draft at α 0.75; each kind of prompt lookup match
+    at 0.5 when first met (`AdaptivePolicy._alpha`)."""
+    return {"draft": AcceptanceEstimate()}
 
 
 @dataclass
@@ -278,7 +279,8 @@ class BatchGuard:
 @dataclass
 class AdaptivePolicy:
     """Per-session choice of k for each proposer: argmax over k of S(k); 0 while S ≤ `min_speedup`, with periodic
-    probes to come back. Prompt lookup drafts for free (c = 0); the draft model costs c per token."""
+    probes to come back. Prompt lookup drafts for free (c = 0); the draft model costs c per token. Sources are the
+    proposals' `estimate` keys: "draft", and prompt lookup per n-gram size of its match ("lookup1".."lookup3")."""
 
     max_k: int
     costs: CostModel
@@ -292,7 +294,9 @@ class AdaptivePolicy:
     _probing: set[str] = field(default_factory=set)  # proposers whose next step is a probe
 
     def _alpha(self, source: str) -> AcceptanceEstimate:
-        return self.acceptance.setdefault(source, AcceptanceEstimate())
+        """The estimate for `source`; a kind not seen yet starts from the draft's prior, or prompt lookup's."""
+        prior = AcceptanceEstimate() if source == "draft" else AcceptanceEstimate(accepted=1.0, trials=2.0)
+        return self.acceptance.setdefault(source, prior)
 
     def speedup(self, k: int, source: str = "draft", alpha: float | None = None, batch: BatchLoad | None = None
                 ) -> float:
@@ -303,7 +307,7 @@ class AdaptivePolicy:
             return 1.0
         if batch is not None:
             return self._batch_rate(k, source, a, batch) / self._batch_rate(0, source, a, batch)
-        c = 0.0 if source == "lookup" else self.costs.c
+        c = self.costs.c if source == "draft" else 0.0
         return expected_tokens(a, k) / (k * c + self.costs.v(k))
 
     @staticmethod
@@ -345,13 +349,14 @@ class AdaptivePolicy:
 
     def observe_step(self, source: str, seconds: float, tokens: int, catch_up_s: float = 0.0) -> None:
         """A whole step with `source`'s drafts ("plain": none) took `seconds` and committed `tokens`, `catch_up_s` of
-        it a draft catching up on tokens. A probe's step alone decides the rate (counted as judged:
-        `min_realized_steps` - 1 earlier steps, with no weight), without its catch-up: that is the one-off price of
-        having sat out, not what speculating costs from here on."""
+        it a draft catching up on tokens, which is left out: it is the price of the steps that did not run the draft
+        (plain ones, prompt lookup's, a probe's sitting out), paid once, not what drafting costs from here on. A
+        probe's step alone decides the rate (counted as judged: `min_realized_steps` - 1 earlier steps, with no
+        weight)."""
+        seconds -= catch_up_s
         if source in self._probing:
             self._probing.discard(source)
             self.realized[source] = RealizedRate(steps=self.min_realized_steps - 1)
-            seconds -= catch_up_s
         self.realized.setdefault(source, RealizedRate()).observe(seconds, tokens)
 
     def realized_speedup(self, source: str) -> float:

@@ -4,9 +4,9 @@ distribution equal to the target's, rollback, prefix reuse, and no KV reallocati
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,8 +19,8 @@ from specrpc.config import ASSETS, EngineConfig
 from specrpc.engine import Engine, GenerationRequest, Slot, Stall, TokenLogprob
 from specrpc.models import load_model, load_tokenizer
 from specrpc.models.llama import LlamaLM
-from specrpc.policy import BatchCosts, BatchGuard, CostModel
-from specrpc.proposers import Proposal
+from specrpc.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
+from specrpc.proposers import Proposal, lookup_kind
 from specrpc.sampling import SamplingParams, logits_to_probs
 
 VOCAB = 6
@@ -109,6 +109,23 @@ def test_prompt_lookup_and_combined_are_exact_greedy(pair: tuple[Path, Path]) ->
     assert run(engine, prompt, 20, GREEDY, 4, proposer="combined") == plain
 
 
+def test_combined_takes_prompt_lookup_only_where_its_match_beats_the_draft(pair: tuple[Path, Path]) -> None:
+    """A match's kind (its n-gram size) carries its own acceptance: a one-token match, rarely right, loses to a good
+    draft; a likely one wins (it costs no draft steps)."""
+    engine = make_engine(pair)
+    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=1e-4, verify_s={1: 1e-3, 9: 1.4e-3})
+    prompt = [1, 2, 3, 4, 0, 1]  # the last token's one earlier occurrence: a one-token match proposing 2, 3, 4, 0, 1
+    for lookup_alpha, draft_alpha, chosen in ((0.05, 0.8, "draft"), (0.95, 0.5, lookup_kind(1))):
+        slot = engine.new_slot(0)
+        slot.policy.acceptance[lookup_kind(1)] = AcceptanceEstimate(lookup_alpha * 100, 100)
+        slot.policy.acceptance["draft"] = AcceptanceEstimate(draft_alpha * 100, 100)
+        gen = engine.start(slot, GenerationRequest(prompt, 20, GREEDY, proposer="combined"))
+        gen._reuse_prefix()  # the context is the prompt: what the step after its prefill plans from
+        plan = gen._plan()
+        assert (plan.estimate if isinstance(plan, Proposal) else "draft") == chosen
+        assert not isinstance(plan, Proposal) or plan.token_ids[:2] == slot.tokens[1:3]
+
+
 def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The cost model says verifying is free; a stall it does not see (as a GPU's first use of a shape) makes
@@ -117,16 +134,16 @@ def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path]
     engine.costs = CostModel(target_step_s=1e-3, draft_step_s=1e-3, verify_s=dict.fromkeys(range(1, 10), 1e-3))
     prompt = [2] * 12
     plain = run(engine, prompt, 40, GREEDY, 0)
-    calls: list[int] = []
-    propose = engine.lookup.propose
+    engine.stall = Stall(draft_s=0.02)
+    verifier = engine.verifier
+    calls: list[int] = []  # drafts per speculative step
 
-    def slow(tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None
-             ) -> Proposal:
-        calls.append(k)
-        time.sleep(0.02)
-        return propose(tokens, slot, k, params, generator)
+    def counted(drafts: torch.Tensor, *args: Any) -> Any:
+        if drafts.numel():
+            calls.append(drafts.numel())
+        return verifier(drafts, *args)
 
-    monkeypatch.setattr(engine.lookup, "propose", slow)
+    monkeypatch.setattr(engine, "verifier", counted)
     counts: dict[bool, int] = {}
     for guard in (False, True):
         calls.clear()
@@ -137,7 +154,7 @@ def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path]
         counts[guard] = len(calls)
     assert counts[False] >= 15, "the cost model alone keeps drafting through the stalls"
     assert counts[True] <= slot.policy.min_realized_steps + 3, "off after a few measured steps, then probes"
-    assert slot.policy.realized_speedup("lookup") < 1.0
+    assert slot.policy.realized_speedup(lookup_kind(3)) < 1.0, "a run of one token: three-token matches"
 
 
 @pytest.mark.parametrize("where", ["draft_s", "verify_s"])

@@ -251,8 +251,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plan", default="auto", choices=["auto", *PLANS], help="model sizes and step counts")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
-    parser.add_argument("--joint-steps", type=int, default=0, help="override the plan's joint steps (0: keep)")
-    parser.add_argument("--draft-steps", type=int, default=0, help="override the plan's draft-only steps (0: keep)")
+    parser.add_argument("--joint-steps", type=int, default=0,
+                        help="override the plan's joint steps (0: keep); on resume, re-plans the schedule's rest")
+    parser.add_argument("--draft-steps", type=int, default=0,
+                        help="override the plan's draft-only steps (0: keep; likewise on resume)")
     parser.add_argument("--joint-seconds", type=float, default=0, help="fit the joint phase into this wall time, "
                         "timed from its first steps, the plan's step count as a cap (0: the step count)")
     parser.add_argument("--draft-seconds", type=float, default=0, help="likewise for the draft-only phase")
@@ -394,9 +396,13 @@ def main() -> None:
         opt_d.load_state_dict(state["opt_draft"])
         step, elapsed, tokens_seen = state["step"], state["elapsed_s"], state["tokens_seen"]
         best_val, best_target = state.get("best_val", math.inf), state.get("best_target")
-        if "plan" in state:  # the step counts a time budget fixed stay fixed
-            plan = replace(plan, joint_steps=state["plan"]["joint_steps"], draft_steps=state["plan"]["draft_steps"])
+        if "plan" in state:  # the step counts a time budget fixed stay fixed, unless given again explicitly
+            plan = replace(plan, joint_steps=args.joint_steps or state["plan"]["joint_steps"],
+                           draft_steps=args.draft_steps or state["plan"]["draft_steps"])
             sized = state.get("sized", sized)
+            replanned = args.joint_steps and args.joint_steps != state["plan"]["joint_steps"]
+            if step > plan.joint_steps + plan.draft_steps or (replanned and step > plan.joint_steps):
+                raise SystemExit(f"the checkpoint is at step {step}, past the steps asked for")
         print(f"resumed at step {step}", flush=True)
     elif init_from is not None:
         for model, name in ((target, "target"), (draft, "draft")):
