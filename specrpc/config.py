@@ -36,6 +36,7 @@ class EngineConfig:
     lean: bool = True
     threads: int = 0
     draft_int8: bool = True
+    native_decode: bool = True
     cuda_graphs: bool = True
     fim_template: str = ""
 
@@ -109,6 +110,9 @@ HELP: dict[str, str] = {
     "threads": "CPU threads for torch (0: torch's default)",
     "draft_int8": "on CPU, run the draft's decode steps on int8 weight copies (drafting is bound by reading weights; "
                   "the output stays the target's, since every token is verified)",
+    "native_decode": "on CPU at float32, run one-token steps of the lean forward as one native OpenMP step "
+                     "(specrpc/native/decode.cpp, built with the machine's C++ compiler on first use and cached; "
+                     "without a compiler the torch forward runs them)",
     "cuda_graphs": "on CUDA, replay draft and verify steps (up to max_draft_tokens+1 tokens) from CUDA graphs, "
                    "captured per slot and width at load",
     "fim_template": "fill-in-the-middle template (specrpc/fim.py): "

@@ -141,23 +141,29 @@ def check_against_reference(lm: CausalLM, model: PreTrainedModel, atol: float = 
     close(lm.forward(other[N - 1 :], N - 1, 0), reference(model, other)[N - 1 :], atol)  # slot 0 untouched
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_lean_matches_transformers(case: str, tmp_path: Path) -> None:
+def test_lean_matches_transformers(case: str, native: bool, tmp_path: Path) -> None:
+    """`native`: one-token forwards through the native step (specrpc/native) wherever it takes the model (every
+    RMSNorm/SiLU family here: biases, GQA and MHA, head_dim, every RoPE type, sliding windows, Qwen3's q/k norms)."""
     cls, config = CASES[case]
     path, model = save(tmp_path, cls, config)
-    lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY, native_decode=native)
     assert isinstance(lm, LlamaLM) and isinstance(lm, CausalLM) and lm.lean_forward
+    assert (lm.native is not None) == (native and not case.startswith("starcoder2"))
     assert lm.vocab_size == VOCAB and lm.max_context == CAPACITY and lm.name == tmp_path.name
     check_against_reference(lm, model)
 
 
-@pytest.mark.parametrize("case", ["qwen3-qk-norm", "starcoder2-tied-window"])
-def test_lean_greedy_decode_equals_transformers_generate(case: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("case", "native"), [("qwen3-qk-norm", False), ("qwen3-qk-norm", True),
+                                             ("mistral-window", True), ("starcoder2-tied-window", False)])
+def test_lean_greedy_decode_equals_transformers_generate(case: str, native: bool, tmp_path: Path) -> None:
     """Greedy-exact: the lean path's token-by-token argmax equals transformers' generate."""
     cls, config = CASES[case]
     path, model = save(tmp_path, cls, config)
-    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, native_decode=native)
     assert isinstance(lm, LlamaLM) and checkpoint_info(str(path), lm, F32).lean, "ModelInfo.lean_forward"
+    assert (lm.native is not None) == native
     prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(6))
     expected = model.generate(prompt[None], max_new_tokens=30, min_new_tokens=30, do_sample=False,
                               pad_token_id=0)[0, 9:].tolist()

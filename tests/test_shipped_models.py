@@ -44,12 +44,14 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
+@pytest.fixture(scope="module", params=[True, False], ids=["native", "torch"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    """The pair as the server runs it on CPU (one-token steps native), and with the torch forward alone."""
     cpu, f32 = torch.device("cpu"), torch.float32
     config = EngineConfig(max_sessions=1, max_context=512)
-    target = load_model(TARGET, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9)
-    draft = load_model(DRAFT, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9)
+    target = load_model(TARGET, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9, native_decode=request.param)
+    draft = load_model(DRAFT, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9, native_decode=request.param)
+    assert isinstance(target, LlamaLM) and (target.native is not None) == request.param
     return Engine(target, draft, config)
 
 

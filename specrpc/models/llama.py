@@ -39,7 +39,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from specrpc.kv_cache import KVCache
+from specrpc.models import native_step
 from specrpc.models.batch import BatchRow, check_rows
+from specrpc.models.native_step import NativeStep
 
 if TYPE_CHECKING:
     from specrpc.models.cuda_graphs import GraphedDraftLoop, GraphedForward
@@ -843,6 +845,8 @@ class LlamaLM:
             dtype=dtype,
         )
         self.graphs: GraphedForward | None = None
+        self.native: NativeStep | None = None  # forwards of up to `native_rows` tokens, when `use_native` found it can
+        self.native_rows = 1
         self.draft_loop: GraphedDraftLoop | None = None
         self.buckets = buckets
         t0 = time.perf_counter()
@@ -878,11 +882,13 @@ class LlamaLM:
         draft_loop_steps: int = 0,
         int8_weights: bool = False,
         bf16_weights: bool = False,
+        native_decode: bool = False,
     ) -> LlamaLM:
         """Build from a checkpoint directory and its parsed config.json; each slot holds `max_context` positions.
         `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target).
         `int8_weights`, `bf16_weights`: every projection and the head as int8 / bf16 alone, no float copy (CPU).
-        `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off)."""
+        `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off). `native_decode`: one-token
+        forwards through the native step where it can run them (`use_native`)."""
         args = LlamaArgs.from_config(cfg)
         weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype, int8=int8_weights,
                                      bf16=bf16_weights)
@@ -890,9 +896,58 @@ class LlamaLM:
             weights = with_int8_decode(weights)
         lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
                  graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
+        if native_decode and lm.use_native():
+            return lm
         if weights.head.packed is not None and weights.head.q8 is None and not weights.head.bf16_only:
             lm.tune_decode()
         return lm
+
+    def use_native(self) -> bool:
+        """Run one-token forwards through the native step (specrpc/native) if it supports this model here; the
+        products of more rows keep the oneDNN copy, so the float [K, N] copy is dropped where one exists. Returns
+        whether the native step is on (why not is logged)."""
+        why = native_step.supported(self.weights, self.device, self.dtype)
+        if why is not None:
+            log.info("%s: native decode off (%s)", self.name, why)
+            return False
+        self.native = NativeStep(self.weights, self.cache)
+        self.weights = _map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
+                                    else dataclasses.replace(p, wt=None, packed_rows=1))
+        self.native_rows = self._native_rows()
+        log.info("%s: native decode on, up to %d tokens a forward", self.name, self.native_rows)
+        return True
+
+    def _native_rows(self, context: int = 32, repeats: int = 5, most: int = 8) -> int:
+        """The most tokens a forward runs through the native step one by one before the torch forward, which reads
+        the weights once for all of them, is faster: 1 for a model whose weights stream from memory, more for a
+        draft whose weights stay in the CPU's caches (its catch-up after a verify is two tokens). Measured here on
+        slot 0 (left empty): the median native step against torch forwards of 2, 3, … tokens."""
+        context = min(context, self.max_context - most - 1)
+        if context < 1:
+            return 1
+        ids = (torch.arange(context + most, device=self.device) * 7919) % self.vocab_size  # [context + most]
+        self.forward(ids[:context], 0, 0)
+
+        def timed(count: int, native: bool) -> float:
+            times = []
+            for _ in range(repeats + 1):
+                self.truncate(0, context)
+                rows = self.native_rows
+                self.native_rows = most if native else 0
+                t0 = time.perf_counter()
+                self.forward(ids[context : context + count], context, 0, num_logits=1)
+                times.append(time.perf_counter() - t0)
+                self.native_rows = rows
+            return statistics.median(times[1:])
+
+        step = timed(1, True)
+        rows = 1
+        for count in range(2, most + 1):
+            if count * step >= timed(count, False):
+                break
+            rows = count
+        self.truncate(0, 0)
+        return rows
 
     def tune_decode(self, context: int = 32, repeats: int = 5) -> bool:
         """Time one-token steps through MKL's gemv and through oneDNN (alternating, after a warm-up of each) and
@@ -928,6 +983,8 @@ class LlamaLM:
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.covers(count, num_logits):
                 logits = self.graphs.forward(ids, start, slot, num_logits)
+            elif self.native is not None and count <= self.native_rows:
+                logits = self.native.run(ids.tolist(), start, slot, num_logits)  # [num_logits, V]
             else:
                 size = bucket_for(count, self.buckets, self.max_context - start) if num_logits == 1 else count
                 padded = ids if size == count else torch.cat([ids, ids.new_zeros(size - count)])  # [size]

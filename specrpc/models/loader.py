@@ -33,6 +33,7 @@ def load_model(
     draft_loop_steps: int = 0,
     int8_weights: bool = False,
     bf16_weights: bool = False,
+    native_decode: bool = False,
 ) -> CausalLM:
     """Load `path` with `num_slots` KV slots of `max_context` positions each (include the verify reserve:
     max_context + k_max + 1). Llama / Mistral / Qwen2 / Qwen3 / StarCoder2 take the lean forward unless `lean` is
@@ -44,7 +45,9 @@ def load_model(
     CUDA only): greedy draft loops of up to that many forwards replay one graph. `int8_weights` (lean path on a CPU
     with torch's int8 kernel, ValueError elsewhere): every projection and the head stored as int8 alone, weight-only
     (outputs change slightly; greedy speculation still equals greedy target-only decoding at int8). `bf16_weights`
-    (lean path on a CPU whose oneDNN computes bf16): the same with bf16 weights, activations kept at `dtype`."""
+    (lean path on a CPU whose oneDNN computes bf16): the same with bf16 weights, activations kept at `dtype`.
+    `native_decode` (lean path, float32 on a CPU with a C++ compiler): one-token forwards through the native step
+    (specrpc/native)."""
     path = Path(path)
     if int8_weights and not (lean and int8_available(device)):
         raise ValueError(f"--weights int8 needs the lean forward on a CPU whose torch has the int8 kernel "
@@ -58,7 +61,7 @@ def load_model(
             return LlamaLM.load(path, cfg, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
                                 int8_decode=int8_decode and int8_available(device), graph_tokens=graph_tokens,
                                 buckets=buckets, draft_loop_steps=draft_loop_steps, int8_weights=int8_weights,
-                                bf16_weights=bf16_weights)
+                                bf16_weights=bf16_weights, native_decode=native_decode)
         except UnsupportedModelError as e:
             if int8_weights or bf16_weights:
                 raise ValueError(f"{path.name}: --weights int8 / bf16 needs the lean forward, which this model can't "

@@ -1,0 +1,94 @@
+"""One-token forwards of a lean Llama-family model through the native decode step (specrpc/native/decode.cpp)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from specrpc import native
+
+if TYPE_CHECKING:
+    from specrpc.kv_cache import KVCache
+    from specrpc.models.llama import Linear, LlamaWeights
+
+
+def supported(w: LlamaWeights, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the native step cannot run this model here (None: it can)."""
+    a = w.args
+    if device.type != "cpu" or dtype != torch.float32:
+        return "float32 on the CPU only"
+    if a.layer_norm or not a.gated or a.act != "silu":
+        return "RMSNorm with a gated SiLU MLP only"
+    if a.head_dim % 2 or a.head_dim > 1024 or a.heads % a.kv_heads:
+        return f"head_dim {a.head_dim}, heads {a.heads}/{a.kv_heads}"
+    if any(p.wt is None for p in _linears(w)):
+        return "float32 weights only (not int8 or bf16 weights)"
+    if native.library() is None:
+        return "the native library could not be built"
+    return None
+
+
+def _linears(w: LlamaWeights) -> list[Linear]:
+    return [p for layer in w.layers for p in (layer.qkv, layer.o, layer.up, layer.down)] + [w.head]
+
+
+class NativeStep:
+    """The model's weights in the checkpoint's row-major [N, K] layout, its KV cache and work buffers, bound to the
+    native step; `decode` runs one token."""
+
+    def __init__(self, w: LlamaWeights, cache: KVCache) -> None:
+        a = w.args
+        lib = native.library()
+        assert lib is not None
+        self._fn = lib.specrpc_decode
+        keep: list[torch.Tensor] = []  # every tensor the struct points into, alive as long as self
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            t = t.detach().to(torch.float32).contiguous()
+            keep.append(t)
+            return native.pointer(t)
+
+        def rows(p: Linear) -> int | None:
+            assert p.wt is not None
+            return ptr(p.wt.t())  # [N, K]
+
+        layers = (native.Layer * a.layers)()
+        for i, layer in enumerate(w.layers):
+            layers[i] = native.Layer(
+                ptr(layer.attn_norm.weight), rows(layer.qkv), ptr(layer.qkv.bias), ptr(layer.qk_norm),
+                rows(layer.o), ptr(layer.o.bias), ptr(layer.mlp_norm.weight), rows(layer.up), ptr(layer.up.bias),
+                rows(layer.down), ptr(layer.down.bias), layer.window or 0)
+        self.vocab = int(w.head.wt.shape[1]) if w.head.wt is not None else int(w.embed.shape[0])
+        capacity = cache.k.shape[3]  # [L, S, H, C, D]
+        buffers = {"x": a.hidden, "h": a.hidden, "qkv": (a.heads + 2 * a.kv_heads) * a.head_dim,
+                   "att": a.heads * a.head_dim, "up": 2 * a.ffn, "scores": a.heads * capacity}
+        work = {name: torch.zeros(size) for name, size in buffers.items()}
+        keep += list(work.values())
+        self.model = native.Model(
+            d=a.hidden, hq=a.heads, hkv=a.kv_heads, dh=a.head_dim, ffn=a.ffn, vocab=self.vocab, layers=a.layers,
+            slots=cache.k.shape[1], capacity=capacity, eps=a.eps, embed=ptr(w.embed), norm=ptr(w.norm.weight),
+            head=rows(w.head), cos=ptr(w.cos), sin=ptr(w.sin), layer=layers,
+            k_cache=native.pointer(cache.k), v_cache=native.pointer(cache.v),
+            **{name: native.pointer(t) for name, t in work.items()})
+        self._layers = layers
+        self._keep = keep
+        self._model_ref = ctypes.byref(self.model)
+
+    def run(self, tokens: list[int], start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
+        """The tokens at positions start.. of `slot`, one step each (their K/V written there) → float32 logits
+        [num_logits, V] of the last ones."""
+        logits = torch.empty(num_logits, self.vocab)  # [num_logits, V]
+        scratch = torch.empty(self.vocab) if num_logits < len(tokens) else None  # [V]: rows nobody asked for
+        threads = torch.get_num_threads()
+        for i, token in enumerate(tokens):
+            row = i - (len(tokens) - num_logits)
+            out = logits[row] if row >= 0 else scratch
+            assert out is not None
+            if self._fn(self._model_ref, token, start + i, slot, out.data_ptr(), threads) != 0:
+                raise ValueError(f"native decode: token {token} at position {start + i} of slot {slot} is out of "
+                                 "range")
+        return logits

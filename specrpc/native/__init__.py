@@ -1,0 +1,123 @@
+"""The native one-token decode step (decode.cpp): built with the machine's C++ compiler on first use (or by `make
+install`) into a cache keyed by the source, the flags and the CPU, loaded with ctypes into torch's OpenMP runtime.
+
+A one-token step of a small model spends as much time in a thousand small torch ops as in reading its weights; the
+native step reads each weight once in one OpenMP parallel region. Where no compiler is found, or the build fails,
+`library()` is None and the lean torch forward serves every step (logged once)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: $SPECRPC_NATIVE_CACHE, else $XDG_CACHE_HOME/specrpc, else ~/.cache/specrpc."""
+    explicit = os.environ.get("SPECRPC_NATIVE_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specrpc" / "native"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(compiler: str | None = None) -> Path | None:
+    """The shared library for this source, compiler, flags and CPU, built now unless cached; None without a
+    compiler or when the build fails (logged)."""
+    cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        log.warning("native decode: no C++ compiler found; the torch forward serves one-token steps")
+        return None
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), cxx, *FLAGS, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        try:
+            subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True,
+                           timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            log.warning("native decode: build failed (%s); the torch forward serves one-token steps", detail[-500:])
+            return None
+        os.replace(out, target)  # atomic: a concurrent build of the same key leaves one whole file
+    return target
+
+
+class Layer(ctypes.Structure):
+    """decode.cpp's Layer."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "attn_norm", "qkv", "qkv_bias", "qk_norm", "o", "o_bias", "mlp_norm", "up", "up_bias", "down", "down_bias")
+    ] + [("window", ctypes.c_int64)]
+
+
+class Model(ctypes.Structure):
+    """decode.cpp's Model."""
+
+    _fields_ = ([(name, ctypes.c_int64) for name in ("d", "hq", "hkv", "dh", "ffn", "vocab", "layers", "slots",
+                                                     "capacity")]
+                + [("eps", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in ("embed", "norm", "head", "cos", "sin")]
+                + [("layer", ctypes.POINTER(Layer))]
+                + [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "x", "h", "qkv", "att", "up", "scores")])
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library (built if needed), or None where it cannot be built. torch is imported first, so the
+    library's OpenMP symbols bind to torch's runtime (one thread pool, not two)."""
+    if os.environ.get("SPECRPC_NATIVE", "1") == "0":
+        return None
+    path = build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    fn = lib.specrpc_decode
+    fn.argtypes = [ctypes.POINTER(Model), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def pointer(t: torch.Tensor | None) -> int | None:
+    """A contiguous float32 CPU tensor's data address (None for None)."""
+    if t is None:
+        return None
+    assert t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu", "native decode: bad tensor"
+    return int(t.data_ptr())
+
+
+if __name__ == "__main__":  # `python -m specrpc.native`: build now (make install), say where
+    logging.basicConfig(level=logging.INFO)
+    built = build()
+    print(f"native decode: {built if built is not None else 'not built (the torch forward serves every step)'}")
