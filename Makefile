@@ -23,6 +23,7 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt setup.py clients/python/p
 	@if [ -n "$(TORCH)" ]; then $(BIN)/pip install -q "$(TORCH)"; fi
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	$(BIN)/pip install -q -c constraints.txt -e clients/python
+	$(BIN)/python -m specrpc.native
 	touch $(STAMP)
 
 $(STUBS): $(STAMP) $(PROTOS) tools/gen_proto.py

@@ -31,7 +31,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import specrpc
-from specrpc.models import BatchRow, CausalLM, load_model
+from specrpc.models import BatchRow, CausalLM, load_model, native_step
 from specrpc.models import llama as llama_mod
 from specrpc.models.hf_fallback import HFCausalLM
 from specrpc.models.llama import LlamaArgs, LlamaLM, bucket_for, bucket_sizes, rope_inv_freq
@@ -439,3 +439,23 @@ def test_batched_forward_gives_each_rows_solo_logits(case: str, lean: bool, tmp_
     assert batched.length(3) == 10
     with pytest.raises(ValueError, match="each slot once"):
         batched.forward_batch([rows[0], rows[0]])
+
+
+@pytest.mark.parametrize("case", ["llama-untied-mha-bias", "qwen3-head-dim-bias-window"])
+def test_native_verify_gives_a_tokens_decode_logits_bit_for_bit(case: str, tmp_path: Path) -> None:
+    """Through the native step a token's logits are the same bits decoded alone or verified among others (each
+    weight row meets every token through the same dot product), so greedy speculation equals greedy decoding
+    exactly; ids out of range are refused before anything is written."""
+    cls, config = CASES[case]
+    path, _ = save(tmp_path, cls, config)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    lm.native_rows = native_step.MAX_TOKENS
+    ids = torch.randint(0, VOCAB, (N,), generator=torch.Generator().manual_seed(4))
+    lm.forward(ids[:20], 0, 1)
+    together = lm.forward(ids[20:29], 20, 1, num_logits=9)  # [9, V]
+    lm.truncate(1, 20)
+    alone = torch.cat([lm.forward(ids[t : t + 1], t, 1) for t in range(20, 29)])  # [9, V]
+    assert torch.equal(together, alone)
+    with pytest.raises(ValueError, match="out of range"):
+        lm.forward(torch.tensor([VOCAB + 5]), 29, 1)

@@ -917,11 +917,12 @@ class LlamaLM:
         log.info("%s: native decode on, up to %d tokens a forward", self.name, self.native_rows)
         return True
 
-    def _native_rows(self, context: int = 32, repeats: int = 5, most: int = 8) -> int:
-        """The most tokens a forward runs through the native step one by one before the torch forward, which reads
-        the weights once for all of them, is faster: 1 for a model whose weights stream from memory, more for a
-        draft whose weights stay in the CPU's caches (its catch-up after a verify is two tokens). Measured here on
-        slot 0 (left empty): the median native step against torch forwards of 2, 3, … tokens."""
+    def _native_rows(self, context: int = 32, repeats: int = 5) -> int:
+        """The most tokens a forward runs through the native step (a decode step, a verify, a draft's catch-up)
+        before the torch forward is faster (the native step reads each weight once for all its tokens but computes
+        their products one row at a time): measured here on slot 0 (left empty), native against torch forwards of
+        2, 3, … tokens, up to `MAX_TOKENS`; it stops at the first count where torch wins."""
+        most = native_step.MAX_TOKENS
         context = min(context, self.max_context - most - 1)
         if context < 1:
             return 1
@@ -932,20 +933,18 @@ class LlamaLM:
             times = []
             for _ in range(repeats + 1):
                 self.truncate(0, context)
-                rows = self.native_rows
                 self.native_rows = most if native else 0
                 t0 = time.perf_counter()
-                self.forward(ids[context : context + count], context, 0, num_logits=1)
+                self.forward(ids[context : context + count], context, 0, num_logits=count)
                 times.append(time.perf_counter() - t0)
-                self.native_rows = rows
             return statistics.median(times[1:])
 
-        step = timed(1, True)
         rows = 1
         for count in range(2, most + 1):
-            if count * step >= timed(count, False):
+            if timed(count, True) >= timed(count, False):
                 break
             rows = count
+        self.native_rows = rows
         self.truncate(0, 0)
         return rows
 
@@ -984,7 +983,7 @@ class LlamaLM:
             if self.graphs is not None and self.graphs.covers(count, num_logits):
                 logits = self.graphs.forward(ids, start, slot, num_logits)
             elif self.native is not None and count <= self.native_rows:
-                logits = self.native.run(ids.tolist(), start, slot, num_logits)  # [num_logits, V]
+                logits = self.native.run(ids, start, slot, num_logits)  # [num_logits, V]
             else:
                 size = bucket_for(count, self.buckets, self.max_context - start) if num_logits == 1 else count
                 padded = ids if size == count else torch.cat([ids, ids.new_zeros(size - count)])  # [size]

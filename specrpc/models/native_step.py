@@ -1,4 +1,5 @@
-"""One-token forwards of a lean Llama-family model through the native decode step (specrpc/native/decode.cpp)."""
+"""Forwards of a few tokens (decode steps, verifies, catch-ups) of a lean Llama-family model through the native step
+(specrpc/native/decode.cpp)."""
 
 from __future__ import annotations
 
@@ -34,15 +35,19 @@ def _linears(w: LlamaWeights) -> list[Linear]:
     return [p for layer in w.layers for p in (layer.qkv, layer.o, layer.up, layer.down)] + [w.head]
 
 
+MAX_TOKENS = 16
+"""Tokens one native forward takes at most (its work buffers' rows): a verify of up to 15 drafts."""
+
+
 class NativeStep:
     """The model's weights in the checkpoint's row-major [N, K] layout, its KV cache and work buffers, bound to the
-    native step; `decode` runs one token."""
+    native step; `run` runs up to `MAX_TOKENS` tokens."""
 
     def __init__(self, w: LlamaWeights, cache: KVCache) -> None:
         a = w.args
         lib = native.library()
         assert lib is not None
-        self._fn = lib.specrpc_decode
+        self._fn = lib.specrpc_forward
         keep: list[torch.Tensor] = []  # every tensor the struct points into, alive as long as self
 
         def ptr(t: torch.Tensor | None) -> int | None:
@@ -66,29 +71,27 @@ class NativeStep:
         capacity = cache.k.shape[3]  # [L, S, H, C, D]
         buffers = {"x": a.hidden, "h": a.hidden, "qkv": (a.heads + 2 * a.kv_heads) * a.head_dim,
                    "att": a.heads * a.head_dim, "up": 2 * a.ffn, "scores": a.heads * capacity}
-        work = {name: torch.zeros(size) for name, size in buffers.items()}
+        work = {name: torch.zeros(MAX_TOKENS, size) for name, size in buffers.items()}  # [T, size]
         keep += list(work.values())
         self.model = native.Model(
             d=a.hidden, hq=a.heads, hkv=a.kv_heads, dh=a.head_dim, ffn=a.ffn, vocab=self.vocab, layers=a.layers,
-            slots=cache.k.shape[1], capacity=capacity, eps=a.eps, embed=ptr(w.embed), norm=ptr(w.norm.weight),
-            head=rows(w.head), cos=ptr(w.cos), sin=ptr(w.sin), layer=layers,
+            slots=cache.k.shape[1], capacity=capacity, max_tokens=MAX_TOKENS, eps=a.eps, embed=ptr(w.embed),
+            norm=ptr(w.norm.weight), head=rows(w.head), cos=ptr(w.cos), sin=ptr(w.sin), layer=layers,
             k_cache=native.pointer(cache.k), v_cache=native.pointer(cache.v),
             **{name: native.pointer(t) for name, t in work.items()})
         self._layers = layers
         self._keep = keep
         self._model_ref = ctypes.byref(self.model)
 
-    def run(self, tokens: list[int], start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
-        """The tokens at positions start.. of `slot`, one step each (their K/V written there) → float32 logits
-        [num_logits, V] of the last ones."""
+    def run(self, tokens: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
+        """tokens [T] int64 (T <= MAX_TOKENS) at positions start.. of `slot` (their K/V written there) → float32
+        logits [num_logits, V] of the last ones."""
+        count = tokens.shape[0]
+        ids = tokens.contiguous()  # [T] int64
         logits = torch.empty(num_logits, self.vocab)  # [num_logits, V]
-        scratch = torch.empty(self.vocab) if num_logits < len(tokens) else None  # [V]: rows nobody asked for
-        threads = torch.get_num_threads()
-        for i, token in enumerate(tokens):
-            row = i - (len(tokens) - num_logits)
-            out = logits[row] if row >= 0 else scratch
-            assert out is not None
-            if self._fn(self._model_ref, token, start + i, slot, out.data_ptr(), threads) != 0:
-                raise ValueError(f"native decode: token {token} at position {start + i} of slot {slot} is out of "
-                                 "range")
+        rc = self._fn(self._model_ref, ids.data_ptr(), count, start, slot, logits.data_ptr(), num_logits,
+                      torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"native forward: {count} tokens at position {start} of slot {slot}, {num_logits} "
+                             f"logits: out of range (ids in 0..{self.vocab - 1}, at most {MAX_TOKENS} tokens)")
         return logits

@@ -1,9 +1,10 @@
-"""The native one-token decode step (decode.cpp): built with the machine's C++ compiler on first use (or by `make
+"""The native forward of a few tokens (decode.cpp): built with the machine's C++ compiler on first use (or by `make
 install`) into a cache keyed by the source, the flags and the CPU, loaded with ctypes into torch's OpenMP runtime.
 
-A one-token step of a small model spends as much time in a thousand small torch ops as in reading its weights; the
-native step reads each weight once in one OpenMP parallel region. Where no compiler is found, or the build fails,
-`library()` is None and the lean torch forward serves every step (logged once)."""
+A decode step of a small model spends as much time in a thousand small torch ops as in reading its weights; the
+native step reads each weight once in one OpenMP parallel region, for a one-token step and a verify alike. Where no
+compiler is found, or the build fails, `library()` is None and the lean torch forward serves every step (logged
+once)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def build(compiler: str | None = None) -> Path | None:
     compiler or when the build fails (logged)."""
     cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        log.warning("native decode: no C++ compiler found; the torch forward serves one-token steps")
+        log.warning("native decode: no C++ compiler found; the torch forward serves every step")
         return None
     key = hashlib.sha256(
         "\0".join([SOURCE.read_text(), cxx, *FLAGS, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
@@ -67,7 +68,7 @@ def build(compiler: str | None = None) -> Path | None:
                            timeout=120)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
-            log.warning("native decode: build failed (%s); the torch forward serves one-token steps", detail[-500:])
+            log.warning("native decode: build failed (%s); the torch forward serves every step", detail[-500:])
             return None
         os.replace(out, target)  # atomic: a concurrent build of the same key leaves one whole file
     return target
@@ -85,7 +86,7 @@ class Model(ctypes.Structure):
     """decode.cpp's Model."""
 
     _fields_ = ([(name, ctypes.c_int64) for name in ("d", "hq", "hkv", "dh", "ffn", "vocab", "layers", "slots",
-                                                     "capacity")]
+                                                     "capacity", "max_tokens")]
                 + [("eps", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("embed", "norm", "head", "cos", "sin")]
                 + [("layer", ctypes.POINTER(Layer))]
@@ -102,9 +103,9 @@ def library() -> ctypes.CDLL | None:
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
-    fn = lib.specrpc_decode
-    fn.argtypes = [ctypes.POINTER(Model), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_int]
+    fn = lib.specrpc_forward
+    fn.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
 

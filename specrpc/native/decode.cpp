@@ -1,16 +1,16 @@
-// One-token decode step of a Llama-family model (RMSNorm, gated SiLU MLP, RoPE, GQA, optional biases, Qwen3's
-// q/k norms, sliding windows) in float32, as one OpenMP parallel region: the matrix-vector products split their
-// output rows across the threads, everything else runs between them without leaving the region. Built and loaded by
-// specrpc/native/__init__.py (ctypes; torch's own OpenMP runtime), called by specrpc/models/llama.py for one-token
-// forwards. Weights are row-major [N, K] (the checkpoint's layout): each output is a dot product over a contiguous
-// row, the weights are read once, in order.
+// Forward of a few tokens (a decode step, a verify, a draft's catch-up) through a Llama-family model (RMSNorm, gated
+// SiLU MLP, RoPE, GQA, optional biases, Qwen3's q/k norms, sliding windows) in float32, as one OpenMP parallel
+// region: the matrix products split their output rows across the threads, everything else runs between them without
+// leaving the region. Built and loaded by specrpc/native/__init__.py (ctypes; torch's own OpenMP runtime), called by
+// specrpc/models/native_step.py. Weights are row-major [N, K] (the checkpoint's layout); each weight row is read from
+// memory once per forward and dotted with every token's activations while it sits in L1, by the same dot product a
+// one-token step uses: a token's logits are bit for bit the same decoded alone or verified among others, so greedy
+// speculation through this step equals greedy decoding through it exactly.
 #include <omp.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-
-extern "C" {
 
 struct Layer {
     const float* attn_norm;  // [d]
@@ -30,6 +30,7 @@ struct Layer {
 struct Model {
     int64_t d, hq, hkv, dh, ffn, vocab, layers;
     int64_t slots, capacity;  // KV cache [L, slots, hkv, capacity, dh]
+    int64_t max_tokens;       // tokens per forward the work buffers hold
     float eps;
     const float* embed;       // [vocab, d]
     const float* norm;        // [d]
@@ -39,12 +40,12 @@ struct Model {
     const Layer* layer;       // [layers]
     float* k_cache;
     float* v_cache;
-    float* x;                 // [d] work buffers
-    float* h;                 // [d]
-    float* qkv;               // [(hq + 2 hkv) dh]
-    float* att;               // [hq dh]
-    float* up;                // [2 ffn]
-    float* scores;            // [hq, capacity]
+    float* x;                 // [T, d] work buffers
+    float* h;                 // [T, d]
+    float* qkv;               // [T, (hq + 2 hkv) dh]
+    float* att;               // [T, hq dh]
+    float* up;                // [T, 2 ffn]
+    float* scores;            // [T, hq, capacity]
 };
 
 static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -54,23 +55,116 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
     return acc;
 }
 
-static inline void gemv(const float* __restrict w, const float* __restrict b, const float* __restrict x,
-                        float* __restrict y, int64_t rows, int64_t cols, bool add) {
+typedef float v16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX2 ones
+
+static inline v16 load16(const float* p) {
+    v16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// Lanes summed in a fixed tree order.
+static inline float hsum(v16 v) {
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
+    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// out[r * TB + t] = w[r] . x[t] for R weight rows (stride `cols`) and TB activation rows (stride `cols`): each
+// weight vector is loaded once per 64 columns for all TB tokens, each (row, token) sums into four independent
+// accumulators, and every sum is formed in the same order whatever R and TB are: the same bits for a token alone or
+// among others. R > 1 (few tokens) keeps several weight rows streaming at once.
+template <int R, int TB>
+static inline void dots(const float* __restrict w, const float* __restrict x, int64_t cols, float* __restrict out) {
+    v16 acc[R][TB][4];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < TB; ++t)
+            for (int j = 0; j < 4; ++j) acc[r][t][j] = v16{};
+    int64_t k = 0;
+    for (; k + 64 <= cols; k += 64) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const float* wr = w + r * cols + k;
+            const v16 w0 = load16(wr), w1 = load16(wr + 16), w2 = load16(wr + 32), w3 = load16(wr + 48);
+#pragma GCC unroll 4
+            for (int t = 0; t < TB; ++t) {
+                const float* xt = x + t * cols + k;
+                acc[r][t][0] += w0 * load16(xt);
+                acc[r][t][1] += w1 * load16(xt + 16);
+                acc[r][t][2] += w2 * load16(xt + 32);
+                acc[r][t][3] += w3 * load16(xt + 48);
+            }
+        }
+    }
+    for (; k + 16 <= cols; k += 16) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const v16 wv = load16(w + r * cols + k);
+#pragma GCC unroll 4
+            for (int t = 0; t < TB; ++t) acc[r][t][0] += wv * load16(x + t * cols + k);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; ++t) {
+            float s = hsum((acc[r][t][0] + acc[r][t][1]) + (acc[r][t][2] + acc[r][t][3]));
+            for (int64_t c = k; c < cols; ++c) s += w[r * cols + c] * x[t * cols + c];
+            out[r * TB + t] = s;
+        }
+    }
+}
+
+// y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] + b[n] for t < T, rows shared among the team (call inside the
+// parallel region): each weight row is read from memory once; one token takes four rows at a time, more take one
+// row at a time for up to four tokens at a time.
+static inline void gemm(const float* __restrict w, const float* __restrict b, const float* __restrict x,
+                        float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
+    const int64_t R = T == 1 ? 4 : 1;
+    const int64_t groups = (rows + R - 1) / R;
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < rows; ++n) {
-        float v = dot(w + n * cols, x, cols) + (b ? b[n] : 0.0f);
-        y[n] = add ? y[n] + v : v;
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t n0 = g * R, nr = n0 + R <= rows ? R : rows - n0;
+        float v[16];
+        for (int64_t n = n0; n < n0 + nr;) {
+            const float* wn = w + n * cols;
+            int64_t done_rows = 1;
+            if (T == 1 && n + 4 <= n0 + nr) {
+                dots<4, 1>(wn, x, cols, v);
+                done_rows = 4;
+            } else {
+                for (int64_t t0 = 0; t0 < T;) {  // one row, tokens in blocks of 4, 2, 1
+                    const int64_t left = T - t0, block = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                    const float* xt = x + t0 * cols;
+                    if (block == 4) dots<1, 4>(wn, xt, cols, v + t0);
+                    else if (block == 2) dots<1, 2>(wn, xt, cols, v + t0);
+                    else dots<1, 1>(wn, xt, cols, v + t0);
+                    t0 += block;
+                }
+            }
+            for (int64_t r = 0; r < done_rows; ++r) {
+                const float bias = b ? b[n + r] : 0.0f;
+                for (int64_t t = 0; t < T; ++t) {
+                    const float value = (done_rows == 1 ? v[t] : v[r * T + t]) + bias;
+                    float* out = y + t * rows + n + r;
+                    *out = add ? *out + value : value;
+                }
+            }
+            n += done_rows;
+        }
     }
 }
 
 static inline void rms_norm(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t n,
                             float eps) {
-    float ss = dot(x, x, n);
-    float r = 1.0f / std::sqrt(ss / (float)n + eps);
+    const float ss = dot(x, x, n);
+    const float r = 1.0f / std::sqrt(ss / (float)n + eps);
     for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * (w ? w[i] : 1.0f);
 }
 
-// rope(x) at position pos, in place, for one head of dh values.
+// rope(x) at one position, in place, for one head of dh values.
 static inline void rope(float* __restrict x, const float* __restrict c, const float* __restrict s, int64_t dh) {
     const int64_t half = dh / 2;
     float tmp[1024];
@@ -78,34 +172,36 @@ static inline void rope(float* __restrict x, const float* __restrict c, const fl
     for (int64_t i = 0; i < dh; ++i) x[i] = tmp[i] * c[i] + tmp[(i + half) % dh] * s[i];
 }
 
-// The token `token` at position `pos` of KV slot `slot`: writes its K/V there, leaves float32 logits [vocab] in
-// `logits`. Returns 0, or -1 when the arguments are out of range (nothing written).
-int specrpc_decode(const Model* m, int64_t token, int64_t pos, int64_t slot, float* logits, int threads) {
-    if (token < 0 || token >= m->vocab || pos < 0 || pos >= m->capacity || slot < 0 || slot >= m->slots ||
-        m->dh > 1024 || m->dh % 2)
+// The T tokens `tokens` at positions start.. of KV slot `slot`: writes their K/V there, leaves float32 logits of the
+// last `num_logits` of them in `logits` [num_logits, vocab]. Returns 0, or -1 when the arguments are out of range
+// (nothing written).
+extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot, float* logits,
+                    int64_t num_logits, int threads) {
+    if (T < 1 || T > m->max_tokens || num_logits < 1 || num_logits > T || start < 0 || start + T > m->capacity ||
+        slot < 0 || slot >= m->slots || m->dh > 1024 || m->dh % 2)
         return -1;
+    for (int64_t t = 0; t < T; ++t)
+        if (tokens[t] < 0 || tokens[t] >= m->vocab) return -1;
     const int64_t d = m->d, hq = m->hq, hkv = m->hkv, dh = m->dh, ffn = m->ffn, cap = m->capacity;
-    const int64_t rep = hq / hkv, nqkv = (hq + 2 * hkv) * dh;
+    const int64_t rep = hq / hkv, nqkv = (hq + 2 * hkv) * dh, nheads = hq + 2 * hkv;
     const float scale = 1.0f / std::sqrt((float)dh);
-    const float* cs = m->cos + pos * dh;
-    const float* sn = m->sin + pos * dh;
-    std::memcpy(m->x, m->embed + token * d, d * sizeof(float));
+    for (int64_t t = 0; t < T; ++t) std::memcpy(m->x + t * d, m->embed + tokens[t] * d, d * sizeof(float));
 #pragma omp parallel num_threads(threads)
     {
         for (int64_t l = 0; l < m->layers; ++l) {
             const Layer& L = m->layer[l];
-            const int64_t lo = L.window > 0 && pos + 1 > L.window ? pos + 1 - L.window : 0;
             float* kc = m->k_cache + ((l * m->slots + slot) * hkv) * cap * dh;  // [hkv, cap, dh]
             float* vc = m->v_cache + ((l * m->slots + slot) * hkv) * cap * dh;
-#pragma omp single
-            rms_norm(m->x, L.attn_norm, m->h, d, m->eps);
-            gemv(L.qkv, L.qkv_bias, m->h, m->qkv, nqkv, d, false);
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < hq + 2 * hkv; ++j) {  // q and k heads: norm, rotary; k and v into the cache
-                float* head = m->qkv + j * dh;
+            for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.attn_norm, m->h + t * d, d, m->eps);
+            gemm(L.qkv, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false);
+#pragma omp for schedule(static)
+            for (int64_t tj = 0; tj < T * nheads; ++tj) {  // q and k heads: norm, rotary; k and v into the cache
+                const int64_t t = tj / nheads, j = tj % nheads, pos = start + t;
+                float* head = m->qkv + t * nqkv + j * dh;
                 if (j < hq + hkv) {
                     if (L.qk_norm) rms_norm(head, L.qk_norm + j * dh, head, dh, m->eps);
-                    rope(head, cs, sn, dh);
+                    rope(head, m->cos + pos * dh, m->sin + pos * dh, dh);
                 }
                 if (j >= hq) {
                     const int64_t g = (j - hq) % hkv;
@@ -114,46 +210,53 @@ int specrpc_decode(const Model* m, int64_t token, int64_t pos, int64_t slot, flo
                 }
             }
 #pragma omp for schedule(static)
-            for (int64_t h = 0; h < hq; ++h) {  // attention of query head h on its KV head
-                const float* q = m->qkv + h * dh;
+            for (int64_t th = 0; th < T * hq; ++th) {  // token t's query head h on its KV head, causally
+                const int64_t t = th / hq, h = th % hq, pos = start + t;
+                const int64_t lo = L.window > 0 && pos + 1 > L.window ? pos + 1 - L.window : 0;
+                const float* q = m->qkv + t * nqkv + h * dh;
                 const float* kh = kc + (h / rep) * cap * dh;
                 const float* vh = vc + (h / rep) * cap * dh;
-                float* sc = m->scores + h * cap;
+                float* sc = m->scores + th * cap;
                 float mx = -INFINITY;
-                for (int64_t t = lo; t <= pos; ++t) {
-                    sc[t] = dot(q, kh + t * dh, dh) * scale;
-                    mx = sc[t] > mx ? sc[t] : mx;
+                for (int64_t p = lo; p <= pos; ++p) {
+                    sc[p] = dot(q, kh + p * dh, dh) * scale;
+                    mx = sc[p] > mx ? sc[p] : mx;
                 }
                 float sum = 0.0f;
-                for (int64_t t = lo; t <= pos; ++t) {
-                    sc[t] = std::exp(sc[t] - mx);
-                    sum += sc[t];
+                for (int64_t p = lo; p <= pos; ++p) {
+                    sc[p] = std::exp(sc[p] - mx);
+                    sum += sc[p];
                 }
-                float* out = m->att + h * dh;
+                float* out = m->att + t * hq * dh + h * dh;
                 for (int64_t i = 0; i < dh; ++i) out[i] = 0.0f;
-                for (int64_t t = lo; t <= pos; ++t) {
-                    const float p = sc[t] / sum;
-                    const float* v = vh + t * dh;
+                for (int64_t p = lo; p <= pos; ++p) {
+                    const float w = sc[p] / sum;
+                    const float* v = vh + p * dh;
 #pragma omp simd
-                    for (int64_t i = 0; i < dh; ++i) out[i] += p * v[i];
+                    for (int64_t i = 0; i < dh; ++i) out[i] += w * v[i];
                 }
             }
-            gemv(L.o, L.o_bias, m->att, m->x, d, hq * dh, true);
-#pragma omp single
-            rms_norm(m->x, L.mlp_norm, m->h, d, m->eps);
-            gemv(L.up, L.up_bias, m->h, m->up, 2 * ffn, d, false);
+            gemm(L.o, L.o_bias, m->att, m->x, T, d, hq * dh, true);
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < ffn; ++i) {
-                const float g = m->up[i];
-                m->up[i] = g / (1.0f + std::exp(-g)) * m->up[ffn + i];
+            for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.mlp_norm, m->h + t * d, d, m->eps);
+            gemm(L.up, L.up_bias, m->h, m->up, T, 2 * ffn, d, false);
+#pragma omp for schedule(static)
+            for (int64_t ti = 0; ti < T * ffn; ++ti) {
+                float* row = m->up + (ti / ffn) * 2 * ffn;
+                const int64_t i = ti % ffn;
+                row[i] = row[i] / (1.0f + std::exp(-row[i])) * row[ffn + i];
             }
-            gemv(L.down, L.down_bias, m->up, m->x, d, ffn, true);
-        }
+            // down reads the activations with a stride of 2 ffn: pack them first, in order (token t's packed row
+            // overwrites token t/2's source, which an earlier t has moved)
 #pragma omp single
-        rms_norm(m->x, m->norm, m->h, d, m->eps);
-        gemv(m->head, nullptr, m->h, logits, m->vocab, d, false);
+            for (int64_t t = 1; t < T; ++t) std::memmove(m->up + t * ffn, m->up + t * 2 * ffn, ffn * sizeof(float));
+            gemm(L.down, L.down_bias, m->up, m->x, T, d, ffn, true);
+        }
+        const int64_t first = T - num_logits;
+#pragma omp for schedule(static)
+        for (int64_t t = first; t < T; ++t) rms_norm(m->x + t * d, m->norm, m->h + t * d, d, m->eps);
+        gemm(m->head, nullptr, m->h + first * d, logits, num_logits, m->vocab, d, false);
     }
     return 0;
 }
 
-}  // extern "C"
