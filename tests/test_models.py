@@ -407,6 +407,24 @@ def test_greedy_draft_loop_equals_step_by_step_greedy(tmp_path: Path) -> None:
     assert tokens.tolist() == expected
 
 
+def test_native_greedy_draft_equals_step_by_step_greedy(tmp_path: Path) -> None:
+    """`greedy_draft` through the native step: one call drafts what k one-token forwards and argmaxes would, and
+    leaves the slot where they would (its K/V there too: the next step continues from it alike)."""
+    path, _ = save(tmp_path, Qwen3ForCausalLM, CASES["qwen3-head-dim-bias-window"][1])
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(8))
+    first = lm.forward(prompt, 0, 0)  # [1, V]
+    expected = [int(first[0].argmax())]
+    for i in range(6):
+        expected.append(int(lm.forward(torch.tensor(expected[-1:]), 10 + i, 0)[0].argmax()))
+    after = lm.forward(torch.tensor(expected[-1:]), 16, 0)
+    lm.forward(prompt, 0, 1)
+    tokens = lm.greedy_draft(first, 10, 1, 7)
+    assert tokens is not None and tokens.tolist() == expected and lm.length(1) == 16
+    assert torch.equal(lm.forward(torch.tensor(expected[-1:]), 16, 1), after)
+
+
 @pytest.mark.parametrize(("case", "lean"), [("llama-tied-gqa", True), ("qwen3-head-dim-bias-window", True),
                                             ("starcoder2-tied-window", True), ("mistral-window", True),
                                             ("llama-tied-gqa", False)])

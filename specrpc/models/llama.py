@@ -1011,9 +1011,15 @@ class LlamaLM:
 
     def greedy_draft(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
         """k greedy draft tokens [k] on the device: the argmax of `logits` [1, V] (the catch-up's) at `position` and
-        k-1 more, as one graph replay; None when no loop of k-1 forwards was captured (draft step by step)."""
+        k-1 more, as one graph replay (CUDA) or one native call (CPU); None where neither runs them (draft step by
+        step)."""
         if self.draft_loop is None or not 1 <= k - 1 <= self.draft_loop.max_steps:
-            return None
+            if self.native is None or k < 2:
+                return None
+            self.cache.begin_write(slot, position, k - 1)
+            tokens = self.native.greedy(int(logits[0].argmax()), position, slot, k - 1)  # [k]
+            self.cache.commit(slot, position + k - 1)
+            return tokens
         self.cache.begin_write(slot, position, k - 1)
         with torch.inference_mode():
             tokens = self.draft_loop.run(logits[0].argmax().view(1), position, slot, k - 1)  # [k]

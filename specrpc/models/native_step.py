@@ -48,6 +48,7 @@ class NativeStep:
         lib = native.library()
         assert lib is not None
         self._fn = lib.specrpc_forward
+        self._greedy = lib.specrpc_greedy
         keep: list[torch.Tensor] = []  # every tensor the struct points into, alive as long as self
 
         def ptr(t: torch.Tensor | None) -> int | None:
@@ -95,3 +96,13 @@ class NativeStep:
             raise ValueError(f"native forward: {count} tokens at position {start} of slot {slot}, {num_logits} "
                              f"logits: out of range (ids in 0..{self.vocab - 1}, at most {MAX_TOKENS} tokens)")
         return logits
+
+    def greedy(self, first: int, start: int, slot: int, steps: int) -> torch.Tensor:
+        """`first`, then `steps` greedy tokens, each the argmax after feeding the one before at positions start..
+        of `slot` (their K/V written there): int64 [steps + 1], one call for the whole draft."""
+        out = torch.empty(steps + 1, dtype=torch.long)  # [steps + 1]
+        scratch = torch.empty(self.vocab)  # [V]
+        if self._greedy(self._model_ref, first, start, slot, steps, out.data_ptr(), scratch.data_ptr(),
+                        torch.get_num_threads()) != 0:
+            raise ValueError(f"native greedy draft: {steps} steps from position {start} of slot {slot}: out of range")
+        return out

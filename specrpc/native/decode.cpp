@@ -175,7 +175,7 @@ static inline void rope(float* __restrict x, const float* __restrict c, const fl
 // The T tokens `tokens` at positions start.. of KV slot `slot`: writes their K/V there, leaves float32 logits of the
 // last `num_logits` of them in `logits` [num_logits, vocab]. Returns 0, or -1 when the arguments are out of range
 // (nothing written).
-extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot, float* logits,
+static int forward(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot, float* logits,
                     int64_t num_logits, int threads) {
     if (T < 1 || T > m->max_tokens || num_logits < 1 || num_logits > T || start < 0 || start + T > m->capacity ||
         slot < 0 || slot >= m->slots || m->dh > 1024 || m->dh % 2)
@@ -260,3 +260,24 @@ extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, int64_t T,
     return 0;
 }
 
+
+extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot,
+                               float* logits, int64_t num_logits, int threads) {
+    return forward(m, tokens, T, start, slot, logits, num_logits, threads);
+}
+
+// A greedy draft: out[0] = first, then `steps` one-token forwards at positions start.., each feeding its argmax (the
+// first of equal maxima, as torch's) to the next: out [steps + 1]. `logits` [vocab] is scratch. Returns 0, or -1 as
+// `forward` does (the positions written before it stay written).
+extern "C" int specrpc_greedy(const Model* m, int64_t first, int64_t start, int64_t slot, int64_t steps, int64_t* out,
+                              float* logits, int threads) {
+    out[0] = first;
+    for (int64_t i = 0; i < steps; ++i) {
+        if (forward(m, out + i, 1, start + i, slot, logits, 1, threads) != 0) return -1;
+        int64_t best = 0;
+        for (int64_t v = 1; v < m->vocab; ++v)
+            if (logits[v] > logits[best]) best = v;
+        out[i + 1] = best;
+    }
+    return 0;
+}
