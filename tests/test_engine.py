@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import ASSETS, EngineConfig
 from specrpc.engine import Engine, GenerationRequest, Slot, Stall, TokenLogprob
-from specrpc.models import load_model, load_tokenizer
+from specrpc.models import load_model, load_tokenizer, native_step
 from specrpc.models.llama import LlamaLM
 from specrpc.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
 from specrpc.proposers import Proposal, lookup_kind
@@ -325,13 +325,19 @@ def test_batched_streams_equal_their_solo_runs(pair: tuple[Path, Path]) -> None:
         assert_logprobs_close(a, b)
 
 
-def test_seeded_sampling_in_a_batch_reproduces_its_solo_run(pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_seeded_sampling_in_a_batch_reproduces_its_solo_run(pair: tuple[Path, Path], native: bool) -> None:
     """A seeded request at a given k samples what it samples alone, whatever shares its steps (an adaptive k
-    follows measured timings, so there only greedy output is fixed). With the torch forward alone: a native
-    one-token step and a batched product round differently in the last bits, and where a sample path crosses a
-    rejection whose residual max(0, p - q) is that small, the same seed then resamples differently (the distribution
-    is the target's either way: the sampled tests below run batched with native steps)."""
-    engine = make_engine(pair, slots=3, native=False)
+    follows measured timings, so there only greedy output is fixed): every forward through the torch forward, or
+    every one through the native step (a token's logits the same bits alone or batched). Mixed, a native solo step
+    and a torch batched product round differently in the last bits, and where a sample path crosses a rejection
+    whose residual max(0, p - q) is that small, the same seed resamples differently (the distribution is the
+    target's either way)."""
+    engine = make_engine(pair, slots=3, native=native)
+    for model in (engine.target, engine.draft):
+        if native:
+            assert isinstance(model, LlamaLM) and model.native is not None
+            model.native_rows = native_step.MAX_TOKENS  # no batch here exceeds it: all native
     seeded = GenerationRequest([0, 5, 2], 30, SamplingParams(temperature=1.0, seed=11), 3, "draft")
     others = [GenerationRequest([1, 2, 3, 1, 2, 3], 20, SamplingParams(temperature=0.8, seed=3), 2, "combined"),
               GenerationRequest([2, 2], 28, GREEDY, None, "draft")]

@@ -459,6 +459,34 @@ def test_batched_forward_gives_each_rows_solo_logits(case: str, lean: bool, tmp_
         batched.forward_batch([rows[0], rows[0]])
 
 
+@pytest.mark.parametrize("case", ["llama-tied-gqa", "qwen3-head-dim-bias-window", "mistral-window"])
+def test_native_batch_gives_each_rows_solo_logits_bit_for_bit(case: str, tmp_path: Path) -> None:
+    """Rows of several slots in one native forward (verifies, decodes, one rewriting rolled-back positions): every
+    row's logits, and what its slot holds afterwards, are the same bits as the row run alone, whatever shares the
+    forward (the exactness batching needs)."""
+    cls, config = CASES[case]
+    path, _ = save(tmp_path, cls, config)
+    solo = load_model(path, device=CPU, dtype=F32, num_slots=5, max_context=CAPACITY, native_decode=True)
+    batched = load_model(path, device=CPU, dtype=F32, num_slots=5, max_context=CAPACITY, native_decode=True)
+    for lm in (solo, batched):
+        assert isinstance(lm, LlamaLM) and lm.native is not None
+        lm.native_rows = native_step.MAX_TOKENS
+        for slot, n in enumerate([12, 20, 9, 30, 3]):
+            lm.forward(torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(slot)), 0, slot)
+        lm.truncate(3, 7)
+    g = torch.Generator().manual_seed(5)
+    shapes = {0: (5, 12, 5), 1: (1, 20, 1), 3: (1, 7, 1), 4: (4, 3, 2)}  # slot: (tokens, start, logits)
+    rows = [BatchRow(torch.randint(0, VOCAB, (t,), generator=g), start, slot, logits)
+            for slot, (t, start, logits) in shapes.items()]
+    assert isinstance(batched, LlamaLM) and sum(r.ids.shape[0] for r in rows) <= batched.native_rows
+    out = batched.forward_batch(list(reversed(rows)))[::-1]
+    for row, logits in zip(rows, out, strict=True):
+        assert torch.equal(logits, solo.forward(row.ids, row.start, row.slot, row.num_logits))
+    for slot in range(5):
+        nxt = torch.tensor([7])
+        assert torch.equal(batched.forward(nxt, batched.length(slot), slot), solo.forward(nxt, solo.length(slot), slot))
+
+
 @pytest.mark.parametrize("case", ["llama-untied-mha-bias", "qwen3-head-dim-bias-window"])
 def test_native_verify_gives_a_tokens_decode_logits_bit_for_bit(case: str, tmp_path: Path) -> None:
     """Through the native step a token's logits are the same bits decoded alone or verified among others (each

@@ -1004,7 +1004,10 @@ class LlamaLM:
         for r in rows:
             self.cache.begin_write(r.slot, r.start, r.ids.shape[0])
         with torch.inference_mode():
-            logits = llama_forward_batch(self.weights, self.cache.k, self.cache.v, rows)
+            if self.native is not None and sum(r.ids.shape[0] for r in rows) <= self.native_rows:
+                logits = self.native.run_batch(rows)  # each row's tokens through the products they take alone
+            else:
+                logits = llama_forward_batch(self.weights, self.cache.k, self.cache.v, rows)
         for r in rows:
             self.cache.commit(r.slot, r.start + r.ids.shape[0])
         return logits

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specrpc import native
+from specrpc.models.batch import BatchRow
 
 if TYPE_CHECKING:
     from specrpc.kv_cache import KVCache
@@ -87,15 +88,23 @@ class NativeStep:
     def run(self, tokens: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
         """tokens [T] int64 (T <= MAX_TOKENS) at positions start.. of `slot` (their K/V written there) → float32
         logits [num_logits, V] of the last ones."""
-        count = tokens.shape[0]
-        ids = tokens.contiguous()  # [T] int64
-        logits = torch.empty(num_logits, self.vocab)  # [num_logits, V]
-        rc = self._fn(self._model_ref, ids.data_ptr(), count, start, slot, logits.data_ptr(), num_logits,
-                      torch.get_num_threads())
+        return self.run_batch([BatchRow(tokens, start, slot, num_logits)])[0]
+
+    def run_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        """Several rows (distinct slots, MAX_TOKENS tokens in all at most) in one native forward, each token through
+        the same products as alone: per row float32 logits [num_logits, V] of its last tokens."""
+        ids = torch.cat([r.ids for r in rows]).to(torch.long).contiguous()  # [T]
+        positions = torch.cat([torch.arange(r.start, r.start + r.ids.shape[0]) for r in rows])  # [T]
+        slots = torch.cat([torch.full((r.ids.shape[0],), r.slot, dtype=torch.long) for r in rows])  # [T]
+        ends = torch.tensor([r.ids.shape[0] for r in rows]).cumsum(0).tolist()
+        wanted = torch.cat([torch.arange(end - r.num_logits, end) for r, end in zip(rows, ends, strict=True)])  # [R]
+        logits = torch.empty(wanted.shape[0], self.vocab)  # [R, V]
+        rc = self._fn(self._model_ref, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), ids.shape[0],
+                      wanted.data_ptr(), wanted.shape[0], logits.data_ptr(), torch.get_num_threads())
         if rc != 0:
-            raise ValueError(f"native forward: {count} tokens at position {start} of slot {slot}, {num_logits} "
-                             f"logits: out of range (ids in 0..{self.vocab - 1}, at most {MAX_TOKENS} tokens)")
-        return logits
+            raise ValueError(f"native forward: {ids.shape[0]} tokens in {len(rows)} rows: out of range (ids in "
+                             f"0..{self.vocab - 1}, at most {MAX_TOKENS} tokens, positions within the cache)")
+        return list(torch.split(logits, [r.num_logits for r in rows]))
 
     def greedy(self, first: int, start: int, slot: int, steps: int) -> torch.Tensor:
         """`first`, then `steps` greedy tokens, each the argmax after feeding the one before at positions start..

@@ -104,8 +104,8 @@ def library() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(path))
     fn = lib.specrpc_forward
-    fn.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     fn.restype = ctypes.c_int
     greedy = lib.specrpc_greedy
     greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,

@@ -157,8 +157,8 @@ static inline void gemm(const float* __restrict w, const float* __restrict b, co
     }
 }
 
-static inline void rms_norm(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t n,
-                            float eps) {
+// out = x / rms(x) * w (out may be x).
+static inline void rms_norm(const float* x, const float* __restrict w, float* out, int64_t n, float eps) {
     const float ss = dot(x, x, n);
     const float r = 1.0f / std::sqrt(ss / (float)n + eps);
     for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * (w ? w[i] : 1.0f);
@@ -172,16 +172,19 @@ static inline void rope(float* __restrict x, const float* __restrict c, const fl
     for (int64_t i = 0; i < dh; ++i) x[i] = tmp[i] * c[i] + tmp[(i + half) % dh] * s[i];
 }
 
-// The T tokens `tokens` at positions start.. of KV slot `slot`: writes their K/V there, leaves float32 logits of the
-// last `num_logits` of them in `logits` [num_logits, vocab]. Returns 0, or -1 when the arguments are out of range
-// (nothing written).
-static int forward(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot, float* logits,
-                    int64_t num_logits, int threads) {
-    if (T < 1 || T > m->max_tokens || num_logits < 1 || num_logits > T || start < 0 || start + T > m->capacity ||
-        slot < 0 || slot >= m->slots || m->dh > 1024 || m->dh % 2)
-        return -1;
+// The T tokens `tokens`, token t at position pos[t] of KV slot slot[t] (a batch of rows: each row consecutive
+// positions of its own slot, the slots distinct): writes their K/V there first, then each token attends causally to
+// its slot's positions up to its own; leaves float32 logits of the tokens `rows` lists in `logits` [n_logits, vocab].
+// Returns 0, or -1 when an argument is out of range (nothing written).
+static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of, const int64_t* slot_of, int64_t T,
+                   const int64_t* rows, int64_t n_logits, float* logits, int threads) {
+    if (T < 1 || T > m->max_tokens || n_logits < 1 || n_logits > T || m->dh > 1024 || m->dh % 2) return -1;
     for (int64_t t = 0; t < T; ++t)
-        if (tokens[t] < 0 || tokens[t] >= m->vocab) return -1;
+        if (tokens[t] < 0 || tokens[t] >= m->vocab || pos_of[t] < 0 || pos_of[t] >= m->capacity || slot_of[t] < 0 ||
+            slot_of[t] >= m->slots)
+            return -1;
+    for (int64_t i = 0; i < n_logits; ++i)
+        if (rows[i] < 0 || rows[i] >= T) return -1;
     const int64_t d = m->d, hq = m->hq, hkv = m->hkv, dh = m->dh, ffn = m->ffn, cap = m->capacity;
     const int64_t rep = hq / hkv, nqkv = (hq + 2 * hkv) * dh, nheads = hq + 2 * hkv;
     const float scale = 1.0f / std::sqrt((float)dh);
@@ -190,14 +193,14 @@ static int forward(const Model* m, const int64_t* tokens, int64_t T, int64_t sta
     {
         for (int64_t l = 0; l < m->layers; ++l) {
             const Layer& L = m->layer[l];
-            float* kc = m->k_cache + ((l * m->slots + slot) * hkv) * cap * dh;  // [hkv, cap, dh]
-            float* vc = m->v_cache + ((l * m->slots + slot) * hkv) * cap * dh;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.attn_norm, m->h + t * d, d, m->eps);
             gemm(L.qkv, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false);
 #pragma omp for schedule(static)
             for (int64_t tj = 0; tj < T * nheads; ++tj) {  // q and k heads: norm, rotary; k and v into the cache
-                const int64_t t = tj / nheads, j = tj % nheads, pos = start + t;
+                const int64_t t = tj / nheads, j = tj % nheads, pos = pos_of[t];
+                float* kc = m->k_cache + ((l * m->slots + slot_of[t]) * hkv) * cap * dh;  // [hkv, cap, dh]
+                float* vc = m->v_cache + ((l * m->slots + slot_of[t]) * hkv) * cap * dh;
                 float* head = m->qkv + t * nqkv + j * dh;
                 if (j < hq + hkv) {
                     if (L.qk_norm) rms_norm(head, L.qk_norm + j * dh, head, dh, m->eps);
@@ -211,7 +214,9 @@ static int forward(const Model* m, const int64_t* tokens, int64_t T, int64_t sta
             }
 #pragma omp for schedule(static)
             for (int64_t th = 0; th < T * hq; ++th) {  // token t's query head h on its KV head, causally
-                const int64_t t = th / hq, h = th % hq, pos = start + t;
+                const int64_t t = th / hq, h = th % hq, pos = pos_of[t];
+                const float* kc = m->k_cache + ((l * m->slots + slot_of[t]) * hkv) * cap * dh;
+                const float* vc = m->v_cache + ((l * m->slots + slot_of[t]) * hkv) * cap * dh;
                 const int64_t lo = L.window > 0 && pos + 1 > L.window ? pos + 1 - L.window : 0;
                 const float* q = m->qkv + t * nqkv + h * dh;
                 const float* kh = kc + (h / rep) * cap * dh;
@@ -252,28 +257,28 @@ static int forward(const Model* m, const int64_t* tokens, int64_t T, int64_t sta
             for (int64_t t = 1; t < T; ++t) std::memmove(m->up + t * ffn, m->up + t * 2 * ffn, ffn * sizeof(float));
             gemm(L.down, L.down_bias, m->up, m->x, T, d, ffn, true);
         }
-        const int64_t first = T - num_logits;
 #pragma omp for schedule(static)
-        for (int64_t t = first; t < T; ++t) rms_norm(m->x + t * d, m->norm, m->h + t * d, d, m->eps);
-        gemm(m->head, nullptr, m->h + first * d, logits, num_logits, m->vocab, d, false);
+        for (int64_t i = 0; i < n_logits; ++i) rms_norm(m->x + rows[i] * d, m->norm, m->h + i * d, d, m->eps);
+        gemm(m->head, nullptr, m->h, logits, n_logits, m->vocab, d, false);
     }
     return 0;
 }
 
-
-extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot,
-                               float* logits, int64_t num_logits, int threads) {
-    return forward(m, tokens, T, start, slot, logits, num_logits, threads);
+extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, const int64_t* positions, const int64_t* slots,
+                               int64_t T, const int64_t* rows, int64_t n_logits, float* logits, int threads) {
+    return forward(m, tokens, positions, slots, T, rows, n_logits, logits, threads);
 }
 
-// A greedy draft: out[0] = first, then `steps` one-token forwards at positions start.., each feeding its argmax (the
-// first of equal maxima, as torch's) to the next: out [steps + 1]. `logits` [vocab] is scratch. Returns 0, or -1 as
-// `forward` does (the positions written before it stay written).
+// A greedy draft: out[0] = first, then `steps` one-token forwards at positions start.. of `slot`, each feeding its
+// argmax (the first of equal maxima, as torch's) to the next: out [steps + 1]. `logits` [vocab] is scratch. Returns
+// 0, or -1 as `forward` does (the positions written before it stay written).
 extern "C" int specrpc_greedy(const Model* m, int64_t first, int64_t start, int64_t slot, int64_t steps, int64_t* out,
                               float* logits, int threads) {
     out[0] = first;
+    const int64_t row = 0;
     for (int64_t i = 0; i < steps; ++i) {
-        if (forward(m, out + i, 1, start + i, slot, logits, 1, threads) != 0) return -1;
+        const int64_t pos = start + i;
+        if (forward(m, out + i, &pos, &slot, 1, &row, 1, logits, threads) != 0) return -1;
         int64_t best = 0;
         for (int64_t v = 1; v < m->vocab; ++v)
             if (logits[v] > logits[best]) best = v;
