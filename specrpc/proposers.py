@@ -98,6 +98,10 @@ class DraftModelProposer:
             return EMPTY
         start = self.model.length(slot)
         t0 = time.perf_counter()
+        fused = self._feed_greedy(tokens, start, slot, k) if params.greedy and len(tokens) - start <= 2 else None
+        if fused is not None:  # steady state, the catch-up and the k drafts in one call: k forwards
+            ids: list[int] = fused.tolist()  # [k]
+            return Proposal(ids, None, self.name, (time.perf_counter() - t0) / k)
         logits = feed(self.model, slot, tokens[start:], start, self.prefill_chunk)  # [1, V]
         # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
         # (the draft sat out steps, or a new prompt) is prefill, not drafting: leave it out of the step time.
@@ -120,7 +124,7 @@ class DraftModelProposer:
             drafted.append(token)
             if i + 1 < k:
                 logits = self.model.forward(token, position + i, slot, num_logits=1)  # [1, V]
-        ids: list[int] = torch.cat(drafted).tolist()  # [k]: the one host sync of the proposal
+        ids = torch.cat(drafted).tolist()  # [k]: the one host sync of the proposal
         probs_out = None if params.greedy else torch.stack(rows)  # [k, V]
         forwards = k if steady else k - 1
         step_s = (time.perf_counter() - t0) / forwards if forwards else None
@@ -173,6 +177,16 @@ class DraftModelProposer:
             ids: list[int] = torch.cat(tokens).tolist()  # [k]
             proposals.append(Proposal(ids, None if r.params.greedy else torch.stack(rows_p), self.name))
         return proposals, timings
+
+    def _feed_greedy(self, tokens: list[int], start: int, slot: int, k: int) -> torch.Tensor | None:
+        """The catch-up on tokens[start:] and k greedy drafts [k] in one call of the model's (a lean model's native
+        step on CPU), or None where it has none."""
+        fused = getattr(self.model, "feed_greedy", None)  # optional: not part of the CausalLM protocol
+        if fused is None:
+            return None
+        ids = torch.tensor(tokens[start:], dtype=torch.long, device=self.model.device)  # [F]
+        drafted: torch.Tensor | None = fused(ids, start, slot, k)
+        return drafted
 
     def _greedy_loop(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
         """k greedy tokens [k] from one replay of the model's captured k-step loop (a lean model on CUDA), or None

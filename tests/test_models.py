@@ -423,6 +423,9 @@ def test_native_greedy_draft_equals_step_by_step_greedy(tmp_path: Path) -> None:
     tokens = lm.greedy_draft(first, 10, 1, 7)
     assert tokens is not None and tokens.tolist() == expected and lm.length(1) == 16
     assert torch.equal(lm.forward(torch.tensor(expected[-1:]), 16, 1), after)
+    lm.truncate(1, 8)  # a draft's steady catch-up: two tokens it has not seen, then its k drafts in the same call
+    fused = lm.feed_greedy(prompt[8:10], 8, 1, 7)
+    assert fused is not None and fused.tolist() == expected and lm.length(1) == 16
 
 
 @pytest.mark.parametrize(("case", "lean"), [("llama-tied-gqa", True), ("qwen3-head-dim-bias-window", True),

@@ -258,6 +258,16 @@ def with_int8_decode(w: LlamaWeights) -> LlamaWeights:
     return _map_linears(w, quantize_int8)
 
 
+STREAM_BYTES = 32 << 20
+"""Weights above this size stream past the CPU's caches in the native step (it is about a server CPU's last-level
+cache): a target this size would evict the draft's weights on every step, and gains nothing from caching itself."""
+
+
+def _linears(w: LlamaWeights) -> list[Linear]:
+    """Every projection and the head."""
+    return [p for layer in w.layers for p in (layer.qkv, layer.o, layer.up, layer.down)] + [w.head]
+
+
 def _map_linears(w: LlamaWeights, fn: Callable[[Linear], Linear]) -> LlamaWeights:
     """`w` with `fn` applied to every projection and the head."""
     layers = tuple(
@@ -910,7 +920,8 @@ class LlamaLM:
         if why is not None:
             log.info("%s: native decode off (%s)", self.name, why)
             return False
-        self.native = NativeStep(self.weights, self.cache)
+        weight_bytes = sum(p.wt.numel() * p.wt.element_size() for p in _linears(self.weights) if p.wt is not None)
+        self.native = NativeStep(self.weights, self.cache, stream=weight_bytes > STREAM_BYTES)
         self.weights = _map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
                                     else dataclasses.replace(p, wt=None, packed_rows=1))
         self.native_rows = self._native_rows()
@@ -1017,16 +1028,25 @@ class LlamaLM:
         k-1 more, as one graph replay (CUDA) or one native call (CPU); None where neither runs them (draft step by
         step)."""
         if self.draft_loop is None or not 1 <= k - 1 <= self.draft_loop.max_steps:
-            if self.native is None or k < 2:
-                return None
-            self.cache.begin_write(slot, position, k - 1)
-            tokens = self.native.greedy(int(logits[0].argmax()), position, slot, k - 1)  # [k]
-            self.cache.commit(slot, position + k - 1)
-            return tokens
+            first = logits[0].argmax().view(1)  # [1]
+            rest = self.feed_greedy(first, position, slot, k - 1) if k >= 2 else None  # [k - 1]
+            return None if rest is None else torch.cat([first, rest])
         self.cache.begin_write(slot, position, k - 1)
         with torch.inference_mode():
             tokens = self.draft_loop.run(logits[0].argmax().view(1), position, slot, k - 1)  # [k]
         self.cache.commit(slot, position + k - 1)
+        return tokens
+
+    def feed_greedy(self, ids: torch.Tensor, start: int, slot: int, k: int) -> torch.Tensor | None:
+        """ids [F] at positions start.. of `slot`, then k greedy tokens [k] (the argmax after the feed, and k-1 more
+        one-token forwards), in one native call; None where the native step does not take it (draft otherwise)."""
+        if self.native is None or k < 1 or ids.shape[0] > self.native_rows:
+            return None
+        count = ids.shape[0] + k - 1
+        self.cache.begin_write(slot, start, count)
+        with torch.inference_mode():
+            tokens = self.native.greedy(ids, start, slot, k - 1)  # [k]
+        self.cache.commit(slot, start + count)
         return tokens
 
     def truncate(self, slot: int, length: int) -> None:

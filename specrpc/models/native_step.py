@@ -44,7 +44,9 @@ class NativeStep:
     """The model's weights in the checkpoint's row-major [N, K] layout, its KV cache and work buffers, bound to the
     native step; `run` runs up to `MAX_TOKENS` tokens."""
 
-    def __init__(self, w: LlamaWeights, cache: KVCache) -> None:
+    def __init__(self, w: LlamaWeights, cache: KVCache, stream: bool = False) -> None:
+        """`stream`: read the weights with non-temporal prefetches, so that a model larger than the CPU's caches
+        does not evict a small one's (the draft's) from them on every step."""
         a = w.args
         lib = native.library()
         assert lib is not None
@@ -77,7 +79,8 @@ class NativeStep:
         keep += list(work.values())
         self.model = native.Model(
             d=a.hidden, hq=a.heads, hkv=a.kv_heads, dh=a.head_dim, ffn=a.ffn, vocab=self.vocab, layers=a.layers,
-            slots=cache.k.shape[1], capacity=capacity, max_tokens=MAX_TOKENS, eps=a.eps, embed=ptr(w.embed),
+            slots=cache.k.shape[1], capacity=capacity, max_tokens=MAX_TOKENS, stream=int(stream), eps=a.eps,
+            embed=ptr(w.embed),
             norm=ptr(w.norm.weight), head=rows(w.head), cos=ptr(w.cos), sin=ptr(w.sin), layer=layers,
             k_cache=native.pointer(cache.k), v_cache=native.pointer(cache.v),
             **{name: native.pointer(t) for name, t in work.items()})
@@ -106,12 +109,15 @@ class NativeStep:
                              f"0..{self.vocab - 1}, at most {MAX_TOKENS} tokens, positions within the cache)")
         return list(torch.split(logits, [r.num_logits for r in rows]))
 
-    def greedy(self, first: int, start: int, slot: int, steps: int) -> torch.Tensor:
-        """`first`, then `steps` greedy tokens, each the argmax after feeding the one before at positions start..
-        of `slot` (their K/V written there): int64 [steps + 1], one call for the whole draft."""
+    def greedy(self, feed: torch.Tensor, start: int, slot: int, steps: int) -> torch.Tensor:
+        """Feed tokens [F] int64 (F <= MAX_TOKENS) at positions start.. of `slot`, then `steps` one-token forwards
+        each fed the argmax of the one before (their K/V written there too): the argmaxes int64 [steps + 1], after
+        the feed and after each step, one call for the whole draft."""
+        ids = feed.to(torch.long).contiguous()  # [F]
         out = torch.empty(steps + 1, dtype=torch.long)  # [steps + 1]
         scratch = torch.empty(self.vocab)  # [V]
-        if self._greedy(self._model_ref, first, start, slot, steps, out.data_ptr(), scratch.data_ptr(),
-                        torch.get_num_threads()) != 0:
-            raise ValueError(f"native greedy draft: {steps} steps from position {start} of slot {slot}: out of range")
+        if self._greedy(self._model_ref, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
+                        scratch.data_ptr(), torch.get_num_threads()) != 0:
+            raise ValueError(f"native greedy draft: {ids.shape[0]} tokens fed at position {start} of slot {slot}, "
+                             f"then {steps} steps: out of range")
         return out

@@ -86,7 +86,7 @@ class Model(ctypes.Structure):
     """decode.cpp's Model."""
 
     _fields_ = ([(name, ctypes.c_int64) for name in ("d", "hq", "hkv", "dh", "ffn", "vocab", "layers", "slots",
-                                                     "capacity", "max_tokens")]
+                                                     "capacity", "max_tokens", "stream")]
                 + [("eps", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("embed", "norm", "head", "cos", "sin")]
                 + [("layer", ctypes.POINTER(Layer))]
@@ -108,8 +108,8 @@ def library() -> ctypes.CDLL | None:
                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     fn.restype = ctypes.c_int
     greedy = lib.specrpc_greedy
-    greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     greedy.restype = ctypes.c_int
     return lib
 

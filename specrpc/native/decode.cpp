@@ -31,6 +31,7 @@ struct Model {
     int64_t d, hq, hkv, dh, ffn, vocab, layers;
     int64_t slots, capacity;  // KV cache [L, slots, hkv, capacity, dh]
     int64_t max_tokens;       // tokens per forward the work buffers hold
+    int64_t stream;           // read the weights past the caches (a model larger than they are; keeps a draft's in)
     float eps;
     const float* embed;       // [vocab, d]
     const float* norm;        // [d]
@@ -75,7 +76,7 @@ static inline float hsum(v16 v) {
 // weight vector is loaded once per 64 columns for all TB tokens, each (row, token) sums into four independent
 // accumulators, and every sum is formed in the same order whatever R and TB are: the same bits for a token alone or
 // among others. R > 1 (few tokens) keeps several weight rows streaming at once.
-template <int R, int TB>
+template <int R, int TB, bool STREAM>
 static inline void dots(const float* __restrict w, const float* __restrict x, int64_t cols, float* __restrict out) {
     v16 acc[R][TB][4];
 #pragma GCC unroll 16
@@ -87,6 +88,7 @@ static inline void dots(const float* __restrict w, const float* __restrict x, in
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
             const float* wr = w + r * cols + k;
+            if (STREAM) __builtin_prefetch(wr + 512, 0, 0);  // non-temporal: a large model's weights pass the caches by
             const v16 w0 = load16(wr), w1 = load16(wr + 16), w2 = load16(wr + 32), w3 = load16(wr + 48);
 #pragma GCC unroll 4
             for (int t = 0; t < TB; ++t) {
@@ -120,7 +122,8 @@ static inline void dots(const float* __restrict w, const float* __restrict x, in
 // y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] + b[n] for t < T, rows shared among the team (call inside the
 // parallel region): each weight row is read from memory once; one token takes four rows at a time, more take one
 // row at a time for up to four tokens at a time.
-static inline void gemm(const float* __restrict w, const float* __restrict b, const float* __restrict x,
+template <bool STREAM>
+static inline void gemm_rows(const float* __restrict w, const float* __restrict b, const float* __restrict x,
                         float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
     const int64_t R = T == 1 ? 4 : 1;
     const int64_t groups = (rows + R - 1) / R;
@@ -132,15 +135,15 @@ static inline void gemm(const float* __restrict w, const float* __restrict b, co
             const float* wn = w + n * cols;
             int64_t done_rows = 1;
             if (T == 1 && n + 4 <= n0 + nr) {
-                dots<4, 1>(wn, x, cols, v);
+                dots<4, 1, STREAM>(wn, x, cols, v);
                 done_rows = 4;
             } else {
                 for (int64_t t0 = 0; t0 < T;) {  // one row, tokens in blocks of 4, 2, 1
                     const int64_t left = T - t0, block = left >= 4 ? 4 : left >= 2 ? 2 : 1;
                     const float* xt = x + t0 * cols;
-                    if (block == 4) dots<1, 4>(wn, xt, cols, v + t0);
-                    else if (block == 2) dots<1, 2>(wn, xt, cols, v + t0);
-                    else dots<1, 1>(wn, xt, cols, v + t0);
+                    if (block == 4) dots<1, 4, STREAM>(wn, xt, cols, v + t0);
+                    else if (block == 2) dots<1, 2, STREAM>(wn, xt, cols, v + t0);
+                    else dots<1, 1, STREAM>(wn, xt, cols, v + t0);
                     t0 += block;
                 }
             }
@@ -155,6 +158,12 @@ static inline void gemm(const float* __restrict w, const float* __restrict b, co
             n += done_rows;
         }
     }
+}
+
+static inline void gemm(const float* __restrict w, const float* __restrict b, const float* __restrict x,
+                        float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add, bool stream) {
+    if (stream) gemm_rows<true>(w, b, x, y, T, rows, cols, add);
+    else gemm_rows<false>(w, b, x, y, T, rows, cols, add);
 }
 
 // out = x / rms(x) * w (out may be x).
@@ -195,7 +204,7 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             const Layer& L = m->layer[l];
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.attn_norm, m->h + t * d, d, m->eps);
-            gemm(L.qkv, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false);
+            gemm(L.qkv, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false, m->stream);
 #pragma omp for schedule(static)
             for (int64_t tj = 0; tj < T * nheads; ++tj) {  // q and k heads: norm, rotary; k and v into the cache
                 const int64_t t = tj / nheads, j = tj % nheads, pos = pos_of[t];
@@ -241,10 +250,10 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
                     for (int64_t i = 0; i < dh; ++i) out[i] += w * v[i];
                 }
             }
-            gemm(L.o, L.o_bias, m->att, m->x, T, d, hq * dh, true);
+            gemm(L.o, L.o_bias, m->att, m->x, T, d, hq * dh, true, m->stream);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.mlp_norm, m->h + t * d, d, m->eps);
-            gemm(L.up, L.up_bias, m->h, m->up, T, 2 * ffn, d, false);
+            gemm(L.up, L.up_bias, m->h, m->up, T, 2 * ffn, d, false, m->stream);
 #pragma omp for schedule(static)
             for (int64_t ti = 0; ti < T * ffn; ++ti) {
                 float* row = m->up + (ti / ffn) * 2 * ffn;
@@ -255,11 +264,11 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             // overwrites token t/2's source, which an earlier t has moved)
 #pragma omp single
             for (int64_t t = 1; t < T; ++t) std::memmove(m->up + t * ffn, m->up + t * 2 * ffn, ffn * sizeof(float));
-            gemm(L.down, L.down_bias, m->up, m->x, T, d, ffn, true);
+            gemm(L.down, L.down_bias, m->up, m->x, T, d, ffn, true, m->stream);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_logits; ++i) rms_norm(m->x + rows[i] * d, m->norm, m->h + i * d, d, m->eps);
-        gemm(m->head, nullptr, m->h, logits, n_logits, m->vocab, d, false);
+        gemm(m->head, nullptr, m->h, logits, n_logits, m->vocab, d, false, m->stream);
     }
     return 0;
 }
@@ -269,20 +278,33 @@ extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, const int6
     return forward(m, tokens, positions, slots, T, rows, n_logits, logits, threads);
 }
 
-// A greedy draft: out[0] = first, then `steps` one-token forwards at positions start.. of `slot`, each feeding its
-// argmax (the first of equal maxima, as torch's) to the next: out [steps + 1]. `logits` [vocab] is scratch. Returns
-// 0, or -1 as `forward` does (the positions written before it stay written).
-extern "C" int specrpc_greedy(const Model* m, int64_t first, int64_t start, int64_t slot, int64_t steps, int64_t* out,
-                              float* logits, int threads) {
-    out[0] = first;
-    const int64_t row = 0;
+// A greedy draft: the `n_feed` tokens `feed` at positions start.. of `slot` (a catch-up on what the draft has not
+// seen), then `steps` more one-token forwards, each fed the argmax (the first of equal maxima, as torch's) of the one
+// before: out [steps + 1] holds the argmax after the feed and each step's. `logits` [vocab] is scratch. Returns 0, or
+// -1 as `forward` does (the positions written before it stay written).
+static int64_t argmax(const float* logits, int64_t n) {
+    int64_t best = 0;
+    for (int64_t v = 1; v < n; ++v)
+        if (logits[v] > logits[best]) best = v;
+    return best;
+}
+
+extern "C" int specrpc_greedy(const Model* m, const int64_t* feed, int64_t n_feed, int64_t start, int64_t slot,
+                              int64_t steps, int64_t* out, float* logits, int threads) {
+    if (n_feed < 1 || n_feed > m->max_tokens) return -1;
+    int64_t positions[64], slots[64];
+    if (m->max_tokens > 64) return -1;
+    for (int64_t t = 0; t < n_feed; ++t) {
+        positions[t] = start + t;
+        slots[t] = slot;
+    }
+    const int64_t last = n_feed - 1, row = 0;
+    if (forward(m, feed, positions, slots, n_feed, &last, 1, logits, threads) != 0) return -1;
+    out[0] = argmax(logits, m->vocab);
     for (int64_t i = 0; i < steps; ++i) {
-        const int64_t pos = start + i;
+        const int64_t pos = start + n_feed + i;
         if (forward(m, out + i, &pos, &slot, 1, &row, 1, logits, threads) != 0) return -1;
-        int64_t best = 0;
-        for (int64_t v = 1; v < m->vocab; ++v)
-            if (logits[v] > logits[best]) best = v;
-        out[i + 1] = best;
+        out[i + 1] = argmax(logits, m->vocab);
     }
     return 0;
 }
