@@ -91,7 +91,23 @@ class NativeStep:
     def run(self, tokens: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
         """tokens [T] int64 (T <= MAX_TOKENS) at positions start.. of `slot` (their K/V written there) → float32
         logits [num_logits, V] of the last ones."""
-        return self.run_batch([BatchRow(tokens, start, slot, num_logits)])[0]
+        count = tokens.shape[0]
+        ids = tokens.to(torch.long).contiguous()  # [T]
+        positions = torch.arange(start, start + count)  # [T]
+        slots = torch.full((count,), slot, dtype=torch.long)  # [T]
+        wanted = torch.arange(count - num_logits, count)  # [num_logits]
+        return self._call(ids, positions, slots, wanted, 1)
+
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, wanted: torch.Tensor,
+              rows: int) -> torch.Tensor:
+        """The native forward of ids, positions, slots [T] → logits [len(wanted), V] of the tokens `wanted` lists."""
+        logits = torch.empty(wanted.shape[0], self.vocab)  # [R, V]
+        rc = self._fn(self._model_ref, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), ids.shape[0],
+                      wanted.data_ptr(), wanted.shape[0], logits.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"native forward: {ids.shape[0]} tokens in {rows} rows: out of range (ids in "
+                             f"0..{self.vocab - 1}, at most {MAX_TOKENS} tokens, positions within the cache)")
+        return logits
 
     def run_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
         """Several rows (distinct slots, MAX_TOKENS tokens in all at most) in one native forward, each token through
@@ -101,12 +117,7 @@ class NativeStep:
         slots = torch.cat([torch.full((r.ids.shape[0],), r.slot, dtype=torch.long) for r in rows])  # [T]
         ends = torch.tensor([r.ids.shape[0] for r in rows]).cumsum(0).tolist()
         wanted = torch.cat([torch.arange(end - r.num_logits, end) for r, end in zip(rows, ends, strict=True)])  # [R]
-        logits = torch.empty(wanted.shape[0], self.vocab)  # [R, V]
-        rc = self._fn(self._model_ref, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), ids.shape[0],
-                      wanted.data_ptr(), wanted.shape[0], logits.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"native forward: {ids.shape[0]} tokens in {len(rows)} rows: out of range (ids in "
-                             f"0..{self.vocab - 1}, at most {MAX_TOKENS} tokens, positions within the cache)")
+        logits = self._call(ids, positions, slots, wanted, len(rows))  # [R, V]
         return list(torch.split(logits, [r.num_logits for r in rows]))
 
     def greedy(self, feed: torch.Tensor, start: int, slot: int, steps: int) -> torch.Tensor:
