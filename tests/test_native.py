@@ -11,8 +11,8 @@ import torch
 
 from specrpc import native
 from specrpc.config import ASSETS
-from specrpc.models import load_model
-from specrpc.models.llama import LlamaLM
+from specrpc.models import load_model, native_step
+from specrpc.models.llama import LlamaLM, bf16_available, int8_available
 
 
 def test_build_is_cached_per_compiler_and_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,10 +34,35 @@ def test_no_compiler_means_no_library_and_says_so(tmp_path: Path, monkeypatch: p
 
 
 def test_a_model_the_native_step_cannot_take_keeps_the_torch_forward() -> None:
-    """int8 weights keep no float copy: the torch forward (and its int8 kernel) serves every step."""
+    """bf16 weights: the torch forward (oneDNN's bf16 products) serves every step; int8 weights go native."""
     cpu = torch.device("cpu")
-    if not hasattr(torch, "_weight_int8pack_mm"):
+    if bf16_available(cpu):
+        lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
+                        bf16_weights=True, native_decode=True)
+        assert isinstance(lm, LlamaLM) and lm.native is None
+    if int8_available(cpu):
+        lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
+                        int8_weights=True, native_decode=True)
+        assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native.int8
+
+
+def test_int8_native_step_stays_close_to_the_torch_int8_forward() -> None:
+    """The same int8 weights and scales through the native step and through torch's int8 kernel (bf16
+    activations there): logits within int8's own error of each other, a verify's the same bits as decoding."""
+    cpu = torch.device("cpu")
+    if not int8_available(cpu):
         pytest.skip("no int8 kernel")
-    lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
-                    int8_weights=True, native_decode=True)
-    assert isinstance(lm, LlamaLM) and lm.native is None
+    models = [load_model(ASSETS / "target", device=cpu, dtype=torch.float32, num_slots=1, max_context=128,
+                         int8_weights=True, native_decode=native) for native in (True, False)]
+    ids = torch.tensor([(i * 7919) % 4000 for i in range(40)])
+    native_lm, torch_lm = models
+    assert isinstance(native_lm, LlamaLM) and native_lm.native is not None
+    native_lm.native_rows = native_step.MAX_TOKENS
+    for lm in models:
+        lm.forward(ids[:30], 0, 0)
+    a = native_lm.forward(ids[30:35], 30, 0, num_logits=5)  # [5, V]
+    b = torch_lm.forward(ids[30:35], 30, 0, num_logits=5)
+    assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+    native_lm.truncate(0, 30)
+    one_by_one = torch.cat([native_lm.forward(ids[t : t + 1], t, 0) for t in range(30, 35)])
+    assert torch.equal(a, one_by_one)

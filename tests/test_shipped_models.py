@@ -86,15 +86,18 @@ def test_greedy_speculation_is_the_targets_greedy_output(engine: Engine) -> None
     assert accepted / proposed > 0.15  # the draft is trained, not random (quality figures are in the model card)
 
 
-@pytest.mark.parametrize(("weights", "k"), [("int8", None), ("int8", 3), ("int8", 8), ("bf16", None), ("bf16", 4)])
+@pytest.mark.parametrize(("weights", "k"), [("int8", None), ("int8", 3), ("int8", 8), ("int8-native", None),
+                                            ("int8-native", 8), ("bf16", None), ("bf16", 4)])
 def test_low_precision_weights_greedy_speculation_equals_target_only_at_that_precision(weights: str,
                                                                                        k: int | None) -> None:
     """`--weights int8` / `bf16` for target and draft: exact relative to itself (adaptive and fixed k against k = 0
-    at that precision), with no float copy of any projection left resident."""
+    at that precision), with no float copy of any projection left resident; "int8-native": through the native step
+    (as the server runs --weights int8), every decode and verify there."""
     cpu, f32 = torch.device("cpu"), torch.float32
-    if (weights == "int8" and not int8_available(cpu)) or (weights == "bf16" and not bf16_available(cpu)):
+    int8 = weights.startswith("int8")
+    if (int8 and not int8_available(cpu)) or (weights == "bf16" and not bf16_available(cpu)):
         pytest.skip(f"no CPU {weights} kernel here")
-    kw = {"int8_weights": weights == "int8", "bf16_weights": weights == "bf16"}
+    kw = {"int8_weights": int8, "bf16_weights": weights == "bf16", "native_decode": weights == "int8-native"}
     target = load_model(TARGET, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9, **kw)
     draft = load_model(DRAFT, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9, **kw)
     for model in (target, draft):
@@ -102,10 +105,11 @@ def test_low_precision_weights_greedy_speculation_equals_target_only_at_that_pre
         w = model.weights
         for p in [w.head, *(q for layer in w.layers for q in (layer.qkv, layer.o, layer.up, layer.down))]:
             assert p.wt is None
-            if weights == "int8":
+            if int8:
                 assert p.packed is None and p.q8 is not None and p.q8.dtype == torch.int8
             else:
                 assert p.bf16_only and p.packed is not None and p.q8 is None
+        assert (model.native is not None) == (weights == "int8-native")
     engine = Engine(target, draft, EngineConfig(max_sessions=1, max_context=512))
     tok = load_tokenizer(TARGET)
     for text in PROMPTS[:8]:

@@ -920,11 +920,16 @@ class LlamaLM:
         if why is not None:
             log.info("%s: native decode off (%s)", self.name, why)
             return False
-        weight_bytes = sum(p.wt.numel() * p.wt.element_size() for p in _linears(self.weights) if p.wt is not None)
+        int8 = native_step.int8_weights(self.weights)
+        weight_bytes = sum(p.q8.numel() if int8 and p.q8 is not None else (p.wt.numel() * 4 if p.wt is not None else 0)
+                           for p in _linears(self.weights))
         self.native = NativeStep(self.weights, self.cache, stream=weight_bytes > STREAM_BYTES)
         self.weights = _map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
                                     else dataclasses.replace(p, wt=None, packed_rows=1))
-        self.native_rows = self._native_rows()
+        only_int8 = all(p.wt is None and p.packed is None for p in _linears(self.weights))
+        # int8 weights alone (--weights int8): every decode and verify through the native step, so greedy speculation
+        # equals greedy decoding at int8 exactly (the torch int8 kernel rounds differently); else where it is faster
+        self.native_rows = native_step.MAX_TOKENS if only_int8 else self._native_rows()
         log.info("%s: native decode on, up to %d tokens a forward", self.name, self.native_rows)
         return True
 

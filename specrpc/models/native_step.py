@@ -25,8 +25,8 @@ def supported(w: LlamaWeights, device: torch.device, dtype: torch.dtype) -> str 
         return "RMSNorm with a gated SiLU MLP only"
     if a.head_dim % 2 or a.head_dim > 1024 or a.heads % a.kv_heads:
         return f"head_dim {a.head_dim}, heads {a.heads}/{a.kv_heads}"
-    if any(p.wt is None for p in _linears(w)):
-        return "float32 weights only (not int8 or bf16 weights)"
+    if not (all(p.wt is not None for p in _linears(w)) or int8_weights(w)):
+        return "float32 or int8 weights only (not bf16 weights)"
     if native.library() is None:
         return "the native library could not be built"
     return None
@@ -34,6 +34,12 @@ def supported(w: LlamaWeights, device: torch.device, dtype: torch.dtype) -> str 
 
 def _linears(w: LlamaWeights) -> list[Linear]:
     return [p for layer in w.layers for p in (layer.qkv, layer.o, layer.up, layer.down)] + [w.head]
+
+
+def int8_weights(w: LlamaWeights) -> bool:
+    """Whether every projection has an int8 copy (`--weights int8`, or a draft's int8 decode copies): the native
+    step then reads those, a quarter of the bytes, as the torch forward's int8 kernel does."""
+    return all(p.q8 is not None and p.q8_scale is not None for p in _linears(w))
 
 
 MAX_TOKENS = 16
@@ -61,17 +67,28 @@ class NativeStep:
             keep.append(t)
             return native.pointer(t)
 
-        def rows(p: Linear) -> int | None:
+        self.int8 = int8_weights(w)
+
+        def rows(p: Linear) -> tuple[int | None, int | None]:
+            """The weight [N, K] (float, or int8) and its per-row scales [N] (None for float)."""
+            if self.int8:
+                assert p.q8 is not None and p.q8_scale is not None
+                q = p.q8.contiguous()  # [N, K] int8
+                keep.append(q)
+                return int(q.data_ptr()), ptr(p.q8_scale)
             assert p.wt is not None
-            return ptr(p.wt.t())  # [N, K]
+            return ptr(p.wt.t()), None  # [N, K]
 
         layers = (native.Layer * a.layers)()
         for i, layer in enumerate(w.layers):
             layers[i] = native.Layer(
-                ptr(layer.attn_norm.weight), rows(layer.qkv), ptr(layer.qkv.bias), ptr(layer.qk_norm),
-                rows(layer.o), ptr(layer.o.bias), ptr(layer.mlp_norm.weight), rows(layer.up), ptr(layer.up.bias),
-                rows(layer.down), ptr(layer.down.bias), layer.window or 0)
-        self.vocab = int(w.head.wt.shape[1]) if w.head.wt is not None else int(w.embed.shape[0])
+                ptr(layer.attn_norm.weight), *rows(layer.qkv), ptr(layer.qkv.bias), ptr(layer.qk_norm),
+                *rows(layer.o), ptr(layer.o.bias), ptr(layer.mlp_norm.weight), *rows(layer.up), ptr(layer.up.bias),
+                *rows(layer.down), ptr(layer.down.bias), layer.window or 0)
+        head, head_scale = rows(w.head)
+        self.vocab = int(w.head.q8.shape[0]) if self.int8 and w.head.q8 is not None else int(w.embed.shape[0])
+        if w.head.wt is not None:
+            self.vocab = int(w.head.wt.shape[1])
         capacity = cache.k.shape[3]  # [L, S, H, C, D]
         buffers = {"x": a.hidden, "h": a.hidden, "qkv": (a.heads + 2 * a.kv_heads) * a.head_dim,
                    "att": a.heads * a.head_dim, "up": 2 * a.ffn, "scores": a.heads * capacity}
@@ -81,7 +98,7 @@ class NativeStep:
             d=a.hidden, hq=a.heads, hkv=a.kv_heads, dh=a.head_dim, ffn=a.ffn, vocab=self.vocab, layers=a.layers,
             slots=cache.k.shape[1], capacity=capacity, max_tokens=MAX_TOKENS, stream=int(stream), eps=a.eps,
             embed=ptr(w.embed),
-            norm=ptr(w.norm.weight), head=rows(w.head), cos=ptr(w.cos), sin=ptr(w.sin), layer=layers,
+            norm=ptr(w.norm.weight), head=head, head_scale=head_scale, cos=ptr(w.cos), sin=ptr(w.sin), layer=layers,
             k_cache=native.pointer(cache.k), v_cache=native.pointer(cache.v),
             **{name: native.pointer(t) for name, t in work.items()})
         self._layers = layers

@@ -78,8 +78,8 @@ class Layer(ctypes.Structure):
     """decode.cpp's Layer."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "attn_norm", "qkv", "qkv_bias", "qk_norm", "o", "o_bias", "mlp_norm", "up", "up_bias", "down", "down_bias")
-    ] + [("window", ctypes.c_int64)]
+        "attn_norm", "qkv", "qkv_scale", "qkv_bias", "qk_norm", "o", "o_scale", "o_bias", "mlp_norm", "up", "up_scale",
+        "up_bias", "down", "down_scale", "down_bias")] + [("window", ctypes.c_int64)]
 
 
 class Model(ctypes.Structure):
@@ -88,7 +88,7 @@ class Model(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("d", "hq", "hkv", "dh", "ffn", "vocab", "layers", "slots",
                                                      "capacity", "max_tokens", "stream")]
                 + [("eps", ctypes.c_float)]
-                + [(name, ctypes.c_void_p) for name in ("embed", "norm", "head", "cos", "sin")]
+                + [(name, ctypes.c_void_p) for name in ("embed", "norm", "head", "head_scale", "cos", "sin")]
                 + [("layer", ctypes.POINTER(Layer))]
                 + [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "x", "h", "qkv", "att", "up", "scores")])
 

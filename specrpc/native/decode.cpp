@@ -12,17 +12,21 @@
 #include <cstdint>
 #include <cstring>
 
-struct Layer {
+struct Layer {  // projections: float [N, K], or int8 [N, K] with float scales [N] (the *_scale, null for float)
     const float* attn_norm;  // [d]
-    const float* qkv;        // [(hq + 2 hkv) dh, d]
+    const void* qkv;         // [(hq + 2 hkv) dh, d]
+    const float* qkv_scale;
     const float* qkv_bias;   // [(hq + 2 hkv) dh] or null
     const float* qk_norm;    // [hq + hkv, dh] or null
-    const float* o;          // [d, hq dh]
+    const void* o;           // [d, hq dh]
+    const float* o_scale;
     const float* o_bias;     // [d] or null
     const float* mlp_norm;   // [d]
-    const float* up;         // [2 ffn, d]: gate rows, then up rows
+    const void* up;          // [2 ffn, d]: gate rows, then up rows
+    const float* up_scale;
     const float* up_bias;    // [2 ffn] or null
-    const float* down;       // [d, ffn]
+    const void* down;        // [d, ffn]
+    const float* down_scale;
     const float* down_bias;  // [d] or null
     int64_t window;          // sliding window, 0 = full causal attention
 };
@@ -35,7 +39,8 @@ struct Model {
     float eps;
     const float* embed;       // [vocab, d]
     const float* norm;        // [d]
-    const float* head;        // [vocab, d]
+    const void* head;         // [vocab, d], float or int8
+    const float* head_scale;  // [vocab] or null
     const float* cos;         // [capacity, dh]
     const float* sin;         // [capacity, dh], sign folded: rope(x) = x cos + roll(x, dh/2) sin
     const Layer* layer;       // [layers]
@@ -58,10 +63,18 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
 
 typedef float v16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX2 ones
 
+typedef int8_t q16 __attribute__((vector_size(16)));
+
 static inline v16 load16(const float* p) {
     v16 v;
     std::memcpy(&v, p, sizeof v);
     return v;
+}
+
+static inline v16 load16(const int8_t* p) {  // 16 int8 weights as floats (exact)
+    q16 q;
+    std::memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, v16);
 }
 
 // Lanes summed in a fixed tree order.
@@ -72,12 +85,12 @@ static inline float hsum(v16 v) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// out[r * TB + t] = w[r] . x[t] for R weight rows (stride `cols`) and TB activation rows (stride `cols`): each
-// weight vector is loaded once per 64 columns for all TB tokens, each (row, token) sums into four independent
-// accumulators, and every sum is formed in the same order whatever R and TB are: the same bits for a token alone or
-// among others. R > 1 (few tokens) keeps several weight rows streaming at once.
-template <int R, int TB, bool STREAM>
-static inline void dots(const float* __restrict w, const float* __restrict x, int64_t cols, float* __restrict out) {
+// out[r * TB + t] = w[r] . x[t] for R weight rows (stride `cols`; float, or int8 to be scaled by the caller) and TB
+// activation rows (stride `cols`): each weight vector is loaded once per 64 columns for all TB tokens, each
+// (row, token) sums into four independent accumulators, and every sum is formed in the same order whatever R and TB
+// are: the same bits for a token alone or among others. R > 1 (one token) keeps several weight rows streaming.
+template <int R, int TB, bool STREAM, typename W>
+static inline void dots(const W* __restrict w, const float* __restrict x, int64_t cols, float* __restrict out) {
     v16 acc[R][TB][4];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
@@ -87,8 +100,8 @@ static inline void dots(const float* __restrict w, const float* __restrict x, in
     for (; k + 64 <= cols; k += 64) {
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-            const float* wr = w + r * cols + k;
-            if (STREAM) __builtin_prefetch(wr + 512, 0, 0);  // non-temporal: a large model's weights pass the caches by
+            const W* wr = w + r * cols + k;
+            if (STREAM) __builtin_prefetch(wr + 2048 / sizeof(W), 0, 0);  // non-temporal: past the caches
             const v16 w0 = load16(wr), w1 = load16(wr + 16), w2 = load16(wr + 32), w3 = load16(wr + 48);
 #pragma GCC unroll 4
             for (int t = 0; t < TB; ++t) {
@@ -113,18 +126,25 @@ static inline void dots(const float* __restrict w, const float* __restrict x, in
 #pragma GCC unroll 4
         for (int t = 0; t < TB; ++t) {
             float s = hsum((acc[r][t][0] + acc[r][t][1]) + (acc[r][t][2] + acc[r][t][3]));
-            for (int64_t c = k; c < cols; ++c) s += w[r * cols + c] * x[t * cols + c];
+            for (int64_t c = k; c < cols; ++c) s += (float)w[r * cols + c] * x[t * cols + c];
             out[r * TB + t] = s;
         }
     }
 }
 
-// y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] + b[n] for t < T, rows shared among the team (call inside the
-// parallel region): each weight row is read from memory once; one token takes four rows at a time, more take one
-// row at a time for up to four tokens at a time.
-template <bool STREAM>
-static inline void gemm_rows(const float* __restrict w, const float* __restrict b, const float* __restrict x,
-                        float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
+// A projection's weight: row-major [N, K] float, or int8 with a float scale per row.
+struct Weight {
+    const void* w;
+    const float* scale;  // null: float weights
+};
+
+// y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] (· scale[n]) + b[n] for t < T, rows shared among the team (call
+// inside the parallel region): each weight row is read from memory once; one token takes four rows at a time, more
+// take one row at a time for up to four tokens at a time.
+template <bool STREAM, typename W>
+static inline void gemm_rows(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
+                             const float* __restrict x, float* __restrict y, int64_t T, int64_t rows, int64_t cols,
+                             bool add) {
     const int64_t R = T == 1 ? 4 : 1;
     const int64_t groups = (rows + R - 1) / R;
 #pragma omp for schedule(static)
@@ -132,7 +152,7 @@ static inline void gemm_rows(const float* __restrict w, const float* __restrict 
         const int64_t n0 = g * R, nr = n0 + R <= rows ? R : rows - n0;
         float v[16];
         for (int64_t n = n0; n < n0 + nr;) {
-            const float* wn = w + n * cols;
+            const W* wn = w + n * cols;
             int64_t done_rows = 1;
             if (T == 1 && n + 4 <= n0 + nr) {
                 dots<4, 1, STREAM>(wn, x, cols, v);
@@ -148,9 +168,10 @@ static inline void gemm_rows(const float* __restrict w, const float* __restrict 
                 }
             }
             for (int64_t r = 0; r < done_rows; ++r) {
-                const float bias = b ? b[n + r] : 0.0f;
+                const float bias = b ? b[n + r] : 0.0f, sc = scale ? scale[n + r] : 1.0f;
                 for (int64_t t = 0; t < T; ++t) {
-                    const float value = (done_rows == 1 ? v[t] : v[r * T + t]) + bias;
+                    const float dotted = done_rows == 1 ? v[t] : v[r * T + t];
+                    const float value = (scale ? dotted * sc : dotted) + bias;
                     float* out = y + t * rows + n + r;
                     *out = add ? *out + value : value;
                 }
@@ -160,10 +181,17 @@ static inline void gemm_rows(const float* __restrict w, const float* __restrict 
     }
 }
 
-static inline void gemm(const float* __restrict w, const float* __restrict b, const float* __restrict x,
-                        float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add, bool stream) {
-    if (stream) gemm_rows<true>(w, b, x, y, T, rows, cols, add);
-    else gemm_rows<false>(w, b, x, y, T, rows, cols, add);
+static inline void gemm(Weight w, const float* __restrict b, const float* __restrict x, float* __restrict y, int64_t T,
+                        int64_t rows, int64_t cols, bool add, bool stream) {
+    if (w.scale) {
+        const int8_t* q = static_cast<const int8_t*>(w.w);
+        if (stream) gemm_rows<true>(q, w.scale, b, x, y, T, rows, cols, add);
+        else gemm_rows<false>(q, w.scale, b, x, y, T, rows, cols, add);
+    } else {
+        const float* f = static_cast<const float*>(w.w);
+        if (stream) gemm_rows<true>(f, nullptr, b, x, y, T, rows, cols, add);
+        else gemm_rows<false>(f, nullptr, b, x, y, T, rows, cols, add);
+    }
 }
 
 // out = x / rms(x) * w (out may be x).
@@ -204,7 +232,7 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             const Layer& L = m->layer[l];
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.attn_norm, m->h + t * d, d, m->eps);
-            gemm(L.qkv, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false, m->stream);
+            gemm({L.qkv, L.qkv_scale}, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false, m->stream);
 #pragma omp for schedule(static)
             for (int64_t tj = 0; tj < T * nheads; ++tj) {  // q and k heads: norm, rotary; k and v into the cache
                 const int64_t t = tj / nheads, j = tj % nheads, pos = pos_of[t];
@@ -250,10 +278,10 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
                     for (int64_t i = 0; i < dh; ++i) out[i] += w * v[i];
                 }
             }
-            gemm(L.o, L.o_bias, m->att, m->x, T, d, hq * dh, true, m->stream);
+            gemm({L.o, L.o_scale}, L.o_bias, m->att, m->x, T, d, hq * dh, true, m->stream);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.mlp_norm, m->h + t * d, d, m->eps);
-            gemm(L.up, L.up_bias, m->h, m->up, T, 2 * ffn, d, false, m->stream);
+            gemm({L.up, L.up_scale}, L.up_bias, m->h, m->up, T, 2 * ffn, d, false, m->stream);
 #pragma omp for schedule(static)
             for (int64_t ti = 0; ti < T * ffn; ++ti) {
                 float* row = m->up + (ti / ffn) * 2 * ffn;
@@ -264,11 +292,11 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             // overwrites token t/2's source, which an earlier t has moved)
 #pragma omp single
             for (int64_t t = 1; t < T; ++t) std::memmove(m->up + t * ffn, m->up + t * 2 * ffn, ffn * sizeof(float));
-            gemm(L.down, L.down_bias, m->up, m->x, T, d, ffn, true, m->stream);
+            gemm({L.down, L.down_scale}, L.down_bias, m->up, m->x, T, d, ffn, true, m->stream);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_logits; ++i) rms_norm(m->x + rows[i] * d, m->norm, m->h + i * d, d, m->eps);
-        gemm(m->head, nullptr, m->h, logits, n_logits, m->vocab, d, false, m->stream);
+        gemm({m->head, m->head_scale}, nullptr, m->h, logits, n_logits, m->vocab, d, false, m->stream);
     }
     return 0;
 }
