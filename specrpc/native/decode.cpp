@@ -6,6 +6,7 @@
 // memory once per forward and dotted with every token's activations while it sits in L1, by the same dot product a
 // one-token step uses: a token's logits are bit for bit the same decoded alone or verified among others, so greedy
 // speculation through this step equals greedy decoding through it exactly.
+#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
@@ -63,18 +64,27 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
 
 typedef float v16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX2 ones
 
-typedef int8_t q16 __attribute__((vector_size(16)));
-
 static inline v16 load16(const float* p) {
     v16 v;
     std::memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline v16 load16(const int8_t* p) {  // 16 int8 weights as floats (exact)
-    q16 q;
-    std::memcpy(&q, p, sizeof q);
-    return __builtin_convertvector(q, v16);
+static inline v16 load16(const int8_t* p) {  // 16 int8 weights as floats (exact), widened in registers
+    v16 v;
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    std::memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+    std::memcpy(&v, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+#endif
+    return v;
 }
 
 // Lanes summed in a fixed tree order.
