@@ -542,6 +542,8 @@ class Generation:
             found = suggestion.propose(slot.tokens, slot.index, k, self.params, self.generator) if k else EMPTY
             if found.token_ids:
                 return found
+        if self.fixed_k is None and self.load is None and slot.policy.plain_due():
+            return EMPTY  # a measured plain step now and then (`AdaptivePolicy.plain_due`)
         if self.proposer in ("lookup", "combined"):
             found = self._lookup()
             if self.proposer == "lookup" or (found.token_ids and not self._draft_pays_more(found)):

@@ -289,9 +289,11 @@ class AdaptivePolicy:
     probe_every: int = 16
     probe_k: int = 2
     min_realized_steps: int = 4  # whole steps of a proposer before its realized rate can switch it off
+    plain_every: int = 32  # speculative solo steps between two plain ones, which keep plain decoding's rate measured
     realized: dict[str, RealizedRate] = field(default_factory=dict)  # per proposer, and "plain" for k = 0
     _steps_off: dict[str, int] = field(default_factory=dict)
     _probing: set[str] = field(default_factory=set)  # proposers whose next step is a probe
+    _since_plain: int = 0  # solo steps with drafts since the last plain one
 
     def _alpha(self, source: str) -> AcceptanceEstimate:
         """The estimate for `source`; a kind not seen yet starts from the draft's prior, or prompt lookup's."""
@@ -354,10 +356,17 @@ class AdaptivePolicy:
         probe's step alone decides the rate (counted as judged: `min_realized_steps` - 1 earlier steps, with no
         weight)."""
         seconds -= catch_up_s
+        self._since_plain = 0 if source == "plain" else self._since_plain + 1
         if source in self._probing:
             self._probing.discard(source)
             self.realized[source] = RealizedRate(steps=self.min_realized_steps - 1)
         self.realized.setdefault(source, RealizedRate()).observe(seconds, tokens)
+
+    def plain_due(self) -> bool:
+        """Whether the next solo step should decode plainly: one step in `plain_every` + 1 while speculating, so
+        that the realized-rate guard compares each proposer with plain decoding as measured now, not with the
+        start-up calibration (which a noisy start, or costs the model does not see, can leave far off)."""
+        return self.max_k > 0 and self._since_plain >= self.plain_every
 
     def realized_speedup(self, source: str) -> float:
         """Measured speed-up of `source`'s steps over plain decoding (over one calibrated target step while no

@@ -207,3 +207,18 @@ def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes
         guard.observe(width, False, 1.0, 8)
     assert all(guard.limit(width) is None for _ in range(5))
     assert guard.speedup(width) is not None and guard.speedup(width) > 1
+
+
+def test_a_plain_step_now_and_then_measures_plain_decoding_and_can_switch_speculation_off() -> None:
+    """While speculating, every `plain_every` + 1-th solo step is plain: its measured rate, not the calibration,
+    is what the realized guard compares with; here plain decoding is faster in fact, so speculation goes off."""
+    policy = AdaptivePolicy(max_k=4, costs=costs(c=0.05, v_per_token=0.02), plain_every=5,
+                            acceptance={"draft": AcceptanceEstimate(accepted=90, trials=100)})
+    assert policy.realized_speedup("draft") == float("inf")
+    for _ in range(5):
+        assert not policy.plain_due() and policy.choose() > 0
+        policy.observe_step("draft", seconds=2.0, tokens=3)  # 0.67 s a token: better than the calibrated 1 s
+    assert policy.plain_due()
+    policy.observe_step("plain", seconds=0.25, tokens=1)  # but plain decoding measures 0.25 s a token now
+    assert not policy.plain_due()
+    assert policy.realized_speedup("draft") < 1.0 and policy.choose() == 0
