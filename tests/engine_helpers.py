@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specrpc.engine import Engine, GenerationRequest, Slot
 
 
@@ -33,3 +35,12 @@ def decode_together(engine: Engine, runs: list[tuple[Slot, GenerationRequest, in
         steps.append(got)
         step += 1
     return out, steps
+
+
+def requires_native(wanted: bool = True) -> None:
+    """Skip a test that needs the native decode step where this machine cannot build it (no C++ compiler): the
+    torch forward then serves every step, which the other tests cover."""
+    from specrpc import native
+
+    if wanted and native.library() is None:
+        pytest.skip("the native decode step could not be built here (no C++ compiler)")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import decode, decode_together
+from engine_helpers import decode, decode_together, requires_native
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -333,6 +333,7 @@ def test_seeded_sampling_in_a_batch_reproduces_its_solo_run(pair: tuple[Path, Pa
     and a torch batched product round differently in the last bits, and where a sample path crosses a rejection
     whose residual max(0, p - q) is that small, the same seed resamples differently (the distribution is the
     target's either way)."""
+    requires_native(native)
     engine = make_engine(pair, slots=3, native=native)
     for model in (engine.target, engine.draft):
         if native:

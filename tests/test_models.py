@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import requires_native
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -146,6 +147,7 @@ def check_against_reference(lm: CausalLM, model: PreTrainedModel, atol: float = 
 def test_lean_matches_transformers(case: str, native: bool, tmp_path: Path) -> None:
     """`native`: one-token forwards through the native step (specrpc/native) wherever it takes the model (every
     RMSNorm/SiLU family here: biases, GQA and MHA, head_dim, every RoPE type, sliding windows, Qwen3's q/k norms)."""
+    requires_native(native)
     cls, config = CASES[case]
     path, model = save(tmp_path, cls, config)
     lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY, native_decode=native)
@@ -159,6 +161,7 @@ def test_lean_matches_transformers(case: str, native: bool, tmp_path: Path) -> N
                                              ("mistral-window", True), ("starcoder2-tied-window", False)])
 def test_lean_greedy_decode_equals_transformers_generate(case: str, native: bool, tmp_path: Path) -> None:
     """Greedy-exact: the lean path's token-by-token argmax equals transformers' generate."""
+    requires_native(native)
     cls, config = CASES[case]
     path, model = save(tmp_path, cls, config)
     lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, native_decode=native)
@@ -411,6 +414,7 @@ def test_native_greedy_draft_equals_step_by_step_greedy(tmp_path: Path) -> None:
     """`greedy_draft` through the native step: one call drafts what k one-token forwards and argmaxes would, and
     leaves the slot where they would (its K/V there too: the next step continues from it alike)."""
     path, _ = save(tmp_path, Qwen3ForCausalLM, CASES["qwen3-head-dim-bias-window"][1])
+    requires_native()
     lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY, native_decode=True)
     assert isinstance(lm, LlamaLM) and lm.native is not None
     prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(8))
@@ -469,6 +473,7 @@ def test_native_batch_gives_each_rows_solo_logits_bit_for_bit(case: str, tmp_pat
     forward (the exactness batching needs)."""
     cls, config = CASES[case]
     path, _ = save(tmp_path, cls, config)
+    requires_native()
     solo = load_model(path, device=CPU, dtype=F32, num_slots=5, max_context=CAPACITY, native_decode=True)
     batched = load_model(path, device=CPU, dtype=F32, num_slots=5, max_context=CAPACITY, native_decode=True)
     for lm in (solo, batched):
@@ -497,6 +502,7 @@ def test_native_verify_gives_a_tokens_decode_logits_bit_for_bit(case: str, tmp_p
     exactly; ids out of range are refused before anything is written."""
     cls, config = CASES[case]
     path, _ = save(tmp_path, cls, config)
+    requires_native()
     lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY, native_decode=True)
     assert isinstance(lm, LlamaLM) and lm.native is not None
     lm.native_rows = native_step.MAX_TOKENS

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import requires_native
 
 from specrpc import native
 from specrpc.config import ASSETS
@@ -40,7 +41,7 @@ def test_a_model_the_native_step_cannot_take_keeps_the_torch_forward() -> None:
         lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
                         bf16_weights=True, native_decode=True)
         assert isinstance(lm, LlamaLM) and lm.native is None
-    if int8_available(cpu):
+    if int8_available(cpu) and native.library() is not None:
         lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
                         int8_weights=True, native_decode=True)
         assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native.int8
@@ -52,6 +53,7 @@ def test_int8_native_step_stays_close_to_the_torch_int8_forward() -> None:
     cpu = torch.device("cpu")
     if not int8_available(cpu):
         pytest.skip("no int8 kernel")
+    requires_native()
     models = [load_model(ASSETS / "target", device=cpu, dtype=torch.float32, num_slots=1, max_context=128,
                          int8_weights=True, native_decode=native) for native in (True, False)]
     ids = torch.tensor([(i * 7919) % 4000 for i in range(40)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import decode
+from engine_helpers import decode, requires_native
 from transformers import AutoModelForCausalLM
 
 from specrpc.config import ASSETS, EngineConfig
@@ -47,6 +47,7 @@ PROMPTS = [
 @pytest.fixture(scope="module", params=[True, False], ids=["native", "torch"])
 def engine(request: pytest.FixtureRequest) -> Engine:
     """The pair as the server runs it on CPU (one-token steps native), and with the torch forward alone."""
+    requires_native(request.param)
     cpu, f32 = torch.device("cpu"), torch.float32
     config = EngineConfig(max_sessions=1, max_context=512)
     target = load_model(TARGET, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9, native_decode=request.param)
@@ -97,6 +98,7 @@ def test_low_precision_weights_greedy_speculation_equals_target_only_at_that_pre
     int8 = weights.startswith("int8")
     if (int8 and not int8_available(cpu)) or (weights == "bf16" and not bf16_available(cpu)):
         pytest.skip(f"no CPU {weights} kernel here")
+    requires_native(weights == "int8-native")
     kw = {"int8_weights": int8, "bf16_weights": weights == "bf16", "native_decode": weights == "int8-native"}
     target = load_model(TARGET, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9, **kw)
     draft = load_model(DRAFT, device=cpu, dtype=f32, num_slots=1, max_context=512 + 9, **kw)
