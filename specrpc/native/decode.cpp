@@ -95,50 +95,40 @@ static inline float hsum(v16 v) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// out[r * TB + t] = w[r] . x[t] for R weight rows (stride `cols`; float, or int8 to be scaled by the caller) and TB
-// activation rows (stride `cols`): each weight vector is loaded once per 64 columns for all TB tokens, each
-// (row, token) sums into four independent accumulators, and every sum is formed in the same order whatever R and TB
-// are: the same bits for a token alone or among others. R > 1 (one token) keeps several weight rows streaming.
-template <int R, int TB, bool STREAM, typename W>
+// out[t] = w . x[t] for one weight row (float, or int8 to be scaled by the caller) and TB activation rows (stride
+// `cols`): the row is loaded once per 64 columns for all TB tokens, each token sums into four independent
+// accumulators, and every sum is formed in the same order whatever TB is: the same bits for a token alone or among
+// others.
+template <int TB, bool STREAM, typename W>
 static inline void dots(const W* __restrict w, const float* __restrict x, int64_t cols, float* __restrict out) {
-    v16 acc[R][TB][4];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < TB; ++t)
-            for (int j = 0; j < 4; ++j) acc[r][t][j] = v16{};
+    v16 acc[TB][4];
+#pragma GCC unroll 4
+    for (int t = 0; t < TB; ++t)
+        for (int j = 0; j < 4; ++j) acc[t][j] = v16{};
     int64_t k = 0;
     for (; k + 64 <= cols; k += 64) {
+        const W* wk = w + k;
+        if (STREAM) __builtin_prefetch(wk + 2048 / sizeof(W), 0, 0);  // non-temporal: past the caches
+        const v16 w0 = load16(wk), w1 = load16(wk + 16), w2 = load16(wk + 32), w3 = load16(wk + 48);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-            const W* wr = w + r * cols + k;
-            if (STREAM) __builtin_prefetch(wr + 2048 / sizeof(W), 0, 0);  // non-temporal: past the caches
-            const v16 w0 = load16(wr), w1 = load16(wr + 16), w2 = load16(wr + 32), w3 = load16(wr + 48);
-#pragma GCC unroll 4
-            for (int t = 0; t < TB; ++t) {
-                const float* xt = x + t * cols + k;
-                acc[r][t][0] += w0 * load16(xt);
-                acc[r][t][1] += w1 * load16(xt + 16);
-                acc[r][t][2] += w2 * load16(xt + 32);
-                acc[r][t][3] += w3 * load16(xt + 48);
-            }
+        for (int t = 0; t < TB; ++t) {
+            const float* xt = x + t * cols + k;
+            acc[t][0] += w0 * load16(xt);
+            acc[t][1] += w1 * load16(xt + 16);
+            acc[t][2] += w2 * load16(xt + 32);
+            acc[t][3] += w3 * load16(xt + 48);
         }
     }
     for (; k + 16 <= cols; k += 16) {
+        const v16 wv = load16(w + k);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-            const v16 wv = load16(w + r * cols + k);
-#pragma GCC unroll 4
-            for (int t = 0; t < TB; ++t) acc[r][t][0] += wv * load16(x + t * cols + k);
-        }
+        for (int t = 0; t < TB; ++t) acc[t][0] += wv * load16(x + t * cols + k);
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-        for (int t = 0; t < TB; ++t) {
-            float s = hsum((acc[r][t][0] + acc[r][t][1]) + (acc[r][t][2] + acc[r][t][3]));
-            for (int64_t c = k; c < cols; ++c) s += (float)w[r * cols + c] * x[t * cols + c];
-            out[r * TB + t] = s;
-        }
+    for (int t = 0; t < TB; ++t) {
+        float s = hsum((acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]));
+        for (int64_t c = k; c < cols; ++c) s += (float)w[c] * x[t * cols + c];
+        out[t] = s;
     }
 }
 
@@ -149,44 +139,28 @@ struct Weight {
 };
 
 // y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] (· scale[n]) + b[n] for t < T, rows shared among the team (call
-// inside the parallel region): each weight row is read from memory once; one token takes four rows at a time, more
-// take one row at a time for up to four tokens at a time.
+// inside the parallel region): each weight row is read from memory once, for up to four tokens at a time.
 template <bool STREAM, typename W>
 static inline void gemm_rows(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
                              const float* __restrict x, float* __restrict y, int64_t T, int64_t rows, int64_t cols,
                              bool add) {
-    const int64_t R = T == 1 ? 4 : 1;
-    const int64_t groups = (rows + R - 1) / R;
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t n0 = g * R, nr = n0 + R <= rows ? R : rows - n0;
+    for (int64_t n = 0; n < rows; ++n) {
+        const W* wn = w + n * cols;
         float v[16];
-        for (int64_t n = n0; n < n0 + nr;) {
-            const W* wn = w + n * cols;
-            int64_t done_rows = 1;
-            if (T == 1 && n + 4 <= n0 + nr) {
-                dots<4, 1, STREAM>(wn, x, cols, v);
-                done_rows = 4;
-            } else {
-                for (int64_t t0 = 0; t0 < T;) {  // one row, tokens in blocks of 4, 2, 1
-                    const int64_t left = T - t0, block = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                    const float* xt = x + t0 * cols;
-                    if (block == 4) dots<1, 4, STREAM>(wn, xt, cols, v + t0);
-                    else if (block == 2) dots<1, 2, STREAM>(wn, xt, cols, v + t0);
-                    else dots<1, 1, STREAM>(wn, xt, cols, v + t0);
-                    t0 += block;
-                }
-            }
-            for (int64_t r = 0; r < done_rows; ++r) {
-                const float bias = b ? b[n + r] : 0.0f, sc = scale ? scale[n + r] : 1.0f;
-                for (int64_t t = 0; t < T; ++t) {
-                    const float dotted = done_rows == 1 ? v[t] : v[r * T + t];
-                    const float value = (scale ? dotted * sc : dotted) + bias;
-                    float* out = y + t * rows + n + r;
-                    *out = add ? *out + value : value;
-                }
-            }
-            n += done_rows;
+        for (int64_t t0 = 0; t0 < T;) {  // tokens in blocks of 4, 2, 1
+            const int64_t left = T - t0, block = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            const float* xt = x + t0 * cols;
+            if (block == 4) dots<4, STREAM>(wn, xt, cols, v + t0);
+            else if (block == 2) dots<2, STREAM>(wn, xt, cols, v + t0);
+            else dots<1, STREAM>(wn, xt, cols, v + t0);
+            t0 += block;
+        }
+        const float bias = b ? b[n] : 0.0f, sc = scale ? scale[n] : 1.0f;
+        for (int64_t t = 0; t < T; ++t) {
+            const float value = (scale ? v[t] * sc : v[t]) + bias;
+            float* out = y + t * rows + n;
+            *out = add ? *out + value : value;
         }
     }
 }
