@@ -258,16 +258,6 @@ def with_int8_decode(w: LlamaWeights) -> LlamaWeights:
     return _map_linears(w, quantize_int8)
 
 
-STREAM_BYTES = 32 << 20
-"""Weights above this size stream past the CPU's caches in the native step (it is about a server CPU's last-level
-cache): a target this size would evict the draft's weights on every step, and gains nothing from caching itself."""
-
-
-def _linears(w: LlamaWeights) -> list[Linear]:
-    """Every projection and the head."""
-    return [p for layer in w.layers for p in (layer.qkv, layer.o, layer.up, layer.down)] + [w.head]
-
-
 def _map_linears(w: LlamaWeights, fn: Callable[[Linear], Linear]) -> LlamaWeights:
     """`w` with `fn` applied to every projection and the head."""
     layers = tuple(
@@ -328,6 +318,10 @@ class LlamaWeights:
     sin: torch.Tensor  # [C, D], sign folded
     positions: torch.Tensor  # [C] int64 ramp 0..C-1
     act: Callable[[torch.Tensor], torch.Tensor]
+
+    def linears(self) -> list[Linear]:
+        """Every projection and the head."""
+        return [p for layer in self.layers for p in (layer.qkv, layer.o, layer.up, layer.down)] + [self.head]
 
 
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
@@ -897,8 +891,8 @@ class LlamaLM:
         """Build from a checkpoint directory and its parsed config.json; each slot holds `max_context` positions.
         `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target).
         `int8_weights`, `bf16_weights`: every projection and the head as int8 / bf16 alone, no float copy (CPU).
-        `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off). `native_decode`: one-token
-        forwards through the native step where it can run them (`use_native`)."""
+        `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off). `native_decode`: forwards of
+        a few tokens through the native step where it can run them (`use_native`)."""
         args = LlamaArgs.from_config(cfg)
         weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype, int8=int8_weights,
                                      bf16=bf16_weights)
@@ -913,20 +907,17 @@ class LlamaLM:
         return lm
 
     def use_native(self) -> bool:
-        """Run one-token forwards through the native step (specrpc/native) if it supports this model here; the
-        products of more rows keep the oneDNN copy, so the float [K, N] copy is dropped where one exists. Returns
+        """Run forwards of up to `native_rows` tokens through the native step (specrpc/native) if it supports this
+        model here; longer ones keep the oneDNN copy, so the float [K, N] copy is dropped where one exists. Returns
         whether the native step is on (why not is logged)."""
         why = native_step.supported(self.weights, self.device, self.dtype)
         if why is not None:
             log.info("%s: native decode off (%s)", self.name, why)
             return False
-        int8 = native_step.int8_weights(self.weights)
-        weight_bytes = sum(p.q8.numel() if int8 and p.q8 is not None else (p.wt.numel() * 4 if p.wt is not None else 0)
-                           for p in _linears(self.weights))
-        self.native = NativeStep(self.weights, self.cache, stream=weight_bytes > STREAM_BYTES)
+        self.native = NativeStep(self.weights, self.cache)
         self.weights = _map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
                                     else dataclasses.replace(p, wt=None, packed_rows=1))
-        only_int8 = all(p.wt is None and p.packed is None for p in _linears(self.weights))
+        only_int8 = all(p.wt is None and p.packed is None for p in self.weights.linears())
         # int8 weights alone (--weights int8): every decode and verify through the native step, so greedy speculation
         # equals greedy decoding at int8 exactly (the torch int8 kernel rounds differently); else where it is faster
         self.native_rows = native_step.MAX_TOKENS if only_int8 else self._native_rows()

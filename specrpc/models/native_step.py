@@ -25,34 +25,34 @@ def supported(w: LlamaWeights, device: torch.device, dtype: torch.dtype) -> str 
         return "RMSNorm with a gated SiLU MLP only"
     if a.head_dim % 2 or a.head_dim > 1024 or a.heads % a.kv_heads:
         return f"head_dim {a.head_dim}, heads {a.heads}/{a.kv_heads}"
-    if not (all(p.wt is not None for p in _linears(w)) or int8_weights(w)):
+    if not (all(p.wt is not None for p in w.linears()) or int8_weights(w)):
         return "float32 or int8 weights only (not bf16 weights)"
     if native.library() is None:
         return "the native library could not be built"
     return None
 
 
-def _linears(w: LlamaWeights) -> list[Linear]:
-    return [p for layer in w.layers for p in (layer.qkv, layer.o, layer.up, layer.down)] + [w.head]
-
-
 def int8_weights(w: LlamaWeights) -> bool:
     """Whether every projection has an int8 copy (`--weights int8`, or a draft's int8 decode copies): the native
     step then reads those, a quarter of the bytes, as the torch forward's int8 kernel does."""
-    return all(p.q8 is not None and p.q8_scale is not None for p in _linears(w))
+    return all(p.q8 is not None and p.q8_scale is not None for p in w.linears())
 
 
 MAX_TOKENS = 16
 """Tokens one native forward takes at most (its work buffers' rows): a verify of up to 15 drafts."""
+
+STREAM_BYTES = 32 << 20
+"""Weights above this size stream past the CPU's caches (about a server CPU's last-level cache): a target this size
+would evict the draft's weights on every step, and gains nothing from caching itself."""
 
 
 class NativeStep:
     """The model's weights in the checkpoint's row-major [N, K] layout, its KV cache and work buffers, bound to the
     native step; `run` runs up to `MAX_TOKENS` tokens."""
 
-    def __init__(self, w: LlamaWeights, cache: KVCache, stream: bool = False) -> None:
-        """`stream`: read the weights with non-temporal prefetches, so that a model larger than the CPU's caches
-        does not evict a small one's (the draft's) from them on every step."""
+    def __init__(self, w: LlamaWeights, cache: KVCache) -> None:
+        """Weights above `STREAM_BYTES` are read with non-temporal prefetches, so that a model larger than the CPU's
+        caches does not evict a small one's (the draft's) from them on every step."""
         a = w.args
         lib = native.library()
         assert lib is not None
@@ -68,6 +68,7 @@ class NativeStep:
             return native.pointer(t)
 
         self.int8 = int8_weights(w)
+        projections: list[torch.Tensor] = []  # what a step reads in full
 
         def rows(p: Linear) -> tuple[int | None, int | None]:
             """The weight [N, K] (float, or int8) and its per-row scales [N] (None for float)."""
@@ -75,9 +76,12 @@ class NativeStep:
                 assert p.q8 is not None and p.q8_scale is not None
                 q = p.q8.contiguous()  # [N, K] int8
                 keep.append(q)
+                projections.append(q)
                 return int(q.data_ptr()), ptr(p.q8_scale)
             assert p.wt is not None
-            return ptr(p.wt.t()), None  # [N, K]
+            pointer = ptr(p.wt.t())  # [N, K]
+            projections.append(keep[-1])
+            return pointer, None
 
         layers = (native.Layer * a.layers)()
         for i, layer in enumerate(w.layers):
@@ -86,9 +90,8 @@ class NativeStep:
                 *rows(layer.o), ptr(layer.o.bias), ptr(layer.mlp_norm.weight), *rows(layer.up), ptr(layer.up.bias),
                 *rows(layer.down), ptr(layer.down.bias), layer.window or 0)
         head, head_scale = rows(w.head)
-        self.vocab = int(w.head.q8.shape[0]) if self.int8 and w.head.q8 is not None else int(w.embed.shape[0])
-        if w.head.wt is not None:
-            self.vocab = int(w.head.wt.shape[1])
+        self.vocab = int(projections[-1].shape[0])  # the head's rows [V, d]
+        stream = sum(t.nbytes for t in projections) > STREAM_BYTES
         capacity = cache.k.shape[3]  # [L, S, H, C, D]
         buffers = {"x": a.hidden, "h": a.hidden, "qkv": (a.heads + 2 * a.kv_heads) * a.head_dim,
                    "att": a.heads * a.head_dim, "up": 2 * a.ffn, "scores": a.heads * capacity}
