@@ -290,10 +290,7 @@ extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, const int6
     return forward(m, tokens, positions, slots, T, rows, n_logits, logits, threads);
 }
 
-// A greedy draft: the `n_feed` tokens `feed` at positions start.. of `slot` (a catch-up on what the draft has not
-// seen), then `steps` more one-token forwards, each fed the argmax (the first of equal maxima, as torch's) of the one
-// before: out [steps + 1] holds the argmax after the feed and each step's. `logits` [vocab] is scratch. Returns 0, or
-// -1 as `forward` does (the positions written before it stay written).
+// The index of the first of equal maxima, as torch's argmax.
 static int64_t argmax(const float* logits, int64_t n) {
     int64_t best = 0;
     for (int64_t v = 1; v < n; ++v)
@@ -301,6 +298,10 @@ static int64_t argmax(const float* logits, int64_t n) {
     return best;
 }
 
+// A greedy draft: the `n_feed` tokens `feed` at positions start.. of `slot` (a catch-up on what the draft has not
+// seen), then `steps` more one-token forwards, each fed the argmax of the one before: out [steps + 1] holds the
+// argmax after the feed and each step's. `logits` [vocab] is scratch. Returns 0, or -1 as `forward` does (the
+// positions written before it stay written).
 extern "C" int specrpc_greedy(const Model* m, const int64_t* feed, int64_t n_feed, int64_t start, int64_t slot,
                               int64_t steps, int64_t* out, float* logits, int threads) {
     if (n_feed < 1 || n_feed > m->max_tokens) return -1;
