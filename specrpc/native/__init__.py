@@ -121,8 +121,3 @@ def pointer(t: torch.Tensor | None) -> int | None:
     assert t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu", "native decode: bad tensor"
     return int(t.data_ptr())
 
-
-if __name__ == "__main__":  # `python -m specrpc.native`: build now (make install), say where
-    logging.basicConfig(level=logging.INFO)
-    built = build()
-    print(f"native decode: {built if built is not None else 'not built (the torch forward serves every step)'}")
