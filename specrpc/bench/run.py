@@ -210,6 +210,10 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                 for mode in ("batched", "round-robin"):
                     await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, mode)))
                     for name, k in (("adaptive", None), ("target-only", 0)):
+                        # each contender's prompts cached by its own warm-up pass, as a session's next request finds
+                        # them (target and draft caches alike), not by whichever contender ran before it
+                        await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
+                        await sweep_point(one, cases, streams, k, runtime)
                         sweep[f"{streams}:{mode}:{name}"] = await sweep_point(one, cases, streams, k, runtime)
                         sweep[f"{streams}:{mode}:{name}"]["streams"] = streams
             await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, "batched")))
