@@ -211,18 +211,24 @@ def default_acceptance() -> dict[str, AcceptanceEstimate]:
 class BatchGuard:
     """Realized seconds per committed token of whole batched steps by width (decoding streams, in `bucket`s), with
     drafts the policy chose and without (requests' own k and suggestions draft either way): at a width where steps
-    with policy drafts are not `min_speedup` faster per token than steps without, policy k is 0; a probe every
-    `probe_every` plain steps restarts the drafted rate from its own step, so speculation comes back at the first
-    good probe. Until both rates have `min_steps` steps, it lets the policy draft (at most `probe_k`) first, then has
-    plain steps measured."""
+    with policy drafts are not `min_speedup` faster per token than steps without, policy k is 0. While off, a probe
+    restarts the drafted rate from one step of its own; speculation comes back only when that step is
+    `resume_speedup` faster (a margin, so that one lucky step on a noisy machine does not turn on a losing
+    speculation for the steps it then takes to judge it again), and each probe that fails doubles the plain steps
+    before the next one (`probe_every` up to `max_probe_every`). Until both rates have `min_steps` steps, it lets the
+    policy draft (at most `probe_k`) first, then has plain steps measured."""
 
     min_speedup: float = 1.0
+    resume_speedup: float = 1.15
     min_steps: int = 4
     probe_every: int = 32
+    max_probe_every: int = 512
     probe_k: int = 2
     rates: dict[tuple[int, bool], RealizedRate] = field(default_factory=dict)  # (width bucket, drafted) → rate
-    _off: dict[int, int] = field(default_factory=dict)
-    _probing: set[int] = field(default_factory=set)
+    _off: dict[int, int] = field(default_factory=dict)  # width → plain steps since it was judged off or probed
+    _every: dict[int, int] = field(default_factory=dict)  # width → plain steps between probes now
+    _probing: set[int] = field(default_factory=set)  # a probe was allowed, its drafted step not yet seen
+    _judging: set[int] = field(default_factory=set)  # a probe's step was seen, not yet judged
 
     @staticmethod
     def bucket(width: int) -> int:
@@ -240,23 +246,35 @@ class BatchGuard:
             return self.probe_k
         if plain is None or plain.steps < self.min_steps:
             return 0
-        if plain.per_token > self.min_speedup * drafted.per_token:
-            self._off[width] = 0
+        probed = width in self._judging
+        self._judging.discard(width)
+        if not self._judged_off(width):
+            self._off.pop(width, None)
+            self._every.pop(width, None)
             return None
+        if probed:  # the probe failed: wait twice as long for the next one
+            self._every[width] = min(self.max_probe_every, 2 * self._every.get(width, self.probe_every))
         off = self._off.get(width, 0) + 1
-        if off >= self.probe_every:
+        if off >= self._every.get(width, self.probe_every):
             self._off[width] = 0
             self._probing.add(width)
             return self.probe_k
         self._off[width] = off
         return 0
 
+    def _judged_off(self, width: int) -> bool:
+        """Whether drafting is off at bucket `width` now (both rates measured): slower than plain by the margin of
+        the state it is in (`min_speedup` to stay on, `resume_speedup` to come back)."""
+        drafted, plain = self.rates[(width, True)], self.rates[(width, False)]
+        margin = self.resume_speedup if width in self._off else self.min_speedup
+        return plain.per_token <= margin * drafted.per_token
+
     def drafting_off(self, width: int) -> bool:
         """Whether drafting was found slower at `width` (without counting a step towards a probe)."""
         width = self.bucket(width)
         drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
         return (drafted is not None and plain is not None and min(drafted.steps, plain.steps) >= self.min_steps
-                and plain.per_token <= self.min_speedup * drafted.per_token)
+                and self._judged_off(width))
 
     def observe(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
         """A batched step of `width` decoding streams (no prefill in it), with drafts or without, took `seconds`
@@ -264,6 +282,7 @@ class BatchGuard:
         width = self.bucket(width)
         if drafted and width in self._probing:
             self._probing.discard(width)
+            self._judging.add(width)
             self.rates[(width, True)] = RealizedRate(steps=self.min_steps - 1)
         self.rates.setdefault((width, drafted), RealizedRate()).observe(seconds, tokens)
 

@@ -222,3 +222,34 @@ def test_a_plain_step_now_and_then_measures_plain_decoding_and_can_switch_specul
     policy.observe_step("plain", seconds=0.25, tokens=1)  # but plain decoding measures 0.25 s a token now
     assert not policy.plain_due()
     assert policy.realized_speedup("draft") < 1.0 and policy.choose() == 0
+
+
+def test_batch_guard_needs_a_margin_to_come_back_and_backs_off_its_probes_while_they_fail() -> None:
+    guard = BatchGuard(min_steps=1, probe_every=2, max_probe_every=8, resume_speedup=1.2, probe_k=2)
+    width = 4
+    assert guard.limit(width) == 2
+    guard.observe(width, True, 1.0, 4)  # 0.25 s per token with drafts
+    assert guard.limit(width) == 0
+    guard.observe(width, False, 1.0, 5)  # 0.2 s per token plain: off
+
+    def probe_gaps(drafted_s: float, probes: int) -> list[int]:
+        """Plain steps before each of `probes` probes, each probe's step taking `drafted_s` for 4 tokens."""
+        gaps = []
+        for _ in range(probes):
+            gap = 0
+            while (limit := guard.limit(width)) == 0:
+                guard.observe(width, False, 1.0, 5)
+                gap += 1
+            assert limit == 2
+            gaps.append(gap)
+            guard.observe(width, True, drafted_s, 4)
+        return gaps
+
+    # 0.22 s per token: faster than plain, but not by the 1.2 margin a probe needs to bring speculation back;
+    # each failed probe doubles the wait for the next, up to max_probe_every
+    assert probe_gaps(0.88, 4) == [1, 3, 7, 7]
+    assert guard.drafting_off(width)
+    probe_gaps(0.6, 1)  # 0.15 s per token: 1.33× plain, speculation is back, unlimited
+    assert guard.limit(width) is None and not guard.drafting_off(width)
+    guard.observe(width, True, 0.85, 4)  # once on, it stays on while it is not slower than plain (no margin)
+    assert guard.limit(width) is None
