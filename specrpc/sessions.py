@@ -11,6 +11,7 @@ from specrpc.engine import Engine, Slot, common_prefix
 from specrpc.scheduler import Job
 
 RELEASE_WAIT_S = 2.0
+MIN_REUSE = 32  # prompt tokens a slot's cached prefix must share to be picked for it over an older slot
 """Longest wait for the slot of a cancelled stream that the device thread has not let go of yet (within one
 engine step, normally milliseconds) before a request is refused with RESOURCE_EXHAUSTED."""
 
@@ -59,8 +60,10 @@ class Lease:
 
 
 class SessionRegistry:
-    """Owns the slot pool. Anonymous requests borrow a free slot (the one sharing the longest prefix with their
-    prompt, so repeated prompts still hit the cache); named sessions keep theirs until idle past the TTL, and idle
+    """Owns the slot pool. Anonymous requests borrow a free slot: the one sharing the longest prefix with their
+    prompt, so repeated prompts still hit the cache, unless that prefix is too short to be worth another prompt's
+    cache (under `MIN_REUSE` tokens and half the prompt); then the free slot taken longest ago, empty ones first, so
+    that prompts taking turns keep their caches (as llama.cpp's slot similarity threshold does). Named sessions keep theirs until idle past the TTL, and idle
     sessions are evicted least-recently-used first when a new request needs a slot."""
 
     def __init__(self, engine: Engine, num_slots: int, ttl_s: float) -> None:
@@ -68,6 +71,8 @@ class SessionRegistry:
         self.ttl_s = ttl_s
         self.slots = [engine.new_slot(i) for i in range(num_slots)]
         self.free: set[int] = set(range(num_slots))
+        self._taken: dict[int, int] = {}  # slot → when an anonymous request last took it (`_clock`)
+        self._clock = 0
         self.sessions: dict[str, Session] = {}
         self.busy: set[int] = set()
         self.leases: dict[int, Lease] = {}
@@ -99,7 +104,12 @@ class SessionRegistry:
                 f"all {self.total} KV slots have a stream in flight; retry later, or start the server with a "
                 f"larger --max-sessions"
             )
-        best = max(self.free, key=lambda i: (common_prefix(self.slots[i].tokens, prompt), -i))
+        shared = {i: common_prefix(self.slots[i].tokens, prompt) for i in self.free}
+        best = max(self.free, key=lambda i: (shared[i], -i))
+        if shared[best] < min(MIN_REUSE, len(prompt) // 2):
+            best = min(self.free, key=lambda i: (self._taken.get(i, -1), i))
+        self._clock += 1
+        self._taken[best] = self._clock
         self.free.discard(best)
         return self.slots[best]
 

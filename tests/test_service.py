@@ -1026,3 +1026,15 @@ async def test_after_bad_requests_the_server_still_serves(stub: Stub, server: Ru
     chunks, summary = await collect(stub.Generate(greedy(n=4)))
     assert summary.completion_tokens == len(ids_of(chunks)) > 0
     await wait_until(lambda: server.runtime.registry.in_use == 0, what="slot released")
+
+
+async def test_anonymous_prompts_taking_turns_keep_their_caches(stub: Stub) -> None:
+    """Two unrelated prompts asked in turn without a session (sharing only their first characters): each finds its
+    own prefix cached, rather than the second taking the first's slot for a token or two of shared prefix."""
+    a = EDITOR_PROMPT
+    b = "# A different file altogether.\nimport os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"
+    for prompt in (a, b):
+        await collect(stub.Generate(greedy(prompt, 4)))
+    for prompt in (a, b):
+        _, summary = await collect(stub.Generate(greedy(prompt, 4)))
+        assert summary.cached_prompt_tokens == summary.prompt_tokens - 1, prompt[:20]
