@@ -17,7 +17,7 @@ SHIPPED = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), r
 @SHIPPED
 def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert main(["--cases", "1", "--workloads", "code,infill", "--max-new-tokens", "12", "--ks", "2",
-                 "--concurrency", "1,2", "--threads", "1", "--out", str(tmp_path)]) == 0
+                 "--concurrency", "1,2", "--sweep-rounds", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     contenders = results["contenders"]
     expected = {"target-only", "adaptive", "adaptive draft only", "k=2", "prompt lookup only", "hf generate",
@@ -32,7 +32,7 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
             point = sweep[f"2:{mode}:{name}"]
             assert point["aggregate_tokens_per_s"] > 0 and point["per_stream_tokens_per_s"] > 0
             assert point["itl_p99_ms"] >= point["itl_p50_ms"] > 0 and point["bound_tokens_per_s"] > 0
-    assert sweep["2:batched:target-only"]["mean_k"] == 0
+    assert sweep["2:batched:target-only"]["mean_k"] == 0 and sweep["2:batched:adaptive"]["rounds"] == 2
     assert "| 2 | round-robin |" in (tmp_path / "results.md").read_text()
     for chart in ("tokens_per_s.png", "accepted_length.png", "speedup_vs_k.png"):
         assert (tmp_path / chart).stat().st_size > 0

@@ -97,8 +97,9 @@ def rss_bytes() -> int:
 
 
 async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params: SamplingParams,
-                     concurrency: list[int], overhead_rounds: int = 2) -> dict[str, Any]:
-    """End to end through a real server on loopback: per-request figures and the concurrency sweep."""
+                     concurrency: list[int], overhead_rounds: int = 2, sweep_rounds: int = 3) -> dict[str, Any]:
+    """End to end through a real server on loopback: per-request figures and the concurrency sweep (each point the
+    median of `sweep_rounds`)."""
     import grpc
 
     from specrpc.server import start_server
@@ -206,16 +207,25 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             }
 
             sweep: dict[str, dict[str, float]] = {}
+            contenders = (("adaptive", None), ("target-only", 0))
             for streams in concurrency:  # both modes in one run, side by side: the same server, machine and moment
                 for mode in ("batched", "round-robin"):
                     await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, mode)))
-                    for name, k in (("adaptive", None), ("target-only", 0)):
-                        # each contender's prompts cached by its own warm-up pass, as a session's next request finds
-                        # them (target and draft caches alike), not by whichever contender ran before it
-                        await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
-                        await sweep_point(one, cases, streams, k, runtime)
-                        sweep[f"{streams}:{mode}:{name}"] = await sweep_point(one, cases, streams, k, runtime)
+                    # a warm-up pass of each contender first (its prompts cached as a session's next request finds
+                    # them, target and draft alike); then rounds alternating which goes first, each point the median
+                    # over them (a point is under a second: one alone is at the mercy of this machine's drift)
+                    await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
+                    points: dict[str, list[dict[str, float]]] = {name: [] for name, _ in contenders}
+                    for r in range(1 + sweep_rounds):
+                        for name, k in (contenders if r % 2 else contenders[::-1]):
+                            point = await sweep_point(one, cases, streams, k, runtime)
+                            if r:
+                                points[name].append(point)
+                    for name, _ in contenders:
+                        sweep[f"{streams}:{mode}:{name}"] = {
+                            key: statistics.median(p[key] for p in points[name]) for key in points[name][0]}
                         sweep[f"{streams}:{mode}:{name}"]["streams"] = streams
+                        sweep[f"{streams}:{mode}:{name}"]["rounds"] = sweep_rounds
             await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, "batched")))
             for key, value in list(sweep.items()):  # the batched figures also under their former names
                 if ":batched:" in key:
@@ -291,19 +301,26 @@ def markdown(results: dict[str, Any]) -> str:
                   f"{o['ttft_delta_ms']:+.2f} ms over in-process (client TTFT beyond the server's own: median "
                   f"{o['edge_ttft_ms']:.2f} ms); {o['per_message_us']:.0f} µs per streamed message "
                   "(total-time difference ÷ messages).", "",
-                  "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | bound (batched "
-                  "target-only, measured batch costs) | adaptive ITL p50 / p99 ms | target-only ITL p99 ms | "
-                  "mean k |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  f"Concurrency sweep, each row the median of "
+                  f"{int(next(iter(g['concurrency'].values()), {}).get('rounds', 1))} rounds, contenders alternating:",
+                  "",
+                  "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | adaptive ÷ target-only "
+                  "| target-only × one stream | bound (batched target-only, measured batch costs) | adaptive ITL "
+                  "p50 / p99 ms | target-only ITL p99 ms | mean k |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         sweep = g["concurrency"]
+        one = {mode: sweep.get(f"1:{mode}:target-only", {}).get("aggregate_tokens_per_s")
+               for mode in ("batched", "round-robin")}
         for streams in sorted({int(v["streams"]) for v in sweep.values()}):
             for mode in ("batched", "round-robin"):
                 if f"{streams}:{mode}:adaptive" not in sweep:
                     continue
                 a, t = sweep[f"{streams}:{mode}:adaptive"], sweep[f"{streams}:{mode}:target-only"]
+                ratio = a["aggregate_tokens_per_s"] / t["aggregate_tokens_per_s"] if t["aggregate_tokens_per_s"] else 0
+                scale = f"{t['aggregate_tokens_per_s'] / base:.2f}×" if (base := one[mode]) else ""
                 lines.append(f"| {streams} | {mode} | {a['aggregate_tokens_per_s']:.1f} | "
-                             f"{a['per_stream_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
-                             f"{t['bound_tokens_per_s']:.1f} | {a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | "
+                             f"{a['per_stream_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | {ratio:.2f}× | "
+                             f"{scale} | {t['bound_tokens_per_s']:.1f} | {a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | "
                              f"{t['itl_p99_ms']:.1f} | {a['mean_k']:.2f} |")
     if "workloads" in results:
         lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
@@ -391,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", default="1,2,3,4,6,8", help="fixed k contenders")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers contenders")
     parser.add_argument("--no-grpc", action="store_true", help="skip the gRPC phase and concurrency sweep")
+    parser.add_argument("--sweep-rounds", type=int, default=3,
+                        help="measured rounds per concurrency point (contenders alternating; the median is reported)")
     parser.add_argument("--concurrency", default="1,2,4,8,16",
                         help="streams at once in the sweep, batched and round-robin (raises --max-sessions to fit)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -542,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_grpc:
         concurrency = [int(c) for c in args.concurrency.split(",") if c]
         release_workers()  # from here on torch runs on the server's device thread alone
-        grpc_results = asyncio.run(grpc_phase(runtime, config, cases, params, concurrency))
+        grpc_results = asyncio.run(grpc_phase(runtime, config, cases, params, concurrency,
+                                                     sweep_rounds=args.sweep_rounds))
         results["grpc"] = grpc_results
         results["grpc_overhead"] = grpc_results.pop("overhead")
     adaptive_lengths = [n for r in runs["adaptive"] for n in r.accepted_lengths]
