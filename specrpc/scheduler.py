@@ -100,12 +100,16 @@ class Job:
             await self._waiter
         return self.inbox.popleft()
 
-    def post(self, event: Chunk) -> None:
-        """From the device thread: deliver a chunk to the loop."""
+    def post(self, event: Chunk, wakes: list[Job] | None = None) -> None:
+        """From the device thread: deliver a chunk to the loop. With `wakes`, the loop is not woken here: the job
+        joins `wakes` (if it needs waking) for one wake-up of a whole batched step's jobs (`wake_all`)."""
         self.inbox.append(event)
         if not self._wake_pending:
             self._wake_pending = True
-            self._call(self._wake)
+            if wakes is None:
+                self._call(self._wake)
+            else:
+                wakes.append(self)
 
     def _wake(self) -> None:
         self._wake_pending = False  # before the reader runs: a chunk appended after this schedules a new wake-up
@@ -132,6 +136,22 @@ class Job:
         if isinstance(event, Done) and self.on_final is not None:
             self.on_final(event)
         self._wake()
+
+
+def wake_all(jobs: list[Job]) -> None:
+    """From the device thread: wake the readers of `jobs` (posted with `wakes`) with one loop callback per event
+    loop; each `call_soon_threadsafe` writes the loop's wake-up socket, and eight of them per step cost the device
+    thread more than a millisecond (the GIL goes to the loop's thread at each)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
+    for job in jobs:
+        by_loop.setdefault(job.loop, []).append(job)
+    for loop, group in by_loop.items():
+        group[0]._call(_wake_each, group)
+
+
+def _wake_each(jobs: list[Job]) -> None:
+    for job in jobs:
+        job._wake()
 
 
 class Scheduler:
@@ -245,18 +265,22 @@ class Scheduler:
         except Exception as exc:  # outside any one stream's share: every stream of the step fails, the thread goes on
             results = [exc] * len(ready)
         seconds = time.perf_counter() - t0
-        for job, result in zip(ready, results, strict=True):
-            if job.done_posted:
-                continue
-            try:
-                if isinstance(result, Exception):
-                    raise result
-                final = self._deliver(job, result, seconds)
-            except Exception as exc:
-                final = self._fail(job, exc)
-            if final is not None:
-                self._finish(job, final)
-            self._reap_cancelled()
+        wakes: list[Job] = []
+        try:
+            for job, result in zip(ready, results, strict=True):
+                if job.done_posted:
+                    continue
+                try:
+                    if isinstance(result, Exception):
+                        raise result
+                    final = self._deliver(job, result, seconds, wakes)
+                except Exception as exc:
+                    final = self._fail(job, exc)
+                if final is not None:
+                    self._finish(job, final)
+                self._reap_cancelled()
+        finally:
+            wake_all(wakes)
 
     def _finish(self, job: Job, final: Done | Failed) -> None:
         with self._wake:
@@ -297,9 +321,10 @@ class Scheduler:
         self.engine.reset_slot(job.slot)
         return Failed(exc)
 
-    def _deliver(self, job: Job, result: StepResult, seconds: float) -> Done | Failed | None:
-        """Hand one step's tokens to the loop (detokenized, through stop strings and the line guard); the final
-        event once the job has ended."""
+    def _deliver(self, job: Job, result: StepResult, seconds: float,
+                 wakes: list[Job] | None = None) -> Done | Failed | None:
+        """Hand one step's tokens to the loop (detokenized, through stop strings and the line guard; the loop woken
+        now, or with `wakes` by the caller); the final event once the job has ended."""
         if self.on_step is not None:
             self.on_step(job, result, seconds)
         if not result.token_ids and result.finish is None:
@@ -322,7 +347,7 @@ class Scheduler:
             safe += job.guard.flush()
         job.text.append(safe)
         if safe or result.token_ids:  # a prefill-only request ends without any
-            job.post(Chunk(safe, result.token_ids, result.accepted, now, result.logprobs))
+            job.post(Chunk(safe, result.token_ids, result.accepted, now, result.logprobs), wakes)
         if limited is not None:
             return self._done(job, limited, "")
         if stopped:
