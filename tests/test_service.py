@@ -1028,13 +1028,23 @@ async def test_after_bad_requests_the_server_still_serves(stub: Stub, server: Ru
     await wait_until(lambda: server.runtime.registry.in_use == 0, what="slot released")
 
 
-async def test_anonymous_prompts_taking_turns_keep_their_caches(stub: Stub) -> None:
-    """Two unrelated prompts asked in turn without a session (sharing only their first characters): each finds its
-    own prefix cached, rather than the second taking the first's slot for a token or two of shared prefix."""
-    a = EDITOR_PROMPT
-    b = "# A different file altogether.\nimport os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"
-    for prompt in (a, b):
-        await collect(stub.Generate(greedy(prompt, 4)))
-    for prompt in (a, b):
-        _, summary = await collect(stub.Generate(greedy(prompt, 4)))
-        assert summary.cached_prompt_tokens == summary.prompt_tokens - 1, prompt[:20]
+async def test_anonymous_prompts_taking_turns_keep_their_caches() -> None:
+    """Two unrelated prompts asked in turn without a session (sharing at most their first characters), on a server
+    of three free slots: each finds its own prefix cached, rather than the second taking the first's slot for a
+    token or two of shared prefix."""
+    config = make_config()
+    config = replace(config, engine=replace(config.engine, max_sessions=3),
+                     server=replace(config.server, metrics_port=0, http_port=0))
+    running = await start_server(config)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.GeneratorStub(channel)
+            a = EDITOR_PROMPT
+            b = "# A different file altogether.\nimport os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"
+            for prompt in (a, b):
+                await collect(stub.Generate(greedy(prompt, 4)))
+            for prompt in (a, b):
+                _, summary = await collect(stub.Generate(greedy(prompt, 4)))
+                assert summary.cached_prompt_tokens == summary.prompt_tokens - 1, prompt[:20]
+    finally:
+        await running.stop(0.5)
