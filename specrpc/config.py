@@ -32,7 +32,7 @@ class EngineConfig:
     speculation: str = "adaptive"
     proposer: str = "combined"
     prefill_chunk: int = 512
-    batching: str = "off"  # on: see docs/benchmarks.md (issue 18) for where it wins and where it loses today
+    batching: str = "on"  # off: round-robin, one stream's step at a time (docs/benchmarks.md, issue 18)
     lean: bool = True
     threads: int = 0
     draft_int8: bool = True

@@ -92,8 +92,8 @@ async def test_a_prefill_shares_its_step_with_the_decoding_streams(stub: pb_grpc
     assert any(s[0] == "short" and s[2] == prefill[2] and s[1] == 1 for s in steps), "same step, a token each"
 
 
-def test_batching_setting_defaults_off_and_is_validated() -> None:
-    assert build_config(None, env={}).engine.batching == "off"
-    assert build_config(None, env={"SPECRPC_BATCHING": "on"}).engine.batching == "on"
+def test_batching_setting_defaults_on_and_is_validated() -> None:
+    assert build_config(None, env={}).engine.batching == "on"
+    assert build_config(None, env={"SPECRPC_BATCHING": "off"}).engine.batching == "off"
     with pytest.raises(ValueError, match="--batching must be on or off"):
         build_config(None, env={"SPECRPC_BATCHING": "maybe"})
