@@ -145,11 +145,12 @@ def wake_all(jobs: list[Job]) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
     for job in jobs:
         by_loop.setdefault(job.loop, []).append(job)
-    for loop, group in by_loop.items():
+    for group in by_loop.values():
         group[0]._call(_wake_each, group)
 
 
 def _wake_each(jobs: list[Job]) -> None:
+    """On the loop: wake each job's reader."""
     for job in jobs:
         job._wake()
 

@@ -63,8 +63,9 @@ class SessionRegistry:
     """Owns the slot pool. Anonymous requests borrow a free slot: the one sharing the longest prefix with their
     prompt, so repeated prompts still hit the cache, unless that prefix is too short to be worth another prompt's
     cache (under `MIN_REUSE` tokens and half the prompt); then the free slot taken longest ago, empty ones first, so
-    that prompts taking turns keep their caches (as llama.cpp's slot similarity threshold does). Named sessions keep theirs until idle past the TTL, and idle
-    sessions are evicted least-recently-used first when a new request needs a slot."""
+    that prompts taking turns keep their caches (as llama.cpp's slot similarity threshold does). Named sessions keep
+    theirs until idle past the TTL, and idle sessions are evicted least-recently-used first when a new request needs
+    a slot."""
 
     def __init__(self, engine: Engine, num_slots: int, ttl_s: float) -> None:
         self.engine = engine

@@ -296,19 +296,19 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | {s['ttft_p50_ms']:.2f} | {s['itl_p50_ms']:.2f} | {s['tokens_per_s']:.1f} | "
                          f"{g[name]['messages']} |")
         o = results["grpc_overhead"]
+        sweep: dict[str, dict[str, float]] = g["concurrency"]
+        rounds = int(min((v.get("rounds", 1) for v in sweep.values()), default=1))
         lines += ["", f"gRPC overhead (target-only, {o['requests']} requests alternating in-process and through "
                   f"gRPC, {o['messages']} messages, identical tokens {o['identical']:.2f}): median TTFT "
                   f"{o['ttft_delta_ms']:+.2f} ms over in-process (client TTFT beyond the server's own: median "
                   f"{o['edge_ttft_ms']:.2f} ms); {o['per_message_us']:.0f} µs per streamed message "
                   "(total-time difference ÷ messages).", "",
-                  f"Concurrency sweep, each row the median of "
-                  f"{int(next(iter(g['concurrency'].values()), {}).get('rounds', 1))} rounds, contenders alternating:",
+                  f"Concurrency sweep, each row the median of {rounds} rounds, contenders alternating:",
                   "",
                   "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | adaptive ÷ target-only "
                   "| target-only × one stream | bound (batched target-only, measured batch costs) | adaptive ITL "
                   "p50 / p99 ms | target-only ITL p99 ms | mean k |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        sweep = g["concurrency"]
         one = {mode: sweep.get(f"1:{mode}:target-only", {}).get("aggregate_tokens_per_s")
                for mode in ("batched", "round-robin")}
         for streams in sorted({int(v["streams"]) for v in sweep.values()}):
@@ -319,9 +319,10 @@ def markdown(results: dict[str, Any]) -> str:
                 ratio = a["aggregate_tokens_per_s"] / t["aggregate_tokens_per_s"] if t["aggregate_tokens_per_s"] else 0
                 scale = f"{t['aggregate_tokens_per_s'] / base:.2f}×" if (base := one[mode]) else ""
                 lines.append(f"| {streams} | {mode} | {a['aggregate_tokens_per_s']:.1f} | "
-                             f"{a['per_stream_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | {ratio:.2f}× | "
-                             f"{scale} | {t['bound_tokens_per_s']:.1f} | {a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | "
-                             f"{t['itl_p99_ms']:.1f} | {a['mean_k']:.2f} |")
+                             f"{a['per_stream_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
+                             f"{ratio:.2f}× | {scale} | {t['bound_tokens_per_s']:.1f} | "
+                             f"{a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} | "
+                             f"{a['mean_k']:.2f} |")
     if "workloads" in results:
         lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
                   "| --- | --- | --- | --- | --- |"]
