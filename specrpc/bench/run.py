@@ -244,11 +244,13 @@ def set_batching(runtime: Runtime, mode: str) -> None:
 
 async def sweep_point(one: Callable[[Case, int | None, int], Awaitable[tuple[Run, int]]], cases: list[Case],
                       streams: int, k: int | None, runtime: Runtime) -> dict[str, float]:
-    """`streams` clients at once, each running its share of `cases` one after the other with k (None: adaptive):
-    aggregate and per-stream tokens/s, ITL p50/p99, mean k, and the bound plain batched decoding has from the
-    measured batch costs (`streams` tokens per target forward of that many tokens, nothing else)."""
+    """`streams` clients at once, each running every case one after the other (client i starting at case i, so
+    that the clients carry equal work and stay in flight together: a prompt that stops early would otherwise leave
+    its client idle and the batch narrower than `streams`), with k (None: adaptive): aggregate and per-stream
+    tokens/s, ITL p50/p99, mean k, and the bound plain batched decoding has from the measured batch costs
+    (`streams` tokens per target forward of that many tokens, nothing else)."""
     t0 = time.perf_counter()
-    batches = [cases[i % len(cases) :: streams] or cases[:1] for i in range(streams)]
+    batches = [[cases[(i + j) % len(cases)] for j in range(len(cases))] for i in range(streams)]
 
     async def worker(batch: list[Case]) -> list[Run]:
         return [(await one(c, k, j))[0] for j, c in enumerate(batch)]
@@ -306,11 +308,12 @@ def markdown(results: dict[str, Any]) -> str:
                   f"Concurrency sweep, each row the median of {rounds} rounds, contenders alternating:",
                   "",
                   "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | adaptive ÷ target-only "
-                  "| target-only × one stream | bound (batched target-only, measured batch costs) | adaptive ITL "
-                  "p50 / p99 ms | target-only ITL p99 ms | mean k |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| target-only × one stream | bound (batched target-only, measured batch costs) | bound × one "
+                  "stream's | adaptive ITL p50 / p99 ms | target-only ITL p99 ms | mean k |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         one = {mode: sweep.get(f"1:{mode}:target-only", {}).get("aggregate_tokens_per_s")
                for mode in ("batched", "round-robin")}
+        one_bound = sweep.get("1:batched:target-only", {}).get("bound_tokens_per_s")
         for streams in sorted({int(v["streams"]) for v in sweep.values()}):
             for mode in ("batched", "round-robin"):
                 if f"{streams}:{mode}:adaptive" not in sweep:
@@ -318,9 +321,11 @@ def markdown(results: dict[str, Any]) -> str:
                 a, t = sweep[f"{streams}:{mode}:adaptive"], sweep[f"{streams}:{mode}:target-only"]
                 ratio = a["aggregate_tokens_per_s"] / t["aggregate_tokens_per_s"] if t["aggregate_tokens_per_s"] else 0
                 scale = f"{t['aggregate_tokens_per_s'] / base:.2f}×" if (base := one[mode]) else ""
+                bound_scale = f"{t['bound_tokens_per_s'] / one_bound:.2f}×" if one_bound else ""
                 lines.append(f"| {streams} | {mode} | {a['aggregate_tokens_per_s']:.1f} | "
                              f"{a['per_stream_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
                              f"{ratio:.2f}× | {scale} | {t['bound_tokens_per_s']:.1f} | "
+                             f"{bound_scale} | "
                              f"{a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} | "
                              f"{a['mean_k']:.2f} |")
     if "workloads" in results:
