@@ -514,3 +514,19 @@ def test_native_verify_gives_a_tokens_decode_logits_bit_for_bit(case: str, tmp_p
     assert torch.equal(together, alone)
     with pytest.raises(ValueError, match="out of range"):
         lm.forward(torch.tensor([VOCAB + 5]), 29, 1)
+
+
+def test_batched_forward_of_more_tokens_than_one_context_holds(tmp_path: Path) -> None:
+    """Three rows that each fit a slot but together hold more tokens than a context (as drafts catching up on
+    whole prompts at once after drafting was off): each row's logits are its own, none is left empty."""
+    cls, config = CASES["llama-tied-gqa"]
+    path, _ = save(tmp_path, cls, config)
+    lm = load_model(path, device=CPU, dtype=F32, num_slots=3, max_context=CAPACITY, lean=True)
+    length = CAPACITY // 2 + 1
+    g = torch.Generator().manual_seed(5)
+    rows = [BatchRow(torch.randint(0, VOCAB, (length,), generator=g), 0, slot, 2) for slot in range(3)]
+    out = lm.forward_batch(rows)
+    for row, logits in zip(rows, out, strict=True):
+        assert logits.shape == (2, lm.vocab_size)
+        lm.truncate(row.slot, 0)
+        close(logits, lm.forward(row.ids, 0, row.slot, 2), atol=1e-5)

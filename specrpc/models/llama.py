@@ -599,7 +599,9 @@ def llama_forward_batch(
     ids = torch.cat([r.ids for r in rows])  # [N]
     positions = torch.cat([w.positions[r.start : r.start + r.ids.shape[0]] for r in rows])  # [N]
     ends = list(itertools.accumulate(lengths))
-    picks = torch.cat([w.positions[e - r.num_logits : e] for r, e in zip(rows, ends, strict=True)])  # [R]
+    # the rows' last tokens in the concatenation (which may be longer than the position table: not from it)
+    picks = torch.tensor([i for r, e in zip(rows, ends, strict=True) for i in range(e - r.num_logits, e)],
+                         device=ids.device)  # [R]
     logits = _decoder(w, ids, w.cos[positions], w.sin[positions], attention, picks)  # [R, V]
     sizes = [r.num_logits for r in rows]
     out = [logits[e - n : e] for n, e in zip(sizes, itertools.accumulate(sizes), strict=True)]
