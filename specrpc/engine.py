@@ -37,6 +37,10 @@ MAX_SUGGESTION_TOKENS = 64
 """Most tokens of the session's last suggestion verified in one step (it is a draft the editor already shows, so
 it is drafted whole rather than in the policy's k)."""
 
+STEADY_CATCH_UP = 2
+"""Tokens a drafting stream's draft feeds at the start of each step (the last draft token and the target's); more
+is a catch-up, budgeted per batched step (`Engine._plan_batch`)."""
+
 
 @dataclass(frozen=True)
 class Logprob:
@@ -365,9 +369,12 @@ class Engine:
                     results: dict[int, StepResult | Exception], limit: int | None) -> dict[int, Proposal]:
         """Each decoding generation's proposal for this step, k chosen with the rest of the batch in view (those
         planned before it at their k, those after it as plain decoding; policy k at most `limit`, the guard's);
-        draft-model proposals drafted together. A generation whose planning fails gets its exception in
-        `results`."""
+        draft-model proposals drafted together. The policy's drafts catch up (beyond the steady `STEADY_CATCH_UP`
+        tokens, after sitting out steps) within `prefill_chunk` tokens in all, the first always, the others in
+        later steps once earlier ones caught up: speculation coming back at a wide batch does not stall every
+        stream for whole prompts. A generation whose planning fails gets its exception in `results`."""
         tokens, committed, drafting = prefill_tokens + len(decoding), float(len(decoding)), 0
+        catching_up = 0  # tokens the drafts planned so far must catch up on first
         plans: dict[int, Proposal | int] = {}
         for i in decoding:
             gen = gens[i]
@@ -380,6 +387,12 @@ class Engine:
                 continue
             finally:
                 gen.load = None
+            lag = 0 if self.draft is None else len(gen.slot.tokens) - self.draft.length(gen.slot.index)
+            if isinstance(plan, int) and gen.fixed_k is None and lag > STEADY_CATCH_UP:
+                if catching_up and catching_up + lag > self.config.prefill_chunk:
+                    plan = EMPTY  # its draft catches up in a later step: this step's catch-up budget is spent
+                else:
+                    catching_up += lag
             k = plan if isinstance(plan, int) else len(plan)
             source = "draft" if isinstance(plan, int) else plan.estimate
             tokens += k + 1

@@ -579,3 +579,33 @@ def test_a_batched_prefill_feeds_the_draft_the_same_chunks(pair: tuple[Path, Pat
     assert [g.generated for g in gens] == [1, 1, 1]
     out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
     assert out == [run(engine, prompt, 8, GREEDY, 0)] * 3
+
+
+def test_drafts_catching_up_at_once_share_a_prefill_chunk_per_step(pair: tuple[Path, Path]) -> None:
+    """Three adaptive streams whose drafts sat out (caches emptied, as after drafting was off at a width): one
+    batched step catches up at most `prefill_chunk` (16) tokens of drafts beyond the first, so one stream drafts
+    in the first step and the others in later ones, in turn (a draft that has caught up feeds its steady two tokens
+    a step outside the budget); the output is the same."""
+    engine = make_engine(pair, slots=3)
+    engine.batch_costs = BatchCosts(target_s=dict.fromkeys(range(1, 64), 1e-2),
+                                    draft_s=dict.fromkeys(range(1, 4), 1e-4),
+                                    decay=1.0)  # drafting pays here (every size priced: measurements ignored)
+    engine.batch_guard = BatchGuard(min_steps=10**6)
+    requests = [GenerationRequest([i, 2, 3, 1, 4, 4, 0, 5, 2, 3, 1, i], 12, GREEDY, None, "draft") for i in range(3)]
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    out: list[list[int]] = [list(r.token_ids) for r in engine.step_many(gens) if not isinstance(r, Exception)]
+    assert engine.draft is not None and all(g.started and not g.prefilling for g in gens)
+    for i in range(3):
+        engine.draft.truncate(i, 0)  # 13 tokens behind each: two catch-ups do not fit 16
+    drafted: list[list[int]] = []
+    while not all(g.finished for g in gens):
+        live = [i for i, g in enumerate(gens) if not g.finished]
+        results = engine.step_many([gens[i] for i in live])
+        drafted.append([r.proposed for r in results if not isinstance(r, Exception)])
+        for i, result in zip(live, results, strict=True):
+            assert not isinstance(result, Exception)
+            out[i] += result.token_ids
+    assert drafted[0][0] > 0 and drafted[0][1:] == [0, 0], drafted
+    assert drafted[1][1] > 0 and drafted[1][2] == 0, drafted  # the first caught up: the second's turn
+    assert drafted[2][2] > 0, drafted  # then the third's, while the others keep drafting
+    assert out == [run(engine, r.prompt_ids, 12, GREEDY, 0) for r in requests]
