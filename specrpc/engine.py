@@ -387,12 +387,13 @@ class Engine:
                 continue
             finally:
                 gen.load = None
-            lag = 0 if self.draft is None else len(gen.slot.tokens) - self.draft.length(gen.slot.index)
-            if isinstance(plan, int) and gen.fixed_k is None and lag > STEADY_CATCH_UP:
-                if catching_up and catching_up + lag > self.config.prefill_chunk:
-                    plan = EMPTY  # its draft catches up in a later step: this step's catch-up budget is spent
-                else:
-                    catching_up += lag
+            if isinstance(plan, int) and gen.fixed_k is None and self.draft is not None:
+                lag = len(gen.slot.tokens) - self.draft.length(gen.slot.index)  # what its draft must catch up on
+                if lag > STEADY_CATCH_UP:
+                    if catching_up and catching_up + lag > self.config.prefill_chunk:
+                        plan = EMPTY  # it drafts in a later step: this step's catch-up budget is spent
+                    else:
+                        catching_up += lag
             k = plan if isinstance(plan, int) else len(plan)
             source = "draft" if isinstance(plan, int) else plan.estimate
             tokens += k + 1

@@ -11,9 +11,12 @@ from specrpc.engine import Engine, Slot, common_prefix
 from specrpc.scheduler import Job
 
 RELEASE_WAIT_S = 2.0
-MIN_REUSE = 32  # prompt tokens a slot's cached prefix must share to be picked for it over an older slot
 """Longest wait for the slot of a cancelled stream that the device thread has not let go of yet (within one
 engine step, normally milliseconds) before a request is refused with RESOURCE_EXHAUSTED."""
+
+MIN_REUSE = 32
+"""Prompt tokens (or half the prompt, if less) a free slot's cache must share with an anonymous request's prompt to
+be taken for it ahead of the slot taken longest ago."""
 
 
 class SlotsExhausted(Exception):
@@ -62,10 +65,10 @@ class Lease:
 class SessionRegistry:
     """Owns the slot pool. Anonymous requests borrow a free slot: the one sharing the longest prefix with their
     prompt, so repeated prompts still hit the cache, unless that prefix is too short to be worth another prompt's
-    cache (under `MIN_REUSE` tokens and half the prompt); then the free slot taken longest ago, empty ones first, so
-    that prompts taking turns keep their caches (as llama.cpp's slot similarity threshold does). Named sessions keep
-    theirs until idle past the TTL, and idle sessions are evicted least-recently-used first when a new request needs
-    a slot."""
+    cache (under `MIN_REUSE` tokens and half the prompt); then the free slot taken longest ago (never-taken ones
+    first), so that prompts taking turns keep their caches (as llama.cpp's slot similarity threshold does). Named
+    sessions keep theirs until idle past the TTL, and idle sessions are evicted least-recently-used first when a new
+    request needs a slot."""
 
     def __init__(self, engine: Engine, num_slots: int, ttl_s: float) -> None:
         self.engine = engine
