@@ -18,7 +18,16 @@ import torch
 from specrpc.config import EngineConfig
 from specrpc.models import BatchRow, CausalLM
 from specrpc.policy import AdaptivePolicy, BatchCosts, BatchGuard, BatchLoad, CostModel
-from specrpc.proposers import EMPTY, DraftModelProposer, DraftRequest, PromptLookupProposer, Proposal, Proposer, feed
+from specrpc.proposers import (
+    EMPTY,
+    STEADY_CATCH_UP,
+    DraftModelProposer,
+    DraftRequest,
+    PromptLookupProposer,
+    Proposal,
+    Proposer,
+    feed,
+)
 from specrpc.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specrpc.verify import VerifyResult, verify
 
@@ -36,10 +45,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_SUGGESTION_TOKENS = 64
 """Most tokens of the session's last suggestion verified in one step (it is a draft the editor already shows, so
 it is drafted whole rather than in the policy's k)."""
-
-STEADY_CATCH_UP = 2
-"""Tokens a drafting stream's draft feeds at the start of each step (the last draft token and the target's); more
-is a catch-up, budgeted per batched step (`Engine._plan_batch`)."""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,11 @@ class Proposal:
 
 EMPTY = Proposal([], None, "none")
 
+STEADY_CATCH_UP = 2
+"""Tokens a drafting stream's draft feeds at the start of a step in steady state (the last draft token and the
+target's); more is a catch-up after sitting out steps or on a new prompt (timed apart here, budgeted per batched
+step by `Engine._plan_batch`)."""
+
 
 class Proposer(Protocol):
     """Drafting behind one protocol (HF CandidateGenerator / vLLM SpeculativeProposer)."""
@@ -98,14 +103,14 @@ class DraftModelProposer:
             return EMPTY
         start = self.model.length(slot)
         t0 = time.perf_counter()
-        fused = self._feed_greedy(tokens, start, slot, k) if params.greedy and len(tokens) - start <= 2 else None
+        steady = len(tokens) - start <= STEADY_CATCH_UP
+        fused = self._feed_greedy(tokens, start, slot, k) if params.greedy and steady else None
         if fused is not None:  # steady state, the catch-up and the k drafts in one call: k forwards
             ids: list[int] = fused.tolist()  # [k]
             return Proposal(ids, None, self.name, (time.perf_counter() - t0) / k)
         logits = feed(self.model, slot, tokens[start:], start, self.prefill_chunk)  # [1, V]
         # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
         # (the draft sat out steps, or a new prompt) is prefill, not drafting: leave it out of the step time.
-        steady = len(tokens) - start <= 2
         catch_up_s = 0.0
         if not steady:
             catch_up_s = time.perf_counter() - t0
