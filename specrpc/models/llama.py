@@ -238,18 +238,29 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.to(torch.bfloat16)
 
 
+INT8_KERNEL_COLS = 16
+"""torch's int8 kernel (`_weight_int8pack_mm`) takes inputs whose width is a multiple of this: it crashes the
+process on others (seen with 72 columns and 4 rows or more); such a projection's products take the other paths."""
+
+
+def _int8_rows(cols: int, rows: int) -> int:
+    """The rows up to which a product of `cols` input columns may take the int8 kernel (0: never)."""
+    return rows if cols % INT8_KERNEL_COLS == 0 else 0
+
+
 def quantize_int8(p: Linear) -> Linear:
     """`p` plus a symmetric per-output-row int8 copy of its weight (bf16 scales, the kernel's activation type)."""
     assert p.wt is not None
     q, scale = _quantize(p.wt.t())
-    return Linear(p.wt, p.packed, p.bias, q, scale)
+    return Linear(p.wt, p.packed, p.bias, q, scale, q8_rows=_int8_rows(q.shape[1], INT8_MAX_ROWS))
 
 
 def int8_linear(w: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     """w [N, K] as int8 alone (no float copy): `INT8_WEIGHT_ROWS` rows or fewer through the int8 kernel, more
     dequantized per product (`_dequantized_product`)."""
     q, scale = _quantize(w)
-    return Linear(wt=None, packed=None, bias=bias, q8=q, q8_scale=scale, q8_rows=INT8_WEIGHT_ROWS)
+    return Linear(wt=None, packed=None, bias=bias, q8=q, q8_scale=scale,
+                  q8_rows=_int8_rows(q.shape[1], INT8_WEIGHT_ROWS))
 
 
 def with_int8_decode(w: LlamaWeights) -> LlamaWeights:
