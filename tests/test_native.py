@@ -68,3 +68,33 @@ def test_int8_native_step_stays_close_to_the_torch_int8_forward() -> None:
     native_lm.truncate(0, 30)
     one_by_one = torch.cat([native_lm.forward(ids[t : t + 1], t, 0) for t in range(30, 35)])
     assert torch.equal(a, one_by_one)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_rows_that_do_not_fill_a_panel(int8: bool, tmp_path: Path) -> None:
+    """Weights are packed in panels of 16 output rows: shapes that leave a panel partly empty (hidden 72, head_dim 18,
+    FFN 100, vocabulary 101) give the torch forward's logits (float32), and a verify of up to 16 tokens gives each
+    token its decode logits bit for bit (float32 and int8)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    requires_native()
+    cpu = torch.device("cpu")
+    if int8 and not int8_available(cpu):
+        pytest.skip("no int8 kernel")
+    config = LlamaConfig(vocab_size=101, hidden_size=72, intermediate_size=100, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=18, max_position_embeddings=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    native_lm, torch_lm = (load_model(tmp_path, device=cpu, dtype=torch.float32, num_slots=1, max_context=48,
+                                      int8_weights=int8, native_decode=native) for native in (True, False))
+    assert isinstance(native_lm, LlamaLM) and native_lm.native is not None
+    native_lm.native_rows = native_step.MAX_TOKENS
+    ids = torch.randint(0, 101, (36,), generator=torch.Generator().manual_seed(1))
+    for lm in (native_lm, torch_lm):
+        lm.forward(ids[:20], 0, 0)
+    together = native_lm.forward(ids[20:36], 20, 0, num_logits=16)  # [16, V]
+    if not int8:
+        torch.testing.assert_close(together, torch_lm.forward(ids[20:36], 20, 0, num_logits=16), atol=1e-4, rtol=1e-4)
+    native_lm.truncate(0, 20)
+    alone = torch.cat([native_lm.forward(ids[t : t + 1], t, 0) for t in range(20, 36)])  # [16, V]
+    assert torch.equal(together, alone)

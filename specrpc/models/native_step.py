@@ -38,6 +38,18 @@ def int8_weights(w: LlamaWeights) -> bool:
     return all(p.q8 is not None and p.q8_scale is not None for p in w.linears())
 
 
+PANEL = 16
+"""Output rows per panel of a packed weight: one 16-lane vector (decode.cpp's LANES)."""
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] → [ceil(N / 16), K, 16], rows padded with zeros: panel b holds rows 16 b .. 16 b + 15 column by
+    column, the layout decode.cpp's products read (one column of a panel is one vector)."""
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -n % PANEL))  # [N', K]
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()  # [N'/16, K, 16]
+
+
 MAX_TOKENS = 16
 """Tokens one native forward takes at most (its work buffers' rows): a verify of up to 15 drafts."""
 
@@ -47,8 +59,8 @@ would evict the draft's weights on every step, and gains nothing from caching it
 
 
 class NativeStep:
-    """The model's weights in the checkpoint's row-major [N, K] layout, its KV cache and work buffers, bound to the
-    native step; `run` runs up to `MAX_TOKENS` tokens."""
+    """The model's weights packed in panels (`pack_panels`), its KV cache and work buffers, bound to the native
+    step; `run` runs up to `MAX_TOKENS` tokens."""
 
     def __init__(self, w: LlamaWeights, cache: KVCache) -> None:
         """Weights above `STREAM_BYTES` are read with non-temporal prefetches, so that a model larger than the CPU's
@@ -71,17 +83,17 @@ class NativeStep:
         projections: list[torch.Tensor] = []  # what a step reads in full
 
         def rows(p: Linear) -> tuple[int | None, int | None]:
-            """The weight [N, K] (float, or int8) and its per-row scales [N] (None for float)."""
+            """The weight packed in panels (`pack_panels`: float, or int8) and its per-row scales [N] (None for
+            float)."""
             if self.int8:
                 assert p.q8 is not None and p.q8_scale is not None
-                q = p.q8.contiguous()  # [N, K] int8
-                keep.append(q)
-                projections.append(q)
-                return int(q.data_ptr()), ptr(p.q8_scale)
-            assert p.wt is not None
-            pointer = ptr(p.wt.t())  # [N, K]
-            projections.append(keep[-1])
-            return pointer, None
+                packed, scale = pack_panels(p.q8), ptr(p.q8_scale)  # [N/16, K, 16] int8
+            else:
+                assert p.wt is not None
+                packed, scale = pack_panels(p.wt.t().to(torch.float32)), None  # [N/16, K, 16]
+            keep.append(packed)
+            projections.append(packed)
+            return int(packed.data_ptr()), scale
 
         layers = (native.Layer * a.layers)()
         for i, layer in enumerate(w.layers):
@@ -90,7 +102,7 @@ class NativeStep:
                 *rows(layer.o), ptr(layer.o.bias), ptr(layer.mlp_norm.weight), *rows(layer.up), ptr(layer.up.bias),
                 *rows(layer.down), ptr(layer.down.bias), layer.window or 0)
         head, head_scale = rows(w.head)
-        self.vocab = int(projections[-1].shape[0])  # the head's rows [V, d]
+        self.vocab = int(w.head.q8.shape[0] if self.int8 else w.head.wt.shape[1])  # the head's rows: [V, d], [d, V]
         stream = sum(t.nbytes for t in projections) > STREAM_BYTES
         capacity = cache.k.shape[3]  # [L, S, H, C, D]
         buffers = {"x": a.hidden, "h": a.hidden, "qkv": (a.heads + 2 * a.kv_heads) * a.head_dim,

@@ -2,10 +2,10 @@
 // SiLU MLP, RoPE, GQA, optional biases, Qwen3's q/k norms, sliding windows) in float32, as one OpenMP parallel
 // region: the matrix products split their output rows across the threads, everything else runs between them without
 // leaving the region. Built and loaded by specrpc/native/__init__.py (ctypes; torch's own OpenMP runtime), called by
-// specrpc/models/native_step.py. Weights are row-major [N, K] (the checkpoint's layout); each weight row is read from
-// memory once per forward and dotted with every token's activations while it sits in L1, by the same dot product a
-// one-token step uses: a token's logits are bit for bit the same decoded alone or verified among others, so greedy
-// speculation through this step equals greedy decoding through it exactly.
+// specrpc/models/native_step.py. Weights are packed in panels of 16 output rows ([N / 16, K, 16], `Weight`); each
+// panel is read from memory once per forward and multiplied into every token's outputs as a sum of outer products,
+// each output summed over the columns in order: a token's logits are bit for bit the same decoded alone or verified
+// among others, so greedy speculation through this step equals greedy decoding through it exactly.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -87,80 +87,135 @@ static inline v16 load16(const int8_t* p) {  // 16 int8 weights as floats (exact
     return v;
 }
 
-// Lanes summed in a fixed tree order.
-static inline float hsum(v16 v) {
-    float s8[8], s4[4];
-    for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
-    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+static inline v16 fma16(v16 a, v16 b, v16 c) {  // a * b + c, rounded once, the same on every path
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    __m256 a2[2], b2[2], c2[2];
+    std::memcpy(a2, &a, sizeof a);
+    std::memcpy(b2, &b, sizeof b);
+    std::memcpy(c2, &c, sizeof c);
+    c2[0] = _mm256_fmadd_ps(a2[0], b2[0], c2[0]);
+    c2[1] = _mm256_fmadd_ps(a2[1], b2[1], c2[1]);
+    std::memcpy(&c, c2, sizeof c);
+    return c;
+#else
+    for (int i = 0; i < 16; ++i) c[i] = std::fma(a[i], b[i], c[i]);
+    return c;
+#endif
 }
 
-// out[t] = w . x[t] for one weight row (float, or int8 to be scaled by the caller) and TB activation rows (stride
-// `cols`): the row is loaded once per 64 columns for all TB tokens, each token sums into four independent
-// accumulators, and every sum is formed in the same order whatever TB is: the same bits for a token alone or among
-// others.
-template <int TB, bool STREAM, typename W>
-static inline void dots(const W* __restrict w, const float* __restrict x, int64_t cols, float* __restrict out) {
-    v16 acc[TB][4];
-#pragma GCC unroll 4
-    for (int t = 0; t < TB; ++t)
-        for (int j = 0; j < 4; ++j) acc[t][j] = v16{};
-    int64_t k = 0;
-    for (; k + 64 <= cols; k += 64) {
-        const W* wk = w + k;
-        if (STREAM) __builtin_prefetch(wk + 2048 / sizeof(W), 0, 0);  // non-temporal: past the caches
-        const v16 w0 = load16(wk), w1 = load16(wk + 16), w2 = load16(wk + 32), w3 = load16(wk + 48);
-#pragma GCC unroll 4
-        for (int t = 0; t < TB; ++t) {
-            const float* xt = x + t * cols + k;
-            acc[t][0] += w0 * load16(xt);
-            acc[t][1] += w1 * load16(xt + 16);
-            acc[t][2] += w2 * load16(xt + 32);
-            acc[t][3] += w3 * load16(xt + 48);
-        }
-    }
-    for (; k + 16 <= cols; k += 16) {
-        const v16 wv = load16(w + k);
-#pragma GCC unroll 4
-        for (int t = 0; t < TB; ++t) acc[t][0] += wv * load16(x + t * cols + k);
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < TB; ++t) {
-        float s = hsum((acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]));
-        for (int64_t c = k; c < cols; ++c) s += (float)w[c] * x[t * cols + c];
-        out[t] = s;
-    }
+static inline v16 splat(float x) {  // x in every lane
+#if defined(__AVX512F__)
+    return (v16)_mm512_set1_ps(x);
+#else
+    v16 v;
+    for (int i = 0; i < 16; ++i) v[i] = x;
+    return v;
+#endif
 }
 
-// A projection's weight: row-major [N, K] float, or int8 with a float scale per row.
+constexpr int64_t LANES = 16;  // output rows per panel: one 16-lane vector
+#if defined(__AVX512F__)
+constexpr int REGS = 32;  // 16-lane vectors the registers hold
+#else
+constexpr int REGS = 8;  // AVX2: two 8-lane registers per vector, 16 of them
+#endif
+
+// A projection's weight packed in panels of LANES output rows: [ceil(N / 16), K, 16] float, or int8 with a float scale
+// per row [N] (null for float). Panel b holds rows 16 b .. 16 b + 15 column by column, so one column of a panel is
+// one vector, and a product is a sum of outer products: no horizontal sums, and every output's sum runs over the
+// columns in order whatever the number of tokens or panels taken at once.
 struct Weight {
     const void* w;
-    const float* scale;  // null: float weights
+    const float* scale;
 };
 
-// y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] (· scale[n]) + b[n] for t < T, rows shared among the team (call
-// inside the parallel region): each weight row is read from memory once, for up to four tokens at a time.
+// R panels (rows n0 ..) × TT tokens (activation rows x, stride `cols`): acc[r][t] accumulates W[row, k] x[t, k] over
+// k = 0 .. cols - 1 in that order, one fused multiply-add each, so a token's outputs are the same bits whatever
+// shares the forward with it. Each panel column is loaded once for all TT tokens.
+template <int R, int TT, bool STREAM, typename W>
+static inline void panels(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
+                          const float* __restrict x, float* __restrict y, int64_t rows, int64_t cols, int64_t n0,
+                          bool add) {
+    constexpr int64_t every = 64 / (LANES * sizeof(W));  // columns per cache line of a panel
+    v16 acc[R][TT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < TT; ++t) acc[r][t] = v16{};
+    for (int64_t k = 0; k < cols; ++k) {
+        v16 wr[R];
+        for (int r = 0; r < R; ++r) {
+            const W* col = w + (r * cols + k) * LANES;
+            if (STREAM && k % every == 0) __builtin_prefetch(col + 2048 / sizeof(W), 0, 0);  // past the caches
+            wr[r] = load16(col);
+        }
+        for (int t = 0; t < TT; ++t) {
+            const v16 xb = splat(x[t * cols + k]);
+            for (int r = 0; r < R; ++r) acc[r][t] = fma16(wr[r], xb, acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const int64_t n = n0 + r * LANES, valid = rows - n < LANES ? rows - n : LANES;
+        for (int t = 0; t < TT; ++t) {
+            float v[LANES];
+            std::memcpy(v, &acc[r][t], sizeof v);
+            float* out = y + t * rows + n;
+            for (int64_t j = 0; j < valid; ++j) {
+                const float value = (scale ? v[j] * scale[n + j] : v[j]) + (b ? b[n + j] : 0.0f);
+                out[j] = add ? out[j] + value : value;
+            }
+        }
+    }
+}
+
+// `panels` for R panels and tt (1..8) tokens, tt chosen at run time.
+template <int R, bool STREAM, typename W>
+static inline void panels_tt(int64_t tt, const W* w, const float* scale, const float* b, const float* x, float* y,
+                             int64_t rows, int64_t cols, int64_t n0, bool add) {
+    switch (tt) {
+#define SPECRPC_TT(N) \
+    case N: \
+        if constexpr (R * N + R <= REGS) panels<R, N, STREAM>(w, scale, b, x, y, rows, cols, n0, add); \
+        else __builtin_trap(); /* gemm_rows never asks for more than the registers hold */ \
+        return;
+        SPECRPC_TT(1) SPECRPC_TT(2) SPECRPC_TT(3) SPECRPC_TT(4) SPECRPC_TT(5) SPECRPC_TT(6) SPECRPC_TT(7) SPECRPC_TT(8)
+#undef SPECRPC_TT
+    }
+}
+
+// y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] (· scale[n]) + b[n] for t < T, panels shared among the team (call
+// inside the parallel region): each panel is read from memory once for up to `tokens` tokens, R panels at a time so
+// that R × tokens accumulators and R panel columns fit the registers.
 template <bool STREAM, typename W>
 static inline void gemm_rows(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
                              const float* __restrict x, float* __restrict y, int64_t T, int64_t rows, int64_t cols,
                              bool add) {
+    const int64_t n_panels = (rows + LANES - 1) / LANES;
+    const int64_t tokens = REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : 3);
+    const int R = REGS == 32 ? (tokens == 2 ? 8 : tokens == 4 ? 6 : 3) : (tokens == 1 ? 4 : 2);
+    const int64_t groups = (n_panels + R - 1) / R;
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < rows; ++n) {
-        const W* wn = w + n * cols;
-        float v[16];
-        for (int64_t t0 = 0; t0 < T;) {  // tokens in blocks of 4, 2, 1
-            const int64_t left = T - t0, block = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t p0 = g * R, here = n_panels - p0 < R ? n_panels - p0 : R;
+        for (int64_t t0 = 0; t0 < T; t0 += tokens) {
+            const int64_t tt = T - t0 < tokens ? T - t0 : tokens;
             const float* xt = x + t0 * cols;
-            if (block == 4) dots<4, STREAM>(wn, xt, cols, v + t0);
-            else if (block == 2) dots<2, STREAM>(wn, xt, cols, v + t0);
-            else dots<1, STREAM>(wn, xt, cols, v + t0);
-            t0 += block;
-        }
-        const float bias = b ? b[n] : 0.0f, sc = scale ? scale[n] : 1.0f;
-        for (int64_t t = 0; t < T; ++t) {
-            const float value = (scale ? v[t] * sc : v[t]) + bias;
-            float* out = y + t * rows + n;
-            *out = add ? *out + value : value;
+            float* yt = y + t0 * rows;
+            for (int64_t p = p0; p < p0 + here;) {  // R panels at once; the last group's remainder one by one
+                const W* wp = w + p * cols * LANES;
+                const int64_t n0 = p * LANES;
+                if (here == R && R == 8) panels_tt<8, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
+                else if (here == R && R == 6) panels_tt<6, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
+                else if (here == R && R == 4) panels_tt<4, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
+                else if (here == R && R == 3) panels_tt<3, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
+                else if (here == R && R == 2) panels_tt<2, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
+                else {
+                    panels_tt<1, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
+                    ++p;
+                    continue;
+                }
+                p += R;
+            }
         }
     }
 }
