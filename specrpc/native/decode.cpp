@@ -248,13 +248,118 @@ static inline void rope(float* __restrict x, const float* __restrict c, const fl
     for (int64_t i = 0; i < dh; ++i) x[i] = tmp[i] * c[i] + tmp[(i + half) % dh] * s[i];
 }
 
+// Lanes summed in a fixed tree order.
+static inline float hsum(v16 v) {
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
+    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// exp(x) lane by lane for x <= 0 (a softmax's shifted scores), within 2 ulp: x = n ln 2 + r, |r| <= ln 2 / 2,
+// exp(r) by Cephes' polynomial, times 2^n through the exponent bits; below -87 (where exp underflows towards 0) it
+// gives 2^-126. Each lane's result depends on that lane alone.
+static inline v16 exp16(v16 x) {
+    const v16 floor_x = splat(-87.0f);
+    x = x < floor_x ? floor_x : x;
+    const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+    const v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
+    const v16 r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+    v16 scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+// x . y over n values: 16-lane products summed in order, then the lanes in hsum's tree, then the tail; the same bits
+// wherever it is called from.
+static inline float dot_fixed(const float* __restrict x, const float* __restrict y, int64_t n) {
+    v16 acc = v16{};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = fma16(load16(x + i), load16(y + i), acc);
+    float s = hsum(acc);
+    for (; i < n; ++i) s += x[i] * y[i];
+    return s;
+}
+
+constexpr int64_t QUERIES = 4;  // queries attended together: each key and value row is read once for all of them
+
+// Queries `chunk` * QUERIES .. of the row of tokens t0 .. t1 - 1 (one slot, consecutive positions) on KV head g of
+// layer l: query j is token t0 + j / rep's head g * rep + j % rep (the heads sharing g). Each query attends causally
+// to its slot's positions up to its own (within the layer's window) exactly as it would alone: its scores, softmax and
+// weighted sum of values are formed in the same order whatever else is attended in the same pass.
+static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos_of, const int64_t* slot_of, int64_t t0,
+                   int64_t t1, int64_t g, int64_t chunk, float scale) {
+    const int64_t hq = m->hq, hkv = m->hkv, dh = m->dh, cap = m->capacity, rep = hq / hkv;
+    const int64_t nqkv = (hq + 2 * hkv) * dh;
+    const int64_t first = chunk * QUERIES, last = (t1 - t0) * rep < first + QUERIES ? (t1 - t0) * rep : first + QUERIES;
+    if (first >= last) return;
+    const int64_t n = last - first;
+    const float* kh = m->k_cache + (((l * m->slots + slot_of[t0]) * hkv) + g) * cap * dh;  // [cap, dh]
+    const float* vh = m->v_cache + (((l * m->slots + slot_of[t0]) * hkv) + g) * cap * dh;
+    const float* q[QUERIES];
+    float* sc[QUERIES];
+    float* out[QUERIES];
+    int64_t lo[QUERIES], hi[QUERIES], lo_all = INT64_MAX, hi_all = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t t = t0 + (first + j) / rep, h = g * rep + (first + j) % rep, pos = pos_of[t];
+        q[j] = m->qkv + t * nqkv + h * dh;
+        sc[j] = m->scores + (t * hq + h) * cap;
+        out[j] = m->att + t * hq * dh + h * dh;
+        lo[j] = L.window > 0 && pos + 1 > L.window ? pos + 1 - L.window : 0;
+        hi[j] = pos + 1;
+        lo_all = lo[j] < lo_all ? lo[j] : lo_all;
+        hi_all = hi[j] > hi_all ? hi[j] : hi_all;
+    }
+    for (int64_t p = lo_all; p < hi_all; ++p)  // scores: each key row once for all the queries
+        for (int64_t j = 0; j < n; ++j)
+            if (p >= lo[j] && p < hi[j]) sc[j][p] = dot_fixed(q[j], kh + p * dh, dh) * scale;
+    float inv[QUERIES];
+    for (int64_t j = 0; j < n; ++j) {  // softmax, each query over its own range
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t p = lo[j]; p < hi[j]; ++p) mx = sc[j][p] > mx ? sc[j][p] : mx;
+        for (int64_t p = lo[j]; p < hi[j]; p += 16) {  // 16 at a time, the last block padded
+            const int64_t k = hi[j] - p < 16 ? hi[j] - p : 16;
+            float block[16];
+            for (int64_t i = 0; i < 16; ++i) block[i] = i < k ? sc[j][p + i] - mx : -INFINITY;
+            const v16 e = exp16(load16(block));
+            std::memcpy(block, &e, sizeof block);
+            for (int64_t i = 0; i < k; ++i) {
+                sc[j][p + i] = block[i];
+                sum += block[i];
+            }
+        }
+        inv[j] = sum;
+        for (int64_t i = 0; i < dh; ++i) out[j][i] = 0.0f;
+    }
+    for (int64_t p = lo_all; p < hi_all; ++p) {  // weighted values: each value row once for all the queries
+        const float* v = vh + p * dh;
+        for (int64_t j = 0; j < n; ++j) {
+            if (p < lo[j] || p >= hi[j]) continue;
+            const float w = sc[j][p] / inv[j];
+            float* o = out[j];
+#pragma omp simd
+            for (int64_t i = 0; i < dh; ++i) o[i] += w * v[i];
+        }
+    }
+}
+
 // The T tokens `tokens`, token t at position pos[t] of KV slot slot[t] (a batch of rows: each row consecutive
 // positions of its own slot, the slots distinct): writes their K/V there first, then each token attends causally to
 // its slot's positions up to its own; leaves float32 logits of the tokens `rows` lists in `logits` [n_logits, vocab].
 // Returns 0, or -1 when an argument is out of range (nothing written).
 static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of, const int64_t* slot_of, int64_t T,
                    const int64_t* rows, int64_t n_logits, float* logits, int threads) {
-    if (T < 1 || T > m->max_tokens || n_logits < 1 || n_logits > T || m->dh > 1024 || m->dh % 2) return -1;
+    if (T < 1 || T > m->max_tokens || T > 64 || n_logits < 1 || n_logits > T || m->dh > 1024 || m->dh % 2) return -1;
     for (int64_t t = 0; t < T; ++t)
         if (tokens[t] < 0 || tokens[t] >= m->vocab || pos_of[t] < 0 || pos_of[t] >= m->capacity || slot_of[t] < 0 ||
             slot_of[t] >= m->slots)
@@ -265,6 +370,13 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
     const int64_t rep = hq / hkv, nqkv = (hq + 2 * hkv) * dh, nheads = hq + 2 * hkv;
     const float scale = 1.0f / std::sqrt((float)dh);
     for (int64_t t = 0; t < T; ++t) std::memcpy(m->x + t * d, m->embed + tokens[t] * d, d * sizeof(float));
+    int64_t row_start[64], row_end[64], n_rows = 0;  // the batch's rows: runs of tokens on one slot
+    for (int64_t t = 0; t < T; ++t)
+        if (t == 0 || slot_of[t] != slot_of[t - 1]) row_start[n_rows++] = t;
+    for (int64_t r = 0; r < n_rows; ++r) row_end[r] = r + 1 < n_rows ? row_start[r + 1] : T;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < n_rows; ++r) longest = row_end[r] - row_start[r] > longest ? row_end[r] - row_start[r] : longest;
+    const int64_t chunks = (longest * (hq / hkv) + QUERIES - 1) / QUERIES, n_jobs = n_rows * hkv * chunks;
 #pragma omp parallel num_threads(threads)
     {
         for (int64_t l = 0; l < m->layers; ++l) {
@@ -288,35 +400,10 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
                     std::memcpy(cache, head, dh * sizeof(float));
                 }
             }
-#pragma omp for schedule(static)
-            for (int64_t th = 0; th < T * hq; ++th) {  // token t's query head h on its KV head, causally
-                const int64_t t = th / hq, h = th % hq, pos = pos_of[t];
-                const float* kc = m->k_cache + ((l * m->slots + slot_of[t]) * hkv) * cap * dh;
-                const float* vc = m->v_cache + ((l * m->slots + slot_of[t]) * hkv) * cap * dh;
-                const int64_t lo = L.window > 0 && pos + 1 > L.window ? pos + 1 - L.window : 0;
-                const float* q = m->qkv + t * nqkv + h * dh;
-                const float* kh = kc + (h / rep) * cap * dh;
-                const float* vh = vc + (h / rep) * cap * dh;
-                float* sc = m->scores + th * cap;
-                float mx = -INFINITY;
-                for (int64_t p = lo; p <= pos; ++p) {
-                    sc[p] = dot(q, kh + p * dh, dh) * scale;
-                    mx = sc[p] > mx ? sc[p] : mx;
-                }
-                float sum = 0.0f;
-                for (int64_t p = lo; p <= pos; ++p) {
-                    sc[p] = std::exp(sc[p] - mx);
-                    sum += sc[p];
-                }
-                float* out = m->att + t * hq * dh + h * dh;
-                for (int64_t i = 0; i < dh; ++i) out[i] = 0.0f;
-                for (int64_t p = lo; p <= pos; ++p) {
-                    const float w = sc[p] / sum;
-                    const float* v = vh + p * dh;
-#pragma omp simd
-                    for (int64_t i = 0; i < dh; ++i) out[i] += w * v[i];
-                }
-            }
+#pragma omp for schedule(dynamic)
+            for (int64_t job = 0; job < n_jobs; ++job)  // a row's queries on one KV head, QUERIES at a time
+                attend(m, L, l, pos_of, slot_of, row_start[job / (hkv * chunks)], row_end[job / (hkv * chunks)],
+                       job / chunks % hkv, job % chunks, scale);
             gemm({L.o, L.o_scale}, L.o_bias, m->att, m->x, T, d, hq * dh, true, m->stream);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.mlp_norm, m->h + t * d, d, m->eps);
