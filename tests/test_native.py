@@ -70,11 +70,13 @@ def test_int8_native_step_stays_close_to_the_torch_int8_forward() -> None:
     assert torch.equal(a, one_by_one)
 
 
+@pytest.mark.parametrize("head_dim", [18, 64])
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
-def test_rows_that_do_not_fill_a_panel(int8: bool, tmp_path: Path) -> None:
-    """Weights are packed in panels of 16 output rows: shapes that leave a panel partly empty (hidden 72, head_dim 18,
-    FFN 100, vocabulary 101) give the torch forward's logits (float32), and a verify of up to 16 tokens gives each
-    token its decode logits bit for bit (float32 and int8)."""
+def test_rows_that_do_not_fill_a_panel(int8: bool, head_dim: int, tmp_path: Path) -> None:
+    """Weights are packed in panels of 16 output rows: shapes that leave a panel partly empty (hidden 72, FFN 100,
+    vocabulary 101) give the torch forward's logits (float32), and a verify of up to 16 tokens gives each token its
+    decode logits bit for bit (float32 and int8), with attention's values weighed in registers (head_dim 64) or not
+    (18)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     requires_native()
@@ -82,7 +84,8 @@ def test_rows_that_do_not_fill_a_panel(int8: bool, tmp_path: Path) -> None:
     if int8 and not int8_available(cpu):
         pytest.skip("no int8 kernel")
     config = LlamaConfig(vocab_size=101, hidden_size=72, intermediate_size=100, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=18, max_position_embeddings=64)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         max_position_embeddings=64)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     native_lm, torch_lm = (load_model(tmp_path, device=cpu, dtype=torch.float32, num_slots=1, max_context=48,

@@ -280,15 +280,73 @@ static inline v16 exp16(v16 x) {
     return p * scale;
 }
 
-// x . y over n values: 16-lane products summed in order, then the lanes in hsum's tree, then the tail; the same bits
-// wherever it is called from.
-static inline float dot_fixed(const float* __restrict x, const float* __restrict y, int64_t n) {
-    v16 acc = v16{};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc = fma16(load16(x + i), load16(y + i), acc);
-    float s = hsum(acc);
-    for (; i < n; ++i) s += x[i] * y[i];
-    return s;
+// Lane i of the result = the sum of a[i]'s 16 lanes, in one fixed tree for every i:
+// (((0+8)+(4+12))+((2+10)+(6+14)))+(((1+9)+(5+13))+((3+11)+(7+15))).
+static inline v16 reduce16(const v16* a) {
+    v16 b[8], c[4], d[2];
+    const vi16 l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi16 l1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    for (int m = 0; m < 8; ++m)
+        b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], l1a) + __builtin_shuffle(a[2 * m], a[2 * m + 1], l1b);
+    const vi16 l2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi16 l2b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    for (int m = 0; m < 4; ++m)
+        c[m] = __builtin_shuffle(b[2 * m], b[2 * m + 1], l2a) + __builtin_shuffle(b[2 * m], b[2 * m + 1], l2b);
+    const vi16 l3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const vi16 l3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    for (int m = 0; m < 2; ++m)
+        d[m] = __builtin_shuffle(c[2 * m], c[2 * m + 1], l3a) + __builtin_shuffle(c[2 * m], c[2 * m + 1], l3b);
+    const vi16 l4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const vi16 l4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    return __builtin_shuffle(d[0], d[1], l4a) + __builtin_shuffle(d[0], d[1], l4b);
+}
+
+// q . k[i] for the key rows i in [first, count) of a block of 16 at `k` (stride dh; the other lanes are 0): each the
+// 16-lane products over dh in 16-column chunks in order (the last chunk zero-padded), summed by `reduce16`. A row's
+// score is the same bits whichever rows share its block. FULL: first = 0 and count = 16 (unrolled, in registers).
+template <bool FULL>
+static inline v16 dots16(const float* __restrict q, const float* __restrict k, int64_t dh, int64_t first,
+                         int64_t count) {
+    if (FULL) first = 0, count = 16;
+    v16 a[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) a[i] = v16{};
+    int64_t d = 0;
+    for (; d + 16 <= dh; d += 16) {
+        const v16 qd = load16(q + d);
+#pragma GCC unroll 16
+        for (int64_t i = first; i < count; ++i) a[i] = fma16(qd, load16(k + i * dh + d), a[i]);
+    }
+    if (d < dh) {
+        float qt[16] = {}, kt[16] = {};
+        std::memcpy(qt, q + d, (dh - d) * sizeof(float));
+        for (int64_t i = first; i < count; ++i) {
+            std::memcpy(kt, k + i * dh + d, (dh - d) * sizeof(float));
+            a[i] = fma16(load16(qt), load16(kt), a[i]);
+        }
+    }
+    return reduce16(a);
+}
+
+// out[j] (DC vectors) += w[j][p] v[p] for the queries j < n over positions p in [lo_all, hi_all), each query only
+// within its own [lo[j], hi[j]): one fused multiply-add per position in order, the value row read once for all.
+template <int DC>
+static inline void weigh_values(const float* __restrict vh, float* const* w, float* const* out, const int64_t* lo,
+                                const int64_t* hi, int64_t n, int64_t lo_all, int64_t hi_all) {
+    v16 acc[4][DC];
+    for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < DC; ++c) acc[j][c] = v16{};
+    for (int64_t p = lo_all; p < hi_all; ++p) {
+        const float* v = vh + p * DC * 16;
+        v16 vr[DC];
+        for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
+        for (int j = 0; j < 4; ++j) {
+            if (j >= n || p < lo[j] || p >= hi[j]) continue;
+            const v16 wj = splat(w[j][p]);
+            for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
+        }
+    }
+    for (int64_t j = 0; j < n; ++j) std::memcpy(out[j], acc[j], sizeof acc[j]);
 }
 
 constexpr int64_t QUERIES = 4;  // queries attended together: each key and value row is read once for all of them
@@ -320,10 +378,19 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
         lo_all = lo[j] < lo_all ? lo[j] : lo_all;
         hi_all = hi[j] > hi_all ? hi[j] : hi_all;
     }
-    for (int64_t p = lo_all; p < hi_all; ++p)  // scores: each key row once for all the queries
-        for (int64_t j = 0; j < n; ++j)
-            if (p >= lo[j] && p < hi[j]) sc[j][p] = dot_fixed(q[j], kh + p * dh, dh) * scale;
-    float inv[QUERIES];
+    for (int64_t p0 = lo_all / 16 * 16; p0 < hi_all; p0 += 16) {  // scores, 16 key rows at a time for all queries
+        const int64_t first = lo_all - p0 > 0 ? lo_all - p0 : 0, count = hi_all - p0 < 16 ? hi_all - p0 : 16;
+        for (int64_t j = 0; j < n; ++j) {
+            if (p0 + 16 <= lo[j] || p0 >= hi[j]) continue;
+            float block[16];
+            const v16 e = (first == 0 && count == 16 ? dots16<true>(q[j], kh + p0 * dh, dh, 0, 16)
+                                                     : dots16<false>(q[j], kh + p0 * dh, dh, first, count)) *
+                          splat(scale);
+            std::memcpy(block, &e, sizeof block);
+            for (int64_t i = first; i < count; ++i)
+                if (p0 + i >= lo[j] && p0 + i < hi[j]) sc[j][p0 + i] = block[i];
+        }
+    }
     for (int64_t j = 0; j < n; ++j) {  // softmax, each query over its own range
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t p = lo[j]; p < hi[j]; ++p) mx = sc[j][p] > mx ? sc[j][p] : mx;
@@ -338,17 +405,22 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
                 sum += block[i];
             }
         }
-        inv[j] = sum;
-        for (int64_t i = 0; i < dh; ++i) out[j][i] = 0.0f;
+        for (int64_t p = lo[j]; p < hi[j]; ++p) sc[j][p] /= sum;  // the weights
     }
-    for (int64_t p = lo_all; p < hi_all; ++p) {  // weighted values: each value row once for all the queries
+    switch (dh) {  // weighted values: each value row once for all the queries
+        case 64: return weigh_values<4>(vh, sc, out, lo, hi, n, lo_all, hi_all);
+        case 128: return weigh_values<8>(vh, sc, out, lo, hi, n, lo_all, hi_all);
+        default: break;
+    }
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t i = 0; i < dh; ++i) out[j][i] = 0.0f;
+    for (int64_t p = lo_all; p < hi_all; ++p) {
         const float* v = vh + p * dh;
         for (int64_t j = 0; j < n; ++j) {
             if (p < lo[j] || p >= hi[j]) continue;
-            const float w = sc[j][p] / inv[j];
+            const float w = sc[j][p];
             float* o = out[j];
-#pragma omp simd
-            for (int64_t i = 0; i < dh; ++i) o[i] += w * v[i];
+            for (int64_t i = 0; i < dh; ++i) o[i] = std::fma(w, v[i], o[i]);
         }
     }
 }
