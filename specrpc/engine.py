@@ -17,7 +17,7 @@ import torch
 
 from specrpc.config import EngineConfig
 from specrpc.models import BatchRow, CausalLM
-from specrpc.policy import AdaptivePolicy, BatchCosts, BatchGuard, BatchLoad, CostModel
+from specrpc.policy import AdaptivePolicy, BatchCosts, BatchGuard, BatchLoad, CostModel, host_kind
 from specrpc.proposers import (
     EMPTY,
     STEADY_CATCH_UP,
@@ -121,8 +121,8 @@ class StepResult:
 @dataclass
 class Stall:
     """Test hook (`Engine.stall`): seconds slept in every speculative step, after drafting (`draft_s`) or after
-    verifying (`verify_s`): inside the step's measured time but outside the cost model's draft and verify timings,
-    like the stalls the realized-rate guard is there for (a first-seen shape, a catch-up, host work)."""
+    verifying (`verify_s`): inside the step's measured time but outside the cost model's draft, verify and host
+    timings, like the stalls the realized-rate guard is there for (a first-seen shape, a catch-up)."""
 
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -615,12 +615,20 @@ class Generation:
         engine = self.engine
         step_t0 = time.perf_counter()
         proposal = self._propose()
+        propose_s = time.perf_counter() - step_t0
         if engine.stall is not None and len(proposal):
             time.sleep(engine.stall.draft_s)
         row = self._verify_row(proposal)
         t0 = time.perf_counter()
         logits = engine.target.forward(row.ids, row.start, row.slot, num_logits=row.num_logits)  # [k+1, V]
-        return self._verified(proposal, logits, step_t0, t0)
+        forward_s = time.perf_counter() - t0
+        step = self._verified(proposal, logits, step_t0, forward_s)
+        if proposal.source != "suggestion":  # the host time around the forwards, for the policy's cost model
+            kind = host_kind(proposal.estimate) if len(proposal) else "plain"
+            stalled = engine.stall.draft_s + engine.stall.verify_s if engine.stall is not None and len(proposal) else 0
+            host_s = time.perf_counter() - step_t0 - propose_s - forward_s - stalled
+            self.slot.policy.costs.observe_host(kind, host_s)
+        return step
 
     def _verify_row(self, proposal: Proposal) -> BatchRow:
         """The target row scoring `proposal`: the last committed token and the k drafts, k+1 logits."""
@@ -629,10 +637,10 @@ class Generation:
                            device=self.engine.target.device)  # [k+1]
         return BatchRow(ids, n - 1, self.slot.index, len(ids))
 
-    def _verified(self, proposal: Proposal, logits: torch.Tensor, step_t0: float, verify_t0: float | None
+    def _verified(self, proposal: Proposal, logits: torch.Tensor, step_t0: float, forward_s: float | None
                   ) -> StepResult:
-        """Verify `proposal` against the target's logits [k+1, V] and commit. `verify_t0`: when the target forward
-        began, for the cost model of a solo step; None in a batched step (its costs are the batch's)."""
+        """Verify `proposal` against the target's logits [k+1, V] and commit. `forward_s`: the target forward's
+        seconds, for the cost model of a solo step; None in a batched step (its costs are the batch's)."""
         engine, slot = self.engine, self.slot
         result = engine.verifier(
             torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
@@ -641,8 +649,8 @@ class Generation:
             self.params,
             self.generator,
         )
-        if verify_t0 is not None:
-            slot.policy.costs.observe_target(len(proposal) + 1, time.perf_counter() - verify_t0)
+        if forward_s is not None:
+            slot.policy.costs.observe_target(len(proposal) + 1, forward_s)
             if engine.stall is not None and len(proposal):
                 time.sleep(engine.stall.verify_s)
         self.stats.verify_steps += 1
@@ -651,7 +659,7 @@ class Generation:
         if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
             if len(proposal):
                 slot.policy.observe(proposal.estimate, len(proposal), result.accepted)
-            if verify_t0 is not None:  # a batched step's time is every stream's: only solo steps are judged
+            if forward_s is not None:  # a batched step's time is every stream's: only solo steps are judged
                 slot.policy.observe_step(proposal.estimate if len(proposal) else "plain",
                                          time.perf_counter() - step_t0, len(result.tokens), proposal.catch_up_s)
         step = self._commit(result.tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)

@@ -1,9 +1,12 @@
-"""How many tokens to draft: maximise the expected speed-up S(k) = E(α, k) / (k·c + V(k)), switch off at S ≤ 1.
+"""How many tokens to draft: maximise the expected speed-up S(k) (below), switch off at S ≤ 1.
 
 α (acceptance per draft token) is estimated per session from decayed counts; c (one draft step ÷ one target step)
 and V(k) (verifying k+1 tokens ÷ one target step) start from the device calibration and are refined online from
-measured step times. While speculation is off, a probe every `probe_every` steps re-measures α so that a session
-whose text became predictable comes back.
+measured step times. Each step also spends host time around its forwards (choosing k, verifying, committing), measured
+online per kind of step (plain, drafted, looked up) as h: S(k) = E(α, k) (1 + h_plain) / (k·c + V(k) + h_source).
+Where a target step is short (int8 weights, a small model, a GPU) that time is a large part of a step, and a
+speculative step spends more of it than a plain one. While speculation is off, a probe every `probe_every` steps
+re-measures α so that a session whose text became predictable comes back.
 
 The model can miss costs it does not see (a draft catching up after sitting out, a GPU stalling on a shape met for
 the first time, host work between kernels), so the policy also keeps the realized seconds per committed token of
@@ -28,6 +31,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 
+def host_kind(source: str) -> str:
+    """The kind of step whose host time a source's steps share: the draft's, or prompt lookup's (every n-gram
+    size)."""
+    return "lookup" if source.startswith("lookup") else source
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """E = (1 − α^(k+1)) / (1 − α): tokens committed per verify step with k drafts (k + 1 at α = 1)."""
     if alpha >= 1.0:
@@ -48,6 +57,7 @@ class CostModel:
     decay: float = 0.9
     window: int = 15
     min_window: int = 5
+    host_s: dict[str, float] = field(default_factory=dict)  # per kind of step ("plain", a source): host seconds
     _recent: dict[str, deque[float]] = field(default_factory=dict, repr=False, compare=False)
 
     def _ema(self, old: float, new: float) -> float:
@@ -72,6 +82,15 @@ class CostModel:
         """One draft decode step took `seconds_per_token`."""
         self.draft_step_s = self._refine("draft", self.draft_step_s, seconds_per_token)
 
+    def observe_host(self, kind: str, seconds: float) -> None:
+        """A whole step of `kind` ("plain", or the source that drafted) spent `seconds` outside the model forwards:
+        choosing k, verifying, committing, handing tokens over."""
+        self.host_s[kind] = self._refine(f"host:{kind}", self.host_s.get(kind), max(0.0, seconds))
+
+    def host(self, kind: str) -> float:
+        """Host time of a step of `kind` ÷ target step cost (0 until measured)."""
+        return self.host_s.get(kind, 0.0) / self.target_step_s
+
     @property
     def c(self) -> float:
         """Draft step cost ÷ target step cost."""
@@ -95,8 +114,8 @@ class CostModel:
     def copy(self) -> CostModel:
         """An independent copy (per-session refinement of the shared calibration)."""
         return CostModel(self.target_step_s, self.draft_step_s, dict(self.verify_s), self.decay, self.window,
-                         self.min_window, {key: deque(values, maxlen=self.window)
-                                           for key, values in self._recent.items()})
+                         self.min_window, dict(self.host_s), {key: deque(values, maxlen=self.window)
+                                                              for key, values in self._recent.items()})
 
 
 def _interpolate(table: dict[int, float], x: int) -> float:
@@ -329,7 +348,8 @@ class AdaptivePolicy:
         if batch is not None:
             return self._batch_rate(k, source, a, batch) / self._batch_rate(0, source, a, batch)
         c = self.costs.c if source == "draft" else 0.0
-        return expected_tokens(a, k) / (k * c + self.costs.v(k))
+        plain = 1.0 + self.costs.host("plain")
+        return expected_tokens(a, k) * plain / (k * c + self.costs.v(k) + self.costs.host(host_kind(source)))
 
     @staticmethod
     def _batch_rate(k: int, source: str, alpha: float, batch: BatchLoad) -> float:

@@ -53,6 +53,25 @@ def test_break_even_is_exact() -> None:
     assert above.choose() == 1
 
 
+def test_host_time_around_the_forwards_counts() -> None:
+    """A short target step (int8 weights, a GPU) with host work around it: the forwards alone say drafting pays
+    (S(1) = 1.75 / 1.35 = 1.30), but a drafted step's host time of 1.5 target steps against a plain step's 0.2 makes
+    it lose (S(1) = 1.75 · 1.2 / 2.85 = 0.74, at most 0.94 at any k): the policy picks by whole steps. Prompt lookup's
+    steps keep their own host time."""
+    model = costs(c=0.25, v_per_token=0.1)
+    policy = AdaptivePolicy(max_k=8, costs=model, acceptance={"draft": AcceptanceEstimate(75, 100)})
+    assert policy.choose() > 0 and policy.speedup(1) == pytest.approx(1.75 / 1.35)
+    for _ in range(model.min_window):
+        model.observe_host("plain", 0.2)
+        model.observe_host("draft", 1.5)
+    assert model.host("draft") == pytest.approx(1.5)
+    assert policy.speedup(1) == pytest.approx(1.75 * 1.2 / 2.85)
+    assert policy.choose() == 0
+    assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / 1.2), "lookup: host not measured"
+    model.observe_host("lookup", 0.2)
+    assert model.host("lookup") == pytest.approx(0.2) and model.copy().host_s == model.host_s
+
+
 def test_acceptance_counts_first_rejection_only() -> None:
     est = AcceptanceEstimate(accepted=0.0, trials=0.0, decay=1.0)
     est.observe(proposed=4, accepted=2)  # 2 successes, 1 failure; the 4th draft was never tested
