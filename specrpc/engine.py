@@ -243,6 +243,11 @@ class Engine:
         for width in range(2, self.max_k + 2):
             costs.verify_s[width] = step * previous[f"v{width}"]
         costs.draft_step_s = step * previous["draft"] if "draft" in previous else step
+        if self.draft is not None:  # a catch-up's cost per token: the draft fed the context again (warm now)
+            t0 = time.perf_counter()
+            feed(self.draft, slot, ids[:context], 0, self.config.prefill_chunk)
+            costs.draft_prefill_s = (time.perf_counter() - t0) / context
+            self.draft.truncate(slot, 0)
         self.calibration_rounds = len(units)
         self.costs = costs
         return costs
@@ -567,10 +572,25 @@ class Generation:
             found = self._lookup()
             if self.proposer == "lookup" or (found.token_ids and not self._draft_pays_more(found)):
                 return found
-        if engine.drafter is None:
+        if engine.drafter is None or not self._catch_up_pays():
             return EMPTY
         k = self._k("draft")
         return k if k > 0 else EMPTY
+
+    def _draft_lag(self) -> int:
+        """Tokens of the context the draft's cache has not seen."""
+        assert self.engine.draft is not None
+        return len(self.slot.tokens) - self.engine.draft.length(self.slot.index)
+
+    def _catch_up_pays(self) -> bool:
+        """Whether the policy's drafting is worth the draft's catch-up first (`AdaptivePolicy.catch_up_pays`):
+        always for a request's own k, in a batched step (its catch-ups share a budget) and within the steady-state
+        catch-up."""
+        if self.fixed_k is not None or self.load is not None or self.engine.draft is None:
+            return True
+        lag = self._draft_lag()
+        remaining = self.request.max_new_tokens - self.generated
+        return lag <= STEADY_CATCH_UP or self.slot.policy.catch_up_pays(lag, remaining)
 
     def _lookup(self) -> Proposal:
         """Prompt lookup's match, cut to the k the policy chooses for its kind (the match's n-gram size)."""
@@ -586,7 +606,7 @@ class Generation:
         """Whether the draft model's best k is expected to beat prompt lookup's `found` this step (combined): lookup
         costs nothing to draft but a short or unlikely match commits little; the draft costs c per token."""
         engine, policy = self.engine, self.slot.policy
-        if engine.drafter is None or (self.load is not None and self.load.k_limit == 0):
+        if engine.drafter is None or (self.load is not None and self.load.k_limit == 0) or not self._catch_up_pays():
             return False
         if self.fixed_k is None and policy.realized_speedup("draft") <= policy.min_speedup:
             return False  # the draft is off in fact (its probes still come through `_k`)
@@ -606,9 +626,12 @@ class Generation:
         if isinstance(plan, Proposal):
             return plan
         assert self.engine.drafter is not None
+        lag = self._draft_lag()
         proposal = self.engine.drafter.propose(self.slot.tokens, self.slot.index, plan, self.params, self.generator)
         if proposal.step_s is not None:
             self.slot.policy.costs.observe_draft(proposal.step_s)
+        if proposal.catch_up_s:
+            self.slot.policy.costs.observe_catch_up(lag, proposal.catch_up_s)
         return proposal
 
     def _speculate(self) -> StepResult:

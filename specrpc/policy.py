@@ -5,8 +5,10 @@ and V(k) (verifying k+1 tokens ÷ one target step) start from the device calibra
 measured step times. Each step also spends host time around its forwards (choosing k, verifying, committing), measured
 online per kind of step (plain, drafted, looked up) as h: S(k) = E(α, k) (1 + h_plain) / (k·c + V(k) + h_source).
 Where a target step is short (int8 weights, a small model, a GPU) that time is a large part of a step, and a
-speculative step spends more of it than a plain one. While speculation is off, a probe every `probe_every` steps
-re-measures α so that a session whose text became predictable comes back.
+speculative step spends more of it than a plain one. A draft that has not seen the prompt must first catch up on it:
+that costs once per request, and it is paid only where the request's remaining tokens are expected to save more
+(`catch_up_pays`). While speculation is off, a probe every `probe_every` steps re-measures α so that a session whose
+text became predictable comes back.
 
 The model can miss costs it does not see (a draft catching up after sitting out, a GPU stalling on a shape met for
 the first time, host work between kernels), so the policy also keeps the realized seconds per committed token of
@@ -58,6 +60,7 @@ class CostModel:
     window: int = 15
     min_window: int = 5
     host_s: dict[str, float] = field(default_factory=dict)  # per kind of step ("plain", a source): host seconds
+    draft_prefill_s: float = 0.0  # seconds per token of a draft catching up on what it has not seen (a new prompt)
     _recent: dict[str, deque[float]] = field(default_factory=dict, repr=False, compare=False)
 
     def _ema(self, old: float, new: float) -> float:
@@ -81,6 +84,10 @@ class CostModel:
     def observe_draft(self, seconds_per_token: float) -> None:
         """One draft decode step took `seconds_per_token`."""
         self.draft_step_s = self._refine("draft", self.draft_step_s, seconds_per_token)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A draft caught up on `tokens` tokens in `seconds`."""
+        self.draft_prefill_s = self._refine("catch_up", self.draft_prefill_s, seconds / max(1, tokens))
 
     def observe_host(self, kind: str, seconds: float) -> None:
         """A whole step of `kind` ("plain", or the source that drafted) spent `seconds` outside the model forwards:
@@ -114,8 +121,8 @@ class CostModel:
     def copy(self) -> CostModel:
         """An independent copy (per-session refinement of the shared calibration)."""
         return CostModel(self.target_step_s, self.draft_step_s, dict(self.verify_s), self.decay, self.window,
-                         self.min_window, dict(self.host_s), {key: deque(values, maxlen=self.window)
-                                                              for key, values in self._recent.items()})
+                         self.min_window, dict(self.host_s), self.draft_prefill_s,
+                         {key: deque(values, maxlen=self.window) for key, values in self._recent.items()})
 
 
 def _interpolate(table: dict[int, float], x: int) -> float:
@@ -358,6 +365,17 @@ class AdaptivePolicy:
         if source == "draft" and k:
             seconds += k * batch.costs.draft(batch.drafting + 1)
         return (batch.committed + expected_tokens(alpha, k)) / seconds
+
+    def catch_up_pays(self, lag: int, remaining: int) -> bool:
+        """Whether drafting is worth a catch-up of the draft on `lag` tokens it has not seen (a new prompt, turns it
+        sat out) with at most `remaining` tokens left to generate: the time the draft's best k is expected to save
+        over them against the catch-up's (`CostModel.draft_prefill_s`). A short request on a long new prompt, or a
+        draft that barely pays, is better decoded without it (prompt lookup needs no catch-up)."""
+        best = max((self.speedup(k, "draft") for k in range(1, self.max_k + 1)), default=1.0)
+        if best <= 1.0:
+            return False
+        plain_step_s = self.costs.target_step_s * (1.0 + self.costs.host("plain"))
+        return remaining * plain_step_s * (1.0 - 1.0 / best) > lag * self.costs.draft_prefill_s
 
     def expected(self, source: str, k: int) -> float:
         """Tokens a step with k drafts from `source` is expected to commit."""

@@ -128,6 +128,32 @@ def test_combined_takes_prompt_lookup_only_where_its_match_beats_the_draft(pair:
         assert not isinstance(plan, Proposal) or plan.token_ids[:2] == slot.tokens[1:3]
 
 
+def test_adaptive_skips_a_draft_catch_up_the_request_cannot_repay(pair: tuple[Path, Path]) -> None:
+    """A new 40-token prompt: the draft must first catch up on it. At a known catch-up cost far above what 8 tokens
+    can save the policy decodes without the draft (the same tokens); at no cost, or with a request's own k, it
+    drafts."""
+    engine = make_engine(pair)
+    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=1e-4, verify_s=dict.fromkeys(range(1, 10), 1e-3))
+    prompt = [(i * 5) % VOCAB for i in range(40)]
+    plain = run(engine, prompt, 8, GREEDY, 0)
+    drafted: dict[str, int] = {}
+    for name, per_token_s, k in (("costly", 1e-3, None), ("free", 0.0, None), ("own k", 1e-3, 2)):
+        engine.costs.draft_prefill_s = per_token_s
+        slot = engine.new_slot(0)
+        request = GenerationRequest(prompt, 8, GREEDY, num_draft_tokens=k, proposer="draft")
+        gen = engine.start(slot, request)
+        out: list[int] = []
+        proposed = 0
+        while not gen.finished:
+            step = gen.step()
+            out += step.token_ids
+            proposed += step.proposed
+        assert out == plain, name
+        drafted[name] = proposed
+    assert drafted == {"costly": 0, "free": drafted["free"], "own k": drafted["own k"]}
+    assert drafted["free"] > 0 and drafted["own k"] > 0
+
+
 def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The cost model says verifying is free; a stall it does not see (as a GPU's first use of a shape) makes

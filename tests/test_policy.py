@@ -72,6 +72,25 @@ def test_host_time_around_the_forwards_counts() -> None:
     assert model.host("lookup") == pytest.approx(0.2) and model.copy().host_s == model.host_s
 
 
+def test_a_draft_catch_up_is_paid_only_where_the_request_repays_it() -> None:
+    """Catching the draft up on 400 prompt tokens at 0.05 target steps each (20 steps) is worth it for 64 tokens
+    to go at S ≈ 2.5 (they save about 38 steps), not for 16 (about 10); never when drafting does not pay; always when
+    the catch-up costs nothing."""
+    model = costs(c=0.05, v_per_token=0.05)
+    model.draft_prefill_s = 0.05
+    policy = AdaptivePolicy(max_k=8, costs=model, acceptance={"draft": AcceptanceEstimate(80, 100)})
+    best = max(policy.speedup(k) for k in range(1, 9))
+    assert 2.2 < best < 2.6
+    assert policy.catch_up_pays(lag=400, remaining=64)
+    assert not policy.catch_up_pays(lag=400, remaining=16)
+    model.draft_prefill_s = 0.0
+    assert policy.catch_up_pays(lag=400, remaining=1)
+    poor = AdaptivePolicy(max_k=8, costs=model, acceptance={"draft": AcceptanceEstimate(1, 100)})
+    assert not poor.catch_up_pays(lag=400, remaining=10**6)
+    model.observe_catch_up(100, 2.0)
+    assert model.draft_prefill_s == pytest.approx(0.9 * 0.0 + 0.1 * 0.02)
+
+
 def test_acceptance_counts_first_rejection_only() -> None:
     est = AcceptanceEstimate(accepted=0.0, trials=0.0, decay=1.0)
     est.observe(proposed=4, accepted=2)  # 2 successes, 1 failure; the 4th draft was never tested
