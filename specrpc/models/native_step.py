@@ -81,18 +81,21 @@ class NativeStep:
 
         self.int8 = int8_weights(w)
         projections: list[torch.Tensor] = []  # what a step reads in full
+        out_rows: list[int] = []  # each projection's N
 
         def rows(p: Linear) -> tuple[int | None, int | None]:
             """The weight packed in panels (`pack_panels`: float, or int8) and its per-row scales [N] (None for
             float)."""
             if self.int8:
                 assert p.q8 is not None and p.q8_scale is not None
-                packed, scale = pack_panels(p.q8), ptr(p.q8_scale)  # [N/16, K, 16] int8
+                weight, scale = p.q8, ptr(p.q8_scale)  # [N, K] int8
             else:
                 assert p.wt is not None
-                packed, scale = pack_panels(p.wt.t().to(torch.float32)), None  # [N/16, K, 16]
+                weight, scale = p.wt.t().to(torch.float32), None  # [N, K]
+            packed = pack_panels(weight)  # [N/16, K, 16]
             keep.append(packed)
             projections.append(packed)
+            out_rows.append(weight.shape[0])
             return int(packed.data_ptr()), scale
 
         layers = (native.Layer * a.layers)()
@@ -102,7 +105,7 @@ class NativeStep:
                 *rows(layer.o), ptr(layer.o.bias), ptr(layer.mlp_norm.weight), *rows(layer.up), ptr(layer.up.bias),
                 *rows(layer.down), ptr(layer.down.bias), layer.window or 0)
         head, head_scale = rows(w.head)
-        self.vocab = int(w.head.q8.shape[0] if self.int8 else w.head.wt.shape[1])  # the head's rows: [V, d], [d, V]
+        self.vocab = out_rows[-1]  # the head's rows
         stream = sum(t.nbytes for t in projections) > STREAM_BYTES
         capacity = cache.k.shape[3]  # [L, S, H, C, D]
         buffers = {"x": a.hidden, "h": a.hidden, "qkv": (a.heads + 2 * a.kv_heads) * a.head_dim,
