@@ -324,7 +324,8 @@ class Engine:
             rows[i] = gens[i]._prefill_row(share)
         self._prefill_draft(gens, prefilling, rows, results)
         limit = None if len(decoding) < 2 else self.batch_guard.limit(len(decoding))
-        proposals = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results, limit)
+        proposals, catch_up_s = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results,
+                                                 limit)
         if self.stall is not None and any(len(p) for p in proposals.values()):
             time.sleep(self.stall.draft_s)
         for i, proposal in proposals.items():
@@ -352,7 +353,8 @@ class Engine:
             committed = sum(len(r.token_ids) for r in results.values() if isinstance(r, StepResult))
             policy_drafted = any(len(p) and gens[i].fixed_k is None and p.source != "suggestion"
                                  for i, p in proposals.items())  # what the guard decides on; the rest is given
-            self.batch_guard.observe(len(decoding), policy_drafted, time.perf_counter() - step_t0, committed)
+            self.batch_guard.observe(len(decoding), policy_drafted, time.perf_counter() - step_t0 - catch_up_s,
+                                     committed)  # a catch-up is the price of the steps the drafts sat out
         return [results[i] for i in range(len(gens))]
 
     def _prefill_draft(self, gens: list[Generation], prefilling: list[int], rows: dict[int, BatchRow],
@@ -376,13 +378,15 @@ class Engine:
                 del rows[i]
 
     def _plan_batch(self, gens: list[Generation], decoding: list[int], prefill_tokens: int,
-                    results: dict[int, StepResult | Exception], limit: int | None) -> dict[int, Proposal]:
-        """Each decoding generation's proposal for this step, k chosen with the rest of the batch in view (those
-        planned before it at their k, those after it as plain decoding; policy k at most `limit`, the guard's);
-        draft-model proposals drafted together. The policy's drafts catch up (beyond the steady `STEADY_CATCH_UP`
-        tokens, after sitting out steps) within `prefill_chunk` tokens in all, the first always, the others in
-        later steps once earlier ones caught up: speculation coming back at a wide batch does not stall every
-        stream for whole prompts. A generation whose planning fails gets its exception in `results`."""
+                    results: dict[int, StepResult | Exception], limit: int | None
+                    ) -> tuple[dict[int, Proposal], float]:
+        """Each decoding generation's proposal for this step (and the seconds its drafts spent catching up), k
+        chosen with the rest of the batch in view (those planned before it at their k, those after it as plain
+        decoding; policy k at most `limit`, the guard's); draft-model proposals drafted together. The policy's
+        drafts catch up (beyond the steady `STEADY_CATCH_UP` tokens, after sitting out steps) within
+        `prefill_chunk` tokens in all, the first always, the others in later steps once earlier ones caught up:
+        speculation coming back at a wide batch does not stall every stream for whole prompts. A generation whose
+        planning fails gets its exception in `results`."""
         tokens, committed, drafting = prefill_tokens + len(decoding), float(len(decoding)), 0
         catching_up = 0  # tokens the drafts planned so far must catch up on first
         plans: dict[int, Proposal | int] = {}
@@ -412,17 +416,19 @@ class Engine:
             plans[i] = plan
         proposals = {i: p for i, p in plans.items() if isinstance(p, Proposal)}
         wanted = {i: p for i, p in plans.items() if not isinstance(p, Proposal)}
+        catch_up_s = 0.0
         if wanted:
             assert self.drafter is not None
             try:
-                drafted, timings = self.drafter.propose_batch([gens[i]._draft_request(k) for i, k in wanted.items()])
+                drafted, timings, catch_up_s = self.drafter.propose_batch(
+                    [gens[i]._draft_request(k) for i, k in wanted.items()])
             except Exception as exc:  # a shared forward: every drafting stream's step fails
                 results.update(dict.fromkeys(wanted, exc))
                 drafted, timings = [], []
             proposals.update(zip(wanted, drafted, strict=False))
             for width, seconds in timings:
                 self.batch_costs.observe_draft(width, seconds)
-        return proposals
+        return proposals, catch_up_s
 
     def start(self, slot: Slot, request: GenerationRequest) -> Generation:
         """A generation on `slot`, reusing the cached prefix shared with the prompt."""

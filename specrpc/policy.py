@@ -238,11 +238,14 @@ class BatchGuard:
     """Realized seconds per committed token of whole batched steps by width (decoding streams, in `bucket`s), with
     drafts the policy chose and without (requests' own k and suggestions draft either way): at a width where steps
     with policy drafts are not `min_speedup` faster per token than steps without, policy k is 0. While off, a probe
-    restarts the drafted rate from one step of its own; speculation comes back only when that step is
-    `resume_speedup` faster (a margin, so that one lucky step on a noisy machine does not turn on a losing
+    restarts the drafted rate from `min_steps` steps of its own; speculation comes back only when they are
+    `resume_speedup` faster (a margin, so that a lucky probe on a noisy machine does not turn on a losing
     speculation for the steps it then takes to judge it again), and each probe that fails doubles the plain steps
     before the next one (`probe_every` up to `max_probe_every`). Until both rates have `min_steps` steps, it lets the
-    policy draft (at most `probe_k`) first, then has plain steps measured."""
+    policy draft (at most `probe_k`) first, then has plain steps measured. A probe, too, drafts `min_steps` steps
+    before it is judged: one step's committed tokens vary too much with acceptance to judge a width by. While
+    drafting is on, one step in `plain_every` + 1 is plain, so that it is judged against plain decoding as it runs
+    now, not as it ran when last measured."""
 
     min_speedup: float = 1.0
     resume_speedup: float = 1.15
@@ -255,6 +258,8 @@ class BatchGuard:
     _every: dict[int, int] = field(default_factory=dict)  # width → plain steps between probes now
     _probing: set[int] = field(default_factory=set)  # a probe was allowed, its drafted step not yet seen
     _judging: set[int] = field(default_factory=set)  # a probe's step was seen, not yet judged
+    plain_every: int = 32  # drafted steps at a width between two plain ones, which keep plain's rate measured
+    _since_plain: dict[int, int] = field(default_factory=dict)  # width → drafted steps since its last plain one
 
     @staticmethod
     def bucket(width: int) -> int:
@@ -277,7 +282,9 @@ class BatchGuard:
         if not self._judged_off(width):
             self._off.pop(width, None)
             self._every.pop(width, None)
-            return None
+            since = self._since_plain.get(width, 0) + 1
+            self._since_plain[width] = 0 if since > self.plain_every else since
+            return 0 if since > self.plain_every else None
         if probed:  # the probe failed: wait twice as long for the next one
             self._every[width] = min(self.max_probe_every, 2 * self._every.get(width, self.probe_every))
         off = self._off.get(width, 0) + 1
@@ -309,7 +316,7 @@ class BatchGuard:
         if drafted and width in self._probing:
             self._probing.discard(width)
             self._judging.add(width)
-            self.rates[(width, True)] = RealizedRate(steps=self.min_steps - 1)
+            self.rates[(width, True)] = RealizedRate()  # judged again after min_steps drafted steps of its own
         self.rates.setdefault((width, drafted), RealizedRate()).observe(seconds, tokens)
 
     def speedup(self, width: int) -> float | None:

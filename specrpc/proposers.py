@@ -136,14 +136,18 @@ class DraftModelProposer:
         return Proposal(ids, probs_out, self.name, step_s, catch_up_s)
 
 
-    def propose_batch(self, requests: list[DraftRequest]) -> tuple[list[Proposal], list[tuple[int, float]]]:
+    def propose_batch(self, requests: list[DraftRequest]
+                      ) -> tuple[list[Proposal], list[tuple[int, float]], float]:
         """`propose` for several streams (distinct slots, each k >= 1) with one batched draft forward per draft
         position: the first also catches each slot up on its new tokens (a catch-up beyond a prefill chunk is fed
         alone first), the next ones carry one token per stream still drafting. Each stream samples from its own
-        logits with its own generator, in its own order, as alone. Returns the proposals and, per batched forward,
-        (rows, seconds) for the batch cost model."""
+        logits with its own generator, in its own order, as alone. Returns the proposals, per batched drafting
+        forward (rows, seconds) for the batch cost model, and the seconds spent catching up beyond the steady
+        state (the first forward then, and any feed before it): the price of steps the drafts sat out, not what
+        drafting costs, so neither the cost model nor the batch guard should count it."""
         model = self.model
         rows: list[BatchRow] = []
+        t_catch = time.perf_counter()
         for r in requests:
             start = model.length(r.slot)
             rest = r.tokens[start:]
@@ -152,10 +156,13 @@ class DraftModelProposer:
                 feed(model, r.slot, rest[:skip], start, self.prefill_chunk)
                 start, rest = start + skip, rest[skip:]
             rows.append(BatchRow(torch.tensor(rest, dtype=torch.long, device=model.device), start, r.slot, 1))
+        steady = all(row.ids.shape[0] <= STEADY_CATCH_UP for row in rows)
         timings: list[tuple[int, float]] = []
         t0 = time.perf_counter()
         logits = model.forward_batch(rows)  # per stream [1, V]
-        timings.append((len(rows), time.perf_counter() - t0))
+        if steady:
+            timings.append((len(rows), time.perf_counter() - t0))
+        catch_up_s = 0.0 if steady else time.perf_counter() - t_catch
         drafted: list[list[torch.Tensor]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         for i in range(max(r.k for r in requests)):
@@ -181,7 +188,7 @@ class DraftModelProposer:
         for r, tokens, rows_p in zip(requests, drafted, probs, strict=True):
             ids: list[int] = torch.cat(tokens).tolist()  # [k]
             proposals.append(Proposal(ids, None if r.params.greedy else torch.stack(rows_p), self.name))
-        return proposals, timings
+        return proposals, timings, catch_up_s
 
     def _feed_greedy(self, tokens: list[int], start: int, slot: int, k: int) -> torch.Tensor | None:
         """The catch-up on tokens[start:] and k greedy drafts [k] in one call of the model's (a lean model's native

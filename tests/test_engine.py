@@ -20,7 +20,7 @@ from specrpc.engine import Engine, GenerationRequest, Slot, Stall, TokenLogprob
 from specrpc.models import load_model, load_tokenizer, native_step
 from specrpc.models.llama import LlamaLM
 from specrpc.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
-from specrpc.proposers import Proposal, lookup_kind
+from specrpc.proposers import DraftRequest, Proposal, lookup_kind
 from specrpc.sampling import SamplingParams, logits_to_probs
 
 VOCAB = 6
@@ -635,3 +635,24 @@ def test_drafts_catching_up_at_once_share_a_prefill_chunk_per_step(pair: tuple[P
     assert drafted[1][1] > 0 and drafted[1][2] == 0, drafted  # the first caught up: the second's turn
     assert drafted[2][2] > 0, drafted  # then the third's, while the others keep drafting
     assert out == [run(engine, r.prompt_ids, 12, GREEDY, 0) for r in requests]
+
+
+def test_batched_drafts_report_a_catch_up_apart_from_drafting(pair: tuple[Path, Path]) -> None:
+    """Drafts catching up on whole prompts in a batched draft forward: that forward's time is reported as catch-up
+    (which the batch guard leaves out), not as a drafting forward for the batch cost model; once the drafts are
+    steady, every forward is drafting and nothing is catch-up."""
+    engine = make_engine(pair)
+    assert engine.drafter is not None
+    prompts = [[(i * 5 + s) % VOCAB for i in range(30)] for s in (1, 2)]
+    for slot, prompt in enumerate(prompts):
+        engine.new_slot(slot)
+        engine.target.forward(torch.tensor(prompt), 0, slot)
+    requests = [DraftRequest(prompt, slot, 3, GREEDY, None) for slot, prompt in enumerate(prompts)]
+    proposals, timings, catch_up_s = engine.drafter.propose_batch(requests)
+    assert catch_up_s > 0 and [rows for rows, _ in timings] == [2, 2] and all(len(p) == 3 for p in proposals)
+    steady = [DraftRequest([*prompt, *p.token_ids[:1], 0], slot, 2, GREEDY, None)
+              for slot, (prompt, p) in enumerate(zip(prompts, proposals, strict=True))]
+    for slot, request in enumerate(steady):
+        engine.draft.truncate(slot, len(request.tokens) - 2)
+    _, timings, catch_up_s = engine.drafter.propose_batch(steady)
+    assert catch_up_s == 0.0 and [rows for rows, _ in timings] == [2, 2]

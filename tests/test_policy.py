@@ -224,7 +224,7 @@ def test_a_flat_batch_cost_keeps_speculating_in_a_batch() -> None:
 
 
 def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes_back() -> None:
-    guard = BatchGuard(min_steps=2, probe_every=4, probe_k=2)
+    guard = BatchGuard(min_steps=2, probe_every=4, probe_k=2, plain_every=3)
     width = 8
     seen = []
     for _ in range(2):  # drafted steps first (at most probe_k), then plain ones are measured
@@ -238,12 +238,17 @@ def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes
     assert decisions == [0, 0, 0, 2, 0, 0, 0, 2]  # off, a probe (at most probe_k) every 4th step
     assert guard.limit(4) == 2 and guard.limit(7) == 0  # another bucket of widths decides on its own; 5..8 together
     assert [BatchGuard.bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
-    for _ in range(4):  # the stall is gone: the next probe is fast, and speculation stays on, unlimited
-        if guard.limit(width):
+    probe = []
+    while len(probe) < 2:  # the stall is gone: the next probe drafts min_steps steps, fast now
+        limit = guard.limit(width)
+        if limit:
+            probe.append(limit)
             guard.observe(width, True, 0.5, 8)
-            break
-        guard.observe(width, False, 1.0, 8)
-    assert all(guard.limit(width) is None for _ in range(5))
+        else:
+            guard.observe(width, False, 1.0, 8)
+    assert probe == [2, 2]
+    on = [guard.limit(width) for _ in range(8)]
+    assert on == [None, None, None, 0, None, None, None, 0]  # on, unlimited, but for a plain step now and then
     assert guard.speedup(width) is not None and guard.speedup(width) > 1
 
 
