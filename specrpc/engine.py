@@ -326,6 +326,8 @@ class Engine:
         limit = None if len(decoding) < 2 else self.batch_guard.limit(len(decoding))
         proposals, catch_up_s = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results,
                                                  limit)
+        planned = [i for i in proposals if gens[i].fixed_k is None and proposals[i].source != "suggestion"]
+        self.batch_guard.observe_share(len(gens), sum(proposals[i].source == "draft" for i in planned), len(planned))
         if self.stall is not None and any(len(p) for p in proposals.values()):
             time.sleep(self.stall.draft_s)
         for i, proposal in proposals.items():
@@ -360,10 +362,12 @@ class Engine:
     def _prefill_draft(self, gens: list[Generation], prefilling: list[int], rows: dict[int, BatchRow],
                        results: dict[int, StepResult | Exception]) -> None:
         """The draft takes the same prefill chunks as the target (one batched draft forward), for the prompts that
-        may draft and whose draft cache has reached the chunk, unless the guard found drafting slower at this
-        width: otherwise the first batched draft after a prefill would catch up on whole prompts at once, in a step
-        every stream waits for. A failure fails those rows."""
-        if self.draft is None or self.max_k == 0 or self.batch_guard.drafting_off(len(gens)):
+        may draft and whose draft cache has reached the chunk, unless the guard found drafting slower at this width
+        or the policy has hardly drafted there lately (the draft then catches up if drafting returns): otherwise
+        the first batched draft after a prefill would catch up on whole prompts at once, in a step every stream
+        waits for. A failure fails those rows."""
+        guard = self.batch_guard
+        if self.draft is None or self.max_k == 0 or guard.drafting_off(len(gens)) or guard.draft_idle(len(gens)):
             return  # where drafting does not pay at this width, a prompt's draft prefill would be spent for nothing
         draft = self.draft
         chunks = [i for i in prefilling if gens[i].fixed_k != 0 and gens[i].proposer != "lookup"

@@ -259,6 +259,8 @@ class BatchGuard:
     _probing: set[int] = field(default_factory=set)  # a probe was allowed, its drafted step not yet seen
     _judging: set[int] = field(default_factory=set)  # a probe's step was seen, not yet judged
     plain_every: int = 32  # drafted steps at a width between two plain ones, which keep plain's rate measured
+    idle_share: float = 0.1  # below this share of streams drafting with the draft model, its prefill is idle work
+    draft_share: dict[int, float] = field(default_factory=dict)  # width → decayed share of streams that drafted
     _since_plain: dict[int, int] = field(default_factory=dict)  # width → drafted steps since its last plain one
 
     @staticmethod
@@ -308,6 +310,22 @@ class BatchGuard:
         drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
         return (drafted is not None and plain is not None and min(drafted.steps, plain.steps) >= self.min_steps
                 and self._judged_off(width))
+
+    def observe_share(self, width: int, drafting: int, streams: int) -> None:
+        """In a batched step of `width` streams, `drafting` of the `streams` the policy planned for drafted with
+        the draft model (with or without prefill chunks in the step)."""
+        if streams:
+            width = self.bucket(width)
+            old = self.draft_share.get(width)
+            share = drafting / streams
+            self.draft_share[width] = share if old is None else 0.9 * old + 0.1 * share
+
+    def draft_idle(self, width: int) -> bool:
+        """Whether the draft model has hardly drafted at `width` lately (the policy chose k = 0 for nearly every
+        stream there), so a prompt's draft prefill would be spent for nothing: it catches up if drafting
+        returns."""
+        share = self.draft_share.get(self.bucket(width))
+        return share is not None and share < self.idle_share
 
     def observe(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
         """A batched step of `width` decoding streams (no prefill in it), with drafts or without, took `seconds`

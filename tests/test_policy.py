@@ -296,3 +296,17 @@ def test_batch_guard_needs_a_margin_to_come_back_and_backs_off_its_probes_while_
     assert guard.limit(width) is None and not guard.drafting_off(width)
     guard.observe(width, True, 0.85, 4)  # once on, it stays on while it is not slower than plain (no margin)
     assert guard.limit(width) is None
+
+
+def test_batch_guard_knows_when_the_draft_sits_idle_at_a_width() -> None:
+    """The share of planned streams drafting with the draft model, per width: where it stays near 0 (the policy
+    picks k = 0 for almost every stream, whether or not the guard could judge the width) a prompt's draft prefill is
+    idle work; nothing is known before a step was seen, and drafting again lifts the share back."""
+    guard = BatchGuard()
+    assert not guard.draft_idle(16)
+    for _ in range(20):
+        guard.observe_share(16, 0, 16)
+    assert guard.draft_idle(16) and guard.draft_idle(9) and not guard.draft_idle(8)
+    for _ in range(10):
+        guard.observe_share(16, 8, 16)
+    assert not guard.draft_idle(16)
