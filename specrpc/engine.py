@@ -578,6 +578,8 @@ class Generation:
                 return found
         if self.fixed_k is None and self.load is None and slot.policy.plain_due():
             return EMPTY  # a measured plain step now and then (`AdaptivePolicy.plain_due`)
+        if self.fixed_k is None and self.load is not None and self.load.k_limit == 0:
+            return EMPTY  # the batch guard has the policy's drafts off at this width, prompt lookup's too (`_k`)
         if self.proposer in ("lookup", "combined"):
             found = self._lookup()
             if self.proposer == "lookup" or (found.token_ids and not self._draft_pays_more(found)):
