@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                              "q8_0")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--max-new-tokens", type=int, default=0, help="override every case's length (0: keep)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=0,
+                        help="cut every case's prompt to its last N tokens (0: keep): a large model's prefill on a CPU")
     parser.add_argument("--workloads", default="code,infill,text", help="comma-separated subset of code,infill,text")
     peer = parser.add_argument_group("llama.cpp as a contender (specrpc/bench/llama_server.py; greedy only)")
     peer.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary (without it, the "
@@ -497,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = build_cases(args.cases, workloads=tuple(w for w in args.workloads.split(",") if w))
     if args.max_new_tokens:
         cases = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases]
+    if args.max_prompt_tokens:
+        cases = [replace(c, prompt=runtime.decode_text(runtime.encode(c.prompt)[-args.max_prompt_tokens :]))
+                 for c in cases]
     params = SamplingParams(temperature=args.temperature)
     engine = runtime.engine
     contenders: dict[str, Runner] = {"target-only": engine_runner(engine, 0, "draft"),
