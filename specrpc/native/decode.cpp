@@ -248,14 +248,6 @@ static inline void rope(float* __restrict x, const float* __restrict c, const fl
     for (int64_t i = 0; i < dh; ++i) x[i] = tmp[i] * c[i] + tmp[(i + half) % dh] * s[i];
 }
 
-// Lanes summed in a fixed tree order.
-static inline float hsum(v16 v) {
-    float s8[8], s4[4];
-    for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
-    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
 // exp(x) lane by lane for x <= 0 (a softmax's shifted scores), within 2 ulp: x = n ln 2 + r, |r| <= ln 2 / 2,
@@ -282,23 +274,23 @@ static inline v16 exp16(v16 x) {
 
 // Lane i of the result = the sum of a[i]'s 16 lanes, in one fixed tree for every i:
 // (((0+8)+(4+12))+((2+10)+(6+14)))+(((1+9)+(5+13))+((3+11)+(7+15))).
+static inline v16 fold(v16 x, v16 y, vi16 lo, vi16 hi) {  // lanes `lo` of x:y plus lanes `hi`
+    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
 static inline v16 reduce16(const v16* a) {
     v16 b[8], c[4], d[2];
-    const vi16 l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const vi16 l1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    for (int m = 0; m < 8; ++m)
-        b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], l1a) + __builtin_shuffle(a[2 * m], a[2 * m + 1], l1b);
-    const vi16 l2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const vi16 l2b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    for (int m = 0; m < 4; ++m)
-        c[m] = __builtin_shuffle(b[2 * m], b[2 * m + 1], l2a) + __builtin_shuffle(b[2 * m], b[2 * m + 1], l2b);
-    const vi16 l3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const vi16 l3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    for (int m = 0; m < 2; ++m)
-        d[m] = __builtin_shuffle(c[2 * m], c[2 * m + 1], l3a) + __builtin_shuffle(c[2 * m], c[2 * m + 1], l3b);
-    const vi16 l4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const vi16 l4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    return __builtin_shuffle(d[0], d[1], l4a) + __builtin_shuffle(d[0], d[1], l4b);
+    for (int m = 0; m < 8; ++m)  // 16 vectors of 16 partial sums → 8 of 2 × 8
+        b[m] = fold(a[2 * m], a[2 * m + 1], vi16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                    vi16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int m = 0; m < 4; ++m)  // → 4 of 4 × 4
+        c[m] = fold(b[2 * m], b[2 * m + 1], vi16{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                    vi16{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    for (int m = 0; m < 2; ++m)  // → 2 of 8 × 2
+        d[m] = fold(c[2 * m], c[2 * m + 1], vi16{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                    vi16{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+    return fold(d[0], d[1], vi16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},  // → 16 sums, in order
+                vi16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
 // q . k[i] for the key rows i in [first, count) of a block of 16 at `k` (stride dh; the other lanes are 0): each the
@@ -328,19 +320,21 @@ static inline v16 dots16(const float* __restrict q, const float* __restrict k, i
     return reduce16(a);
 }
 
+constexpr int64_t QUERIES = 4;  // queries attended together: each key and value row is read once for all of them
+
 // out[j] (DC vectors) += w[j][p] v[p] for the queries j < n over positions p in [lo_all, hi_all), each query only
 // within its own [lo[j], hi[j]): one fused multiply-add per position in order, the value row read once for all.
 template <int DC>
 static inline void weigh_values(const float* __restrict vh, float* const* w, float* const* out, const int64_t* lo,
                                 const int64_t* hi, int64_t n, int64_t lo_all, int64_t hi_all) {
-    v16 acc[4][DC];
-    for (int j = 0; j < 4; ++j)
+    v16 acc[QUERIES][DC];
+    for (int j = 0; j < QUERIES; ++j)
         for (int c = 0; c < DC; ++c) acc[j][c] = v16{};
     for (int64_t p = lo_all; p < hi_all; ++p) {
         const float* v = vh + p * DC * 16;
         v16 vr[DC];
         for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < QUERIES; ++j) {
             if (j >= n || p < lo[j] || p >= hi[j]) continue;
             const v16 wj = splat(w[j][p]);
             for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
@@ -348,8 +342,6 @@ static inline void weigh_values(const float* __restrict vh, float* const* w, flo
     }
     for (int64_t j = 0; j < n; ++j) std::memcpy(out[j], acc[j], sizeof acc[j]);
 }
-
-constexpr int64_t QUERIES = 4;  // queries attended together: each key and value row is read once for all of them
 
 // Queries `chunk` * QUERIES .. of the row of tokens t0 .. t1 - 1 (one slot, consecutive positions) on KV head g of
 // layer l: query j is token t0 + j / rep's head g * rep + j % rep (the heads sharing g). Each query attends causally
