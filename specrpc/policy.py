@@ -186,19 +186,11 @@ class BatchLoad:
 
 @dataclass
 class AcceptanceEstimate:
-    """Decayed counts of accepted and rejected draft tokens: α = accepted / trials overall, and per draft position
-    (position i is tested only once the ones before it were accepted). Acceptance is not independent from one
-    position to the next (a draft gone astray tends to stay astray), so on code the later positions are accepted
-    less often than the overall α says: at α = 0.77, 8 drafts committed 3.60 tokens a step where independent
-    positions would give 4.07, and the policy drafted 5-6 where 4 was best. `expected` uses each position's own
-    rate, shrunk towards the overall α by `position_prior` pseudo-trials (all of it where a position has no counts
-    yet)."""
+    """Decayed counts of accepted and rejected draft tokens: α = accepted / trials."""
 
     accepted: float = 3.0
     trials: float = 4.0
     decay: float = 0.95
-    position_prior: float = 4.0
-    positions: list[list[float]] = field(default_factory=list)  # [position] → [accepted, trials], decayed
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Drafts are tested in order until the first rejection: `accepted` successes, one failure if any left."""
@@ -207,32 +199,11 @@ class AcceptanceEstimate:
         trials = accepted + (1 if accepted < proposed else 0)
         self.accepted = self.decay * self.accepted + accepted
         self.trials = self.decay * self.trials + trials
-        while len(self.positions) < trials:
-            self.positions.append([0.0, 0.0])
-        for i, counts in enumerate(self.positions):
-            counts[0] = self.decay * counts[0] + (1.0 if i < accepted else 0.0)
-            counts[1] = self.decay * counts[1] + (1.0 if i < trials else 0.0)
 
     @property
     def alpha(self) -> float:
         """Current estimate, clamped below 1 so E stays finite-looking."""
         return min(0.999, self.accepted / max(self.trials, 1e-9))
-
-    def at(self, position: int) -> float:
-        """Acceptance of the draft at `position` (0-based) given the ones before it were accepted."""
-        if position >= len(self.positions):
-            return self.alpha
-        accepted, trials = self.positions[position]
-        prior = self.position_prior
-        return min(0.999, (accepted + prior * self.alpha) / (trials + prior))
-
-    def expected(self, k: int) -> float:
-        """Tokens a step with k drafts commits: 1 + the chance of reaching and passing each position in turn."""
-        total, reached = 1.0, 1.0
-        for position in range(k):
-            reached *= self.at(position)
-            total += reached
-        return total
 
 
 @dataclass
@@ -403,23 +374,22 @@ class AdaptivePolicy:
                 ) -> float:
         """Expected speed-up over target-only decoding with k drafts from `source`; in a batch (`batch`), of the
         whole batch's tokens per second over this stream decoding plainly in it."""
+        a = self._alpha(source).alpha if alpha is None else alpha
         if k == 0:
             return 1.0
-        e = self._alpha(source).expected(k) if alpha is None else expected_tokens(alpha, k)
         if batch is not None:
-            return self._batch_rate(k, source, e, batch) / self._batch_rate(0, source, 1.0, batch)
+            return self._batch_rate(k, source, a, batch) / self._batch_rate(0, source, a, batch)
         c = self.costs.c if source == "draft" else 0.0
         plain = 1.0 + self.costs.host("plain")
-        return e * plain / (k * c + self.costs.v(k) + self.costs.host(host_kind(source)))
+        return expected_tokens(a, k) * plain / (k * c + self.costs.v(k) + self.costs.host(host_kind(source)))
 
     @staticmethod
-    def _batch_rate(k: int, source: str, expected: float, batch: BatchLoad) -> float:
-        """Expected tokens per second of the whole batch with this stream drafting k from `source`, committing
-        `expected` tokens."""
+    def _batch_rate(k: int, source: str, alpha: float, batch: BatchLoad) -> float:
+        """Expected tokens per second of the whole batch with this stream drafting k from `source`."""
         seconds = batch.costs.target(batch.tokens + k + 1)
         if source == "draft" and k:
             seconds += k * batch.costs.draft(batch.drafting + 1)
-        return (batch.committed + expected) / seconds
+        return (batch.committed + expected_tokens(alpha, k)) / seconds
 
     def catch_up_pays(self, lag: int, remaining: int) -> bool:
         """Whether drafting is worth a catch-up of the draft on `lag` tokens it has not seen (a new prompt, turns it
@@ -434,7 +404,7 @@ class AdaptivePolicy:
 
     def expected(self, source: str, k: int) -> float:
         """Tokens a step with k drafts from `source` is expected to commit."""
-        return self._alpha(source).expected(k) if k else 1.0
+        return expected_tokens(self._alpha(source).alpha, k) if k else 1.0
 
     def choose(self, source: str = "draft", load: int = 1, batch: BatchLoad | None = None) -> int:
         """k for the next step with `source`. `load` = streams sharing the device: the probe rate drops with it

@@ -91,24 +91,6 @@ def test_a_draft_catch_up_is_paid_only_where_the_request_repays_it() -> None:
     assert model.draft_prefill_s == pytest.approx(0.9 * 0.0 + 0.1 * 0.02)
 
 
-def test_acceptance_per_position_sees_where_drafts_go_astray() -> None:
-    """A draft right for two tokens and then wrong, step after step (2 of 8 accepted): overall α = 2/3, but each step
-    commits 3 tokens whatever k ≥ 2. Independent positions would say E(2) = 2.1 and draft 3; per position (its counts
-    shrunk towards α by a prior), E(2) ≈ 2.8 and little beyond, so the policy drafts 2."""
-    est = AcceptanceEstimate()
-    for _ in range(40):
-        est.observe(proposed=8, accepted=2)
-    assert est.alpha == pytest.approx(2 / 3, abs=0.01)
-    assert est.at(0) > 0.9 and est.at(1) > 0.9 and est.at(2) < 0.2 and est.at(5) == est.alpha
-    assert est.expected(2) == pytest.approx(2.8, abs=0.1) and est.expected(8) - est.expected(2) < 0.35
-    assert expected_tokens(est.alpha, 2) < 2.2
-    policy = AdaptivePolicy(max_k=8, costs=costs(c=0.1, v_per_token=0.05), acceptance={"draft": est})
-    assert policy.choose() == 2 and policy.speedup(2) > 2.1
-    iid = AdaptivePolicy(max_k=8, costs=costs(c=0.1, v_per_token=0.05),
-                         acceptance={"draft": AcceptanceEstimate(accepted=est.accepted, trials=est.trials)})
-    assert iid.choose() == 3
-
-
 def test_acceptance_counts_first_rejection_only() -> None:
     est = AcceptanceEstimate(accepted=0.0, trials=0.0, decay=1.0)
     est.observe(proposed=4, accepted=2)  # 2 successes, 1 failure; the 4th draft was never tested
