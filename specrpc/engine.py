@@ -406,7 +406,7 @@ class Engine:
             finally:
                 gen.load = None
             if isinstance(plan, int) and gen.fixed_k is None and self.draft is not None:
-                lag = len(gen.slot.tokens) - self.draft.length(gen.slot.index)  # what its draft must catch up on
+                lag = gen._draft_lag()  # what its draft must catch up on
                 if lag > STEADY_CATCH_UP:
                     if catching_up and catching_up + lag > self.config.prefill_chunk:
                         plan = EMPTY  # it drafts in a later step: this step's catch-up budget is spent
