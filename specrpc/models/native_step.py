@@ -50,6 +50,16 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()  # [N'/16, K, 16]
 
 
+def pack_int8_groups(weight: torch.Tensor, group: int, block: int) -> torch.Tensor:
+    """int8 weight [N, K] → uint8 [ceil(N / 16), K' / group, 16, group] holding weight + 128, K' = K padded to a
+    multiple of `block` (padding: weight 0): panel b holds rows 16 b .. 16 b + 15 in groups of `group` columns, the
+    layout of decode.cpp's VNNI products (one group of a panel is one vector: 4 unsigned bytes per lane, multiplied by
+    4 int8 activations; a block of columns shares an activation scale)."""
+    n, k = weight.shape
+    shifted = torch.nn.functional.pad(weight.to(torch.int16) + 128, (0, -k % block, 0, -n % PANEL), value=128)
+    return shifted.to(torch.uint8).view(-1, PANEL, shifted.shape[1] // group, group).transpose(1, 2).contiguous()
+
+
 MAX_TOKENS = 16
 """Tokens one native forward takes at most (its work buffers' rows): a verify of up to 15 drafts."""
 
@@ -70,6 +80,8 @@ class NativeStep:
         assert lib is not None
         self._fn = lib.specrpc_forward
         self._greedy = lib.specrpc_greedy
+        group = lib.specrpc_int8_group()  # int8 weights: 4 (int8 activations, VNNI) or 1 (widened to float)
+        block = lib.specrpc_int8_block()  # activation columns per scale (VNNI)
         keep: list[torch.Tensor] = []  # every tensor the struct points into, alive as long as self
 
         def ptr(t: torch.Tensor | None) -> int | None:
@@ -92,7 +104,8 @@ class NativeStep:
             else:
                 assert p.wt is not None
                 weight, scale = p.wt.t().to(torch.float32), None  # [N, K]
-            packed = pack_panels(weight)  # [N/16, K, 16]
+            # [N/16, K, 16] (float, or int8 widened) or uint8 [N/16, K/4, 16, 4] (VNNI)
+            packed = pack_int8_groups(weight, group, block) if self.int8 and group > 1 else pack_panels(weight)
             keep.append(packed)
             projections.append(packed)
             out_rows.append(weight.shape[0])
@@ -112,13 +125,19 @@ class NativeStep:
                    "att": a.heads * a.head_dim, "up": 2 * a.ffn, "scores": a.heads * capacity}
         work = {name: torch.zeros(MAX_TOKENS, size) for name, size in buffers.items()}  # [T, size]
         keep += list(work.values())
+        kq = -max(a.hidden, a.heads * a.head_dim, a.ffn) // block * -block  # the widest product's columns, padded
+        quantized = {"xq": torch.zeros(MAX_TOKENS, kq, dtype=torch.int8),  # int8 activations (VNNI products)
+                     "xs": torch.zeros(MAX_TOKENS, kq // block), "xsum": torch.zeros(MAX_TOKENS, kq // block,
+                                                                                  dtype=torch.int32)}
+        keep += list(quantized.values())
         self.model = native.Model(
             d=a.hidden, hq=a.heads, hkv=a.kv_heads, dh=a.head_dim, ffn=a.ffn, vocab=self.vocab, layers=a.layers,
             slots=cache.k.shape[1], capacity=capacity, max_tokens=MAX_TOKENS, stream=int(stream), eps=a.eps,
             embed=ptr(w.embed),
             norm=ptr(w.norm.weight), head=head, head_scale=head_scale, cos=ptr(w.cos), sin=ptr(w.sin), layer=layers,
             k_cache=native.pointer(cache.k), v_cache=native.pointer(cache.v),
-            **{name: native.pointer(t) for name, t in work.items()})
+            **{name: native.pointer(t) for name, t in work.items()},
+            **{name: int(t.data_ptr()) for name, t in quantized.items()}, kq=kq)
         self._layers = layers
         self._keep = keep
         self._model_ref = ctypes.byref(self.model)

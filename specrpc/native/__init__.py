@@ -90,7 +90,9 @@ class Model(ctypes.Structure):
                 + [("eps", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("embed", "norm", "head", "head_scale", "cos", "sin")]
                 + [("layer", ctypes.POINTER(Layer))]
-                + [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "x", "h", "qkv", "att", "up", "scores")])
+                + [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "x", "h", "qkv", "att", "up", "scores",
+                                                        "xq", "xs", "xsum")]
+                + [("kq", ctypes.c_int64)])
 
 
 @functools.cache
@@ -111,6 +113,9 @@ def library() -> ctypes.CDLL | None:
     greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     greedy.restype = ctypes.c_int
+    for name in ("specrpc_int8_group", "specrpc_int8_block"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 

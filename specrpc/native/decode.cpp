@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 struct Layer {  // projections: float [N, K], or int8 [N, K] with float scales [N] (the *_scale, null for float)
     const float* attn_norm;  // [d]
@@ -53,6 +54,10 @@ struct Model {
     float* att;               // [T, hq dh]
     float* up;                // [T, 2 ffn]
     float* scores;            // [T, hq, capacity]
+    int8_t* xq;               // [T, kq]: a product's activations quantized (int8 products with VNNI, `quantize`)
+    float* xs;                // [T, kq / 32]: their scales per block of 32 columns
+    int32_t* xsum;            // [T, kq / 32]: the sums of their quantized values per block
+    int64_t kq;               // the widest product's columns, rounded up to a multiple of 32
 };
 
 static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -183,34 +188,30 @@ static inline void panels_tt(int64_t tt, const W* w, const float* scale, const f
     }
 }
 
-// y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] (· scale[n]) + b[n] for t < T, panels shared among the team (call
-// inside the parallel region): each panel is read from memory once for up to `tokens` tokens, R panels at a time so
-// that R × tokens accumulators and R panel columns fit the registers.
-template <bool STREAM, typename W>
-static inline void gemm_rows(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
-                             const float* __restrict x, float* __restrict y, int64_t T, int64_t rows, int64_t cols,
-                             bool add) {
+// The schedule of a product over T tokens and `rows` output rows (call inside the parallel region): panels shared
+// among the team, each read from memory once for up to `tokens` tokens, R panels at a time so that R × tokens
+// accumulators and R panel columns fit the registers. tile(R, tt, p, t0) computes panels p .. p + R - 1 for tokens
+// t0 .. t0 + tt - 1 (R an std::integral_constant).
+template <bool TWICE = false, typename Tile>
+static inline void tiles(int64_t T, int64_t rows, Tile tile) {  // TWICE: two accumulators per panel and token
     const int64_t n_panels = (rows + LANES - 1) / LANES;
-    const int64_t tokens = REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : 3);
-    const int R = REGS == 32 ? (tokens == 2 ? 8 : tokens == 4 ? 6 : 3) : (tokens == 1 ? 4 : 2);
+    const int64_t tokens = TWICE ? (T <= 2 ? 2 : 4) : REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : 3);
+    const int R = TWICE ? (tokens == 2 ? 6 : 3)
+                        : REGS == 32 ? (tokens == 2 ? 8 : tokens == 4 ? 6 : 3) : (tokens == 1 ? 4 : 2);
     const int64_t groups = (n_panels + R - 1) / R;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t p0 = g * R, here = n_panels - p0 < R ? n_panels - p0 : R;
         for (int64_t t0 = 0; t0 < T; t0 += tokens) {
             const int64_t tt = T - t0 < tokens ? T - t0 : tokens;
-            const float* xt = x + t0 * cols;
-            float* yt = y + t0 * rows;
             for (int64_t p = p0; p < p0 + here;) {  // R panels at once; the last group's remainder one by one
-                const W* wp = w + p * cols * LANES;
-                const int64_t n0 = p * LANES;
-                if (here == R && R == 8) panels_tt<8, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
-                else if (here == R && R == 6) panels_tt<6, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
-                else if (here == R && R == 4) panels_tt<4, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
-                else if (here == R && R == 3) panels_tt<3, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
-                else if (here == R && R == 2) panels_tt<2, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
+                if (here == R && R == 8) tile(std::integral_constant<int, 8>{}, tt, p, t0);
+                else if (here == R && R == 6) tile(std::integral_constant<int, 6>{}, tt, p, t0);
+                else if (here == R && R == 4) tile(std::integral_constant<int, 4>{}, tt, p, t0);
+                else if (here == R && R == 3) tile(std::integral_constant<int, 3>{}, tt, p, t0);
+                else if (here == R && R == 2) tile(std::integral_constant<int, 2>{}, tt, p, t0);
                 else {
-                    panels_tt<1, STREAM>(tt, wp, scale, b, xt, yt, rows, cols, n0, add);
+                    tile(std::integral_constant<int, 1>{}, tt, p, t0);
                     ++p;
                     continue;
                 }
@@ -220,9 +221,139 @@ static inline void gemm_rows(const W* __restrict w, const float* __restrict scal
     }
 }
 
-static inline void gemm(Weight w, const float* __restrict b, const float* __restrict x, float* __restrict y, int64_t T,
-                        int64_t rows, int64_t cols, bool add, bool stream) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+constexpr int INT8_GROUP = 4;  // int8 products multiply int8 activations (VNNI): weights in groups of 4 columns
+constexpr int64_t QBLOCK = 32;  // activation columns per quantization scale, as llama.cpp's q8_0 (two vectors)
+
+// Token t's activations x [cols] quantized to int8 per block of QBLOCK columns (scale max |x| / 127 over the block,
+// round to nearest even), as llama.cpp quantizes a q8_0 product's activations; the row padded with zeros to kq
+// columns; xs / xsum [kq / QBLOCK]: each block's scale and the sum of its quantized values. A token's quantized row
+// depends on its own activations alone, so its products are the same bits whatever shares the forward.
+static inline void quantize(const float* __restrict x, int64_t cols, int8_t* __restrict q, float* __restrict xs,
+                            int32_t* __restrict xsum, int64_t kq) {
+    for (int64_t b0 = 0; b0 < kq; b0 += QBLOCK) {
+        alignas(64) float block[QBLOCK] = {};  // the block's activations, zeros past the row's end
+        const int64_t n = cols - b0 < QBLOCK ? (cols > b0 ? cols - b0 : 0) : QBLOCK;
+        std::memcpy(block, x + b0, n * sizeof(float));
+        const __m512 lo = _mm512_load_ps(block), hi = _mm512_load_ps(block + 16);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const __m512 inv = _mm512_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+        const __m512i qlo = _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i qhi = _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b0), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b0 + 16), _mm512_cvtsepi32_epi8(qhi));
+        xs[b0 / QBLOCK] = mx / 127.0f;
+        xsum[b0 / QBLOCK] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+}
+
+// R panels × TT tokens of an int8 product with int8 activations: the panels hold the weights + 128 as uint8 in groups
+// of 4 columns ([K / 4, 16, 4] per panel, K padded to QBLOCK), so one VNNI instruction adds 4 products per lane for a
+// token. Each block's integer sums (exact in any order) are corrected for the offset (128 × the block's sum of
+// activations), scaled by the block's activation scale and accumulated in float, block after block in order; the
+// row's weight scale is applied once at the end.
+template <int R, int TT, bool STREAM>
+static inline void panels_q(const uint8_t* __restrict w, const float* __restrict scale, const float* __restrict b,
+                            const int8_t* __restrict xq, const float* __restrict xs, const int32_t* __restrict xsum,
+                            int64_t kq, float* __restrict y, int64_t rows, int64_t groups, int64_t n0, bool add) {
+    constexpr int64_t per_block = QBLOCK / INT8_GROUP;
+    const int64_t nb = kq / QBLOCK;
+    __m512 facc[R][TT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < TT; ++t) facc[r][t] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < groups; k0 += per_block) {
+        __m512i acc[R][TT];
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k0 + per_block; ++k) {
+            __m512i wr[R];
+            for (int r = 0; r < R; ++r) {
+                const uint8_t* col = w + (r * groups + k) * LANES * INT8_GROUP;
+                if (STREAM) __builtin_prefetch(col + 2048, 0, 0);  // past the caches
+                wr[r] = _mm512_loadu_si512(col);
+            }
+            for (int t = 0; t < TT; ++t) {
+                int32_t four;
+                std::memcpy(&four, xq + t * kq + k * INT8_GROUP, sizeof four);
+                const __m512i xb = _mm512_set1_epi32(four);
+                for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wr[r], xb);
+            }
+        }
+        const int64_t blk = k0 / per_block;
+        for (int t = 0; t < TT; ++t) {
+            const __m512i offset = _mm512_set1_epi32(128 * xsum[t * nb + blk]);
+            const __m512 sx = _mm512_set1_ps(xs[t * nb + blk]);
+            for (int r = 0; r < R; ++r)
+                facc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][t], offset)), sx, facc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const int64_t n = n0 + r * LANES, valid = rows - n < LANES ? rows - n : LANES;
+        for (int t = 0; t < TT; ++t) {
+            float v[LANES];
+            _mm512_storeu_ps(v, facc[r][t]);
+            float* out = y + t * rows + n;
+            for (int64_t j = 0; j < valid; ++j) {
+                const float value = v[j] * scale[n + j] + (b ? b[n + j] : 0.0f);
+                out[j] = add ? out[j] + value : value;
+            }
+        }
+    }
+}
+
+template <int R, bool STREAM>
+static inline void panels_q_tt(int64_t tt, const uint8_t* w, const float* scale, const float* b, const int8_t* xq,
+                               const float* xs, const int32_t* xsum, int64_t kq, float* y, int64_t rows,
+                               int64_t groups, int64_t n0, bool add) {
+    switch (tt) {
+#define SPECRPC_TT(N) \
+    case N: \
+        if constexpr (2 * R * N + R + 2 <= REGS) \
+            panels_q<R, N, STREAM>(w, scale, b, xq, xs, xsum, kq, y, rows, groups, n0, add); \
+        else __builtin_trap(); /* `tiles` never asks for more than the registers hold */ \
+        return;
+        SPECRPC_TT(1) SPECRPC_TT(2) SPECRPC_TT(3) SPECRPC_TT(4) SPECRPC_TT(5) SPECRPC_TT(6) SPECRPC_TT(7) SPECRPC_TT(8)
+#undef SPECRPC_TT
+    }
+}
+
+// y = x W^T for int8 W through VNNI (`panels_q`), its T activation rows quantized first (`quantize`).
+template <bool STREAM>
+static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, const float* __restrict x,
+                          float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
+    const int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, groups = kq / INT8_GROUP, nb = kq / QBLOCK;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) quantize(x + t * cols, cols, m->xq + t * kq, m->xs + t * nb, m->xsum + t * nb, kq);
+    const uint8_t* q = static_cast<const uint8_t*>(w.w);
+    tiles<true>(T, rows, [&](auto r, int64_t tt, int64_t p, int64_t t0) {
+        panels_q_tt<decltype(r)::value, STREAM>(tt, q + p * groups * LANES * INT8_GROUP, w.scale, b,
+                                                 m->xq + t0 * kq, m->xs + t0 * nb, m->xsum + t0 * nb, kq,
+                                                 y + t0 * rows, rows, groups, p * LANES, add);
+    });
+}
+#else
+constexpr int INT8_GROUP = 1;  // int8 weights widened to float in registers, one column at a time
+#endif
+
+// y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] (· scale[n]) + b[n] for t < T (call inside the parallel region).
+template <bool STREAM, typename W>
+static inline void gemm_rows(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
+                             const float* __restrict x, float* __restrict y, int64_t T, int64_t rows, int64_t cols,
+                             bool add) {
+    tiles(T, rows, [&](auto r, int64_t tt, int64_t p, int64_t t0) {
+        panels_tt<decltype(r)::value, STREAM>(tt, w + p * cols * LANES, scale, b, x + t0 * cols, y + t0 * rows, rows,
+                                              cols, p * LANES, add);
+    });
+}
+
+static inline void gemm(const Model* m, Weight w, const float* __restrict b, const float* __restrict x,
+                        float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add, bool stream) {
     if (w.scale) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+        if (stream) gemm_q<true>(m, w, b, x, y, T, rows, cols, add);
+        else gemm_q<false>(m, w, b, x, y, T, rows, cols, add);
+        return;
+#endif
         const int8_t* q = static_cast<const int8_t*>(w.w);
         if (stream) gemm_rows<true>(q, w.scale, b, x, y, T, rows, cols, add);
         else gemm_rows<false>(q, w.scale, b, x, y, T, rows, cols, add);
@@ -447,7 +578,7 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             const Layer& L = m->layer[l];
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.attn_norm, m->h + t * d, d, m->eps);
-            gemm({L.qkv, L.qkv_scale}, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false, m->stream);
+            gemm(m, {L.qkv, L.qkv_scale}, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false, m->stream);
 #pragma omp for schedule(static)
             for (int64_t tj = 0; tj < T * nheads; ++tj) {  // q and k heads: norm, rotary; k and v into the cache
                 const int64_t t = tj / nheads, j = tj % nheads, pos = pos_of[t];
@@ -468,10 +599,10 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             for (int64_t job = 0; job < n_jobs; ++job)  // a row's queries on one KV head, QUERIES at a time
                 attend(m, L, l, pos_of, slot_of, row_start[job / (hkv * chunks)], row_end[job / (hkv * chunks)],
                        job / chunks % hkv, job % chunks, scale);
-            gemm({L.o, L.o_scale}, L.o_bias, m->att, m->x, T, d, hq * dh, true, m->stream);
+            gemm(m, {L.o, L.o_scale}, L.o_bias, m->att, m->x, T, d, hq * dh, true, m->stream);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.mlp_norm, m->h + t * d, d, m->eps);
-            gemm({L.up, L.up_scale}, L.up_bias, m->h, m->up, T, 2 * ffn, d, false, m->stream);
+            gemm(m, {L.up, L.up_scale}, L.up_bias, m->h, m->up, T, 2 * ffn, d, false, m->stream);
 #pragma omp for schedule(static)
             for (int64_t ti = 0; ti < T * ffn; ++ti) {
                 float* row = m->up + (ti / ffn) * 2 * ffn;
@@ -482,13 +613,25 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             // overwrites token t/2's source, which an earlier t has moved)
 #pragma omp single
             for (int64_t t = 1; t < T; ++t) std::memmove(m->up + t * ffn, m->up + t * 2 * ffn, ffn * sizeof(float));
-            gemm({L.down, L.down_scale}, L.down_bias, m->up, m->x, T, d, ffn, true, m->stream);
+            gemm(m, {L.down, L.down_scale}, L.down_bias, m->up, m->x, T, d, ffn, true, m->stream);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_logits; ++i) rms_norm(m->x + rows[i] * d, m->norm, m->h + i * d, d, m->eps);
-        gemm({m->head, m->head_scale}, nullptr, m->h, logits, n_logits, m->vocab, d, false, m->stream);
+        gemm(m, {m->head, m->head_scale}, nullptr, m->h, logits, n_logits, m->vocab, d, false, m->stream);
     }
     return 0;
+}
+
+// Columns per group of an int8 panel (`pack_int8_groups`): 4 where int8 products run on VNNI, else 1.
+extern "C" int specrpc_int8_group() { return INT8_GROUP; }
+
+// Columns an int8 panel's rows are padded to a multiple of (`pack_int8_groups`): VNNI's activation block, else 1.
+extern "C" int specrpc_int8_block() {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    return QBLOCK;
+#else
+    return 1;
+#endif
 }
 
 extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, const int64_t* positions, const int64_t* slots,
