@@ -4,6 +4,7 @@ and a graceful SIGTERM drain of `specrpc serve` run as a process."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
@@ -119,6 +120,19 @@ async def test_metrics_count_requests_tokens_and_slots(
 
 
 # ---- start-up and drain of an in-process server --------------------------------------------------------------------
+
+
+def test_what_loading_made_is_frozen_while_serving() -> None:
+    """A started runtime freezes the collector's view of what loading made (no full collection traverses the models
+    and tokenizer while serving); stopping hands it back."""
+    config = make_config()
+    runtime = Runtime(replace(config, engine=replace(config.engine, max_sessions=1, max_context=128)))
+    runtime.start()
+    try:
+        assert gc.get_freeze_count() > 100_000  # the tokenizer's and models' objects
+    finally:
+        runtime.stop()
+    assert gc.get_freeze_count() == 0
 
 
 async def test_health_not_serving_until_warm_and_while_draining(server: Running,
