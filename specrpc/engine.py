@@ -625,8 +625,10 @@ class Generation:
         cap = min(self._room(), engine.max_k if self.fixed_k is None else self.fixed_k)
         if self.load is not None and self.load.k_limit is not None:
             cap = min(cap, self.load.k_limit)
-        ks = range(1, cap + 1) if self.fixed_k is None else [cap]
-        draft = max((policy.speedup(k, "draft", batch=self.load) for k in ks), default=0.0)
+        if self.fixed_k is None:
+            draft = max(policy.speedups("draft", cap, batch=self.load)[1:], default=0.0)
+        else:
+            draft = policy.speedup(cap, "draft", batch=self.load)
         return draft > policy.speedup(len(found), found.estimate, batch=self.load)
 
     def _draft_request(self, k: int) -> DraftRequest:

@@ -367,8 +367,21 @@ class AdaptivePolicy:
 
     def _alpha(self, source: str) -> AcceptanceEstimate:
         """The estimate for `source`; a kind not seen yet starts from the draft's prior, or prompt lookup's."""
-        prior = AcceptanceEstimate() if source == "draft" else AcceptanceEstimate(accepted=1.0, trials=2.0)
-        return self.acceptance.setdefault(source, prior)
+        estimate = self.acceptance.get(source)
+        if estimate is None:
+            prior = AcceptanceEstimate() if source == "draft" else AcceptanceEstimate(accepted=1.0, trials=2.0)
+            estimate = self.acceptance[source] = prior
+        return estimate
+
+    def speedups(self, source: str, cap: int, batch: BatchLoad | None = None) -> list[float]:
+        """`speedup` for k = 0 .. cap, the terms every k shares computed once (a step weighs them all)."""
+        a = self._alpha(source).alpha
+        if batch is not None:
+            plain = self._batch_rate(0, source, a, batch)
+            return [1.0] + [self._batch_rate(k, source, a, batch) / plain for k in range(1, cap + 1)]
+        c = self.costs.c if source == "draft" else 0.0
+        plain, host = 1.0 + self.costs.host("plain"), self.costs.host(host_kind(source))
+        return [1.0] + [expected_tokens(a, k) * plain / (k * c + self.costs.v(k) + host) for k in range(1, cap + 1)]
 
     def speedup(self, k: int, source: str = "draft", alpha: float | None = None, batch: BatchLoad | None = None
                 ) -> float:
@@ -396,7 +409,7 @@ class AdaptivePolicy:
         sat out) with at most `remaining` tokens left to generate: the time the draft's best k is expected to save
         over them against the catch-up's (`CostModel.draft_prefill_s`). A short request on a long new prompt, or a
         draft that barely pays, is better decoded without it (prompt lookup needs no catch-up)."""
-        best = max((self.speedup(k, "draft") for k in range(1, self.max_k + 1)), default=1.0)
+        best = max(self.speedups("draft", self.max_k)[1:], default=1.0)
         if best <= 1.0:
             return False
         plain_step_s = self.costs.target_step_s * (1.0 + self.costs.host("plain"))
@@ -412,9 +425,10 @@ class AdaptivePolicy:
         the realized-rate guard judges only solo steps, whose times are this stream's own."""
         if self.max_k == 0:
             return 0
-        best_k = max(range(self.max_k + 1), key=lambda k: self.speedup(k, source, batch=batch))
+        speedups = self.speedups(source, self.max_k, batch)
+        best_k = max(range(self.max_k + 1), key=speedups.__getitem__)  # the first of equal maxima
         realized = self.realized_speedup(source) if batch is None else float("inf")
-        if self.speedup(best_k, source, batch=batch) <= self.min_speedup or realized <= self.min_speedup:
+        if speedups[best_k] <= self.min_speedup or realized <= self.min_speedup:
             off = self._steps_off.get(source, 0) + 1
             if off >= self.probe_every * max(1, load):
                 self._steps_off[source] = 0
