@@ -79,6 +79,7 @@ class NativeStep:
         lib = native.library()
         assert lib is not None
         self._fn = lib.specrpc_forward
+        self._row = lib.specrpc_forward_row
         self._greedy = lib.specrpc_greedy
         group = lib.specrpc_int8_group()  # int8 weights: 4 (int8 activations, VNNI) or 1 (widened to float)
         block = lib.specrpc_int8_block()  # activation columns per scale (VNNI)
@@ -144,13 +145,15 @@ class NativeStep:
 
     def run(self, tokens: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
         """tokens [T] int64 (T <= MAX_TOKENS) at positions start.. of `slot` (their K/V written there) → float32
-        logits [num_logits, V] of the last ones."""
+        logits [num_logits, V] of the last ones (one row: its positions are made in the native call, no index
+        tensors)."""
         count = tokens.shape[0]
         ids = tokens.to(torch.long).contiguous()  # [T]
-        positions = torch.arange(start, start + count)  # [T]
-        slots = torch.full((count,), slot, dtype=torch.long)  # [T]
-        wanted = torch.arange(count - num_logits, count)  # [num_logits]
-        return self._call(ids, positions, slots, wanted, 1)
+        logits = torch.empty(num_logits, self.vocab)  # [num_logits, V]
+        if self._row(self._model_ref, ids.data_ptr(), count, start, slot, num_logits, logits.data_ptr(),
+                     torch.get_num_threads()) != 0:
+            raise ValueError(self._out_of_range(count, 1))
+        return logits
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, wanted: torch.Tensor,
               rows: int) -> torch.Tensor:
@@ -159,9 +162,12 @@ class NativeStep:
         rc = self._fn(self._model_ref, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), ids.shape[0],
                       wanted.data_ptr(), wanted.shape[0], logits.data_ptr(), torch.get_num_threads())
         if rc != 0:
-            raise ValueError(f"native forward: {ids.shape[0]} tokens in {rows} rows: out of range (ids in "
-                             f"0..{self.vocab - 1}, at most {MAX_TOKENS} tokens, positions within the cache)")
+            raise ValueError(self._out_of_range(ids.shape[0], rows))
         return logits
+
+    def _out_of_range(self, count: int, rows: int) -> str:
+        return (f"native forward: {count} tokens in {rows} rows: out of range (ids in 0..{self.vocab - 1}, at most "
+                f"{MAX_TOKENS} tokens, positions within the cache)")
 
     def run_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
         """Several rows (distinct slots, MAX_TOKENS tokens in all at most) in one native forward, each token through

@@ -639,6 +639,19 @@ extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, const int6
     return forward(m, tokens, positions, slots, T, rows, n_logits, logits, threads);
 }
 
+// `forward` of one row: the T tokens `tokens` at positions start.. of `slot`, logits of its last n_logits tokens.
+extern "C" int specrpc_forward_row(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot,
+                                   int64_t n_logits, float* logits, int threads) {
+    int64_t positions[64], slots[64], rows[64];
+    if (T < 1 || T > 64 || n_logits < 1 || n_logits > T) return -1;
+    for (int64_t t = 0; t < T; ++t) {
+        positions[t] = start + t;
+        slots[t] = slot;
+    }
+    for (int64_t i = 0; i < n_logits; ++i) rows[i] = T - n_logits + i;
+    return forward(m, tokens, positions, slots, T, rows, n_logits, logits, threads);
+}
+
 // The index of the first of equal maxima, as torch's argmax.
 static int64_t argmax(const float* logits, int64_t n) {
     int64_t best = 0;
