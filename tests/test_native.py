@@ -101,3 +101,32 @@ def test_rows_that_do_not_fill_a_panel(int8: bool, head_dim: int, tmp_path: Path
     native_lm.truncate(0, 20)
     alone = torch.cat([native_lm.forward(ids[t : t + 1], t, 0) for t in range(20, 36)])  # [16, V]
     assert torch.equal(together, alone)
+
+
+def test_int8_prompts_and_wide_batches_run_native_as_decoding_does() -> None:
+    """With int8 weights a prompt longer than a native forward takes runs in native chunks, and a batch of more
+    tokens than one takes (a prefill chunk beside decoding rows) in several native calls: every token's logits are
+    those of decoding it alone, bit for bit, so batched and speculative int8 output stays the solo output."""
+    from specrpc.models import BatchRow
+
+    requires_native()
+    cpu = torch.device("cpu")
+    if not int8_available(cpu):
+        pytest.skip("no int8 kernel")
+    lm = load_model(ASSETS / "target", device=cpu, dtype=torch.float32, num_slots=3, max_context=128,
+                    int8_weights=True, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native.int8
+    ids = torch.tensor([(i * 7919) % 4000 for i in range(60)])
+    prompt = lm.forward(ids[:40], 0, 0, num_logits=3)  # [3, V]: 40 tokens, native chunks of 16
+    lm.truncate(0, 0)
+    alone = torch.cat([lm.forward(ids[t : t + 1], t, 0) for t in range(40)])  # [40, V]
+    assert torch.equal(prompt, alone[-3:])
+    lm.forward(ids[:30], 0, 1)
+    lm.truncate(0, 37)
+    rows = [BatchRow(ids[37:40], 37, 0, 3), BatchRow(ids[30:50], 30, 1, 2), BatchRow(ids[:1], 0, 2, 1)]
+    batched = lm.forward_batch(rows)  # 24 tokens: a verify, a 20-token prefill chunk and a first token
+    assert torch.equal(batched[0], alone[37:40])
+    lm.truncate(1, 30)
+    assert torch.equal(batched[1], torch.cat([lm.forward(ids[t : t + 1], t, 1) for t in range(30, 50)])[-2:])
+    lm.truncate(2, 0)
+    assert torch.equal(batched[2], lm.forward(ids[:1], 0, 2))

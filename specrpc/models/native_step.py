@@ -180,6 +180,34 @@ class NativeStep:
         logits = self._call(ids, positions, slots, wanted, len(rows))  # [R, V]
         return list(torch.split(logits, [r.num_logits for r in rows]))
 
+    def run_chunks(self, tokens: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
+        """`run` for any number of tokens (num_logits <= MAX_TOKENS): chunks of MAX_TOKENS, the last one holding the
+        last MAX_TOKENS (or all) tokens so that its logits cover num_logits."""
+        count = tokens.shape[0]
+        last = count - min(count, MAX_TOKENS)
+        for lo in range(0, last, MAX_TOKENS):
+            self.run(tokens[lo : min(lo + MAX_TOKENS, last)], start + lo, slot)
+        return self.run(tokens[last:], start + last, slot, num_logits)
+
+    def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        """`run_batch` for rows of any total length (each num_logits <= MAX_TOKENS): rows packed into native calls of
+        at most MAX_TOKENS tokens in order, a longer row in chunks of its own (`run_chunks`). Each token goes through
+        the same products whatever shares its call, so the logits are those of the rows run alone."""
+        out: list[torch.Tensor] = []
+        pack: list[BatchRow] = []
+        for r in rows:
+            count = r.ids.shape[0]
+            if pack and (sum(p.ids.shape[0] for p in pack) + count > MAX_TOKENS or count > MAX_TOKENS):
+                out += self.run_batch(pack)
+                pack = []
+            if count > MAX_TOKENS:
+                out.append(self.run_chunks(r.ids, r.start, r.slot, r.num_logits))
+            else:
+                pack.append(r)
+        if pack:
+            out += self.run_batch(pack)
+        return out
+
     def greedy(self, feed: torch.Tensor, start: int, slot: int, steps: int) -> torch.Tensor:
         """Feed tokens [F] int64 (F <= MAX_TOKENS) at positions start.. of `slot`, then `steps` one-token forwards
         each fed the argmax of the one before (their K/V written there too): the argmaxes int64 [steps + 1], after
