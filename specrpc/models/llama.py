@@ -1029,8 +1029,8 @@ class LlamaLM:
             self.cache.begin_write(r.slot, r.start, r.ids.shape[0])
         with torch.inference_mode():
             native = self.native
-            if native is not None and (sum(r.ids.shape[0] for r in rows) <= self.native_rows or native.int8 and all(
-                    r.num_logits <= native_step.MAX_TOKENS for r in rows)):
+            if native is not None and (sum(r.ids.shape[0] for r in rows) <= self.native_rows or (native.int8 and all(
+                    r.num_logits <= native_step.MAX_TOKENS for r in rows))):
                 logits = native.run_rows(rows)  # each row's tokens through the products they take alone
             else:
                 logits = llama_forward_batch(self.weights, self.cache.k, self.cache.v, rows)
