@@ -104,10 +104,12 @@ class DraftModelProposer:
         start = self.model.length(slot)
         t0 = time.perf_counter()
         steady = len(tokens) - start <= STEADY_CATCH_UP
-        fused = self._feed_greedy(tokens, start, slot, k) if params.greedy and steady else None
-        if fused is not None:  # steady state, the catch-up and the k drafts in one call: k forwards
+        fused = self._feed_greedy(tokens, start, slot, k) if params.greedy else None
+        if fused is not None:  # the catch-up and the k drafts in one call: k forwards, the first over the catch-up
             ids: list[int] = fused.tolist()  # [k]
-            return Proposal(ids, None, self.name, (time.perf_counter() - t0) / k)
+            # a catch-up of a few more tokens (after a prompt lookup step, or a plain one) is a few more rows in the
+            # first forward, part of this step's cost: timed as a draft step only in the steady state
+            return Proposal(ids, None, self.name, (time.perf_counter() - t0) / k if steady else None)
         logits = feed(self.model, slot, tokens[start:], start, self.prefill_chunk)  # [1, V]
         # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
         # (the draft sat out steps, or a new prompt) is prefill, not drafting: leave it out of the step time.
