@@ -195,8 +195,10 @@ static inline void panels_tt(int64_t tt, const W* w, const float* scale, const f
 template <bool TWICE = false, typename Tile>
 static inline void tiles(int64_t T, int64_t rows, Tile tile) {  // TWICE: two accumulators per panel and token
     const int64_t n_panels = (rows + LANES - 1) / LANES;
-    const int64_t tokens = TWICE ? (T <= 2 ? 2 : 4) : REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : 3);
-    const int R = TWICE ? (tokens == 2 ? 6 : 3)
+    // up to 8 tokens in one pass over the weights (a larger model is bound by reading them)
+    const int64_t tokens = TWICE ? (T <= 2 ? 2 : T <= 4 ? 4 : T <= 6 ? 6 : 8)
+                                 : REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : 3);
+    const int R = TWICE ? (tokens == 2 ? 6 : tokens == 4 ? 3 : tokens == 6 ? 2 : 1)
                         : REGS == 32 ? (tokens == 2 ? 8 : tokens == 4 ? 6 : 3) : (tokens == 1 ? 4 : 2);
     const int64_t groups = (n_panels + R - 1) / R;
 #pragma omp for schedule(static)
