@@ -192,16 +192,20 @@ class Engine:
         """Adaptive policy refined online from the shared calibration."""
         return AdaptivePolicy(max_k=self.max_k, costs=self.costs.copy())
 
-    def calibrate(self, slot: int = 0, context: int = 64, repeats: int = 9, budget_s: float = 3.0,
+    def calibrate(self, slot: int = 0, context: int = 256, repeats: int = 9, budget_s: float = 3.0,
                   max_repeats: int = 40, settle: float = 0.01) -> CostModel:
         """Measure one target decode step, verifying k+1 = 2..max_k+1 tokens and one draft decode step; this is also
-        the warm-up (a first, unmeasured round meets every shape).
+        the warm-up (a first, unmeasured round meets every shape). At `context` positions (within the capacity): a
+        verify's extra cost over a decode step grows with the context its k+1 queries attend to, and the costs of
+        the k the policy does not use are never re-measured, so a short calibration context would leave long drafts
+        looking cheaper than the ones measured online.
 
         The policy needs ratios (c, V(k)), and on a shared machine a slow spell stretches every time measured
         during it: so each round times the width-1 step before and after its verify and draft steps and keeps
         each step's ratio to their mean, and the costs are medians of those ratios over at least `repeats` rounds,
         more (up to `max_repeats`, within `budget_s`) until no median ratio moves by more than `settle` from one
         round to the next. The seconds are the median width-1 step times the median ratios."""
+        context = max(1, min(context, self.capacity - self.max_k - 2))
         ids = [(i * 7919) % min(self.target.vocab_size, 256) for i in range(context + self.max_k + 2)]
         feed(self.target, slot, ids[:context], 0, self.config.prefill_chunk)
         if self.draft is not None:
