@@ -600,9 +600,10 @@ class Generation:
 
     def _catch_up_pays(self) -> bool:
         """Whether the policy's drafting is worth the draft's catch-up first (`AdaptivePolicy.catch_up_pays`):
-        always for a request's own k, in a batched step (its catch-ups share a budget) and within the steady-state
-        catch-up."""
-        if self.fixed_k is not None or self.load is not None or self.engine.draft is None:
+        always for a request's own k and within the steady-state catch-up. In a batched step too, by what drafting
+        would save alone (an upper bound: a batch gains less from it), so that a stream near its end does not catch
+        its draft up on a whole context when drafting comes back as the batch narrows."""
+        if self.fixed_k is not None or self.engine.draft is None:
             return True
         lag = self._draft_lag()
         remaining = self.request.max_new_tokens - self.generated
