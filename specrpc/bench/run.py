@@ -208,24 +208,34 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
 
             sweep: dict[str, dict[str, float]] = {}
             contenders = (("adaptive", None), ("target-only", 0))
+            modes = ("batched", "round-robin")
+
+            async def mode(name: str) -> None:
+                await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, name)))
+
             for streams in concurrency:  # both modes in one run, side by side: the same server, machine and moment
-                for mode in ("batched", "round-robin"):
-                    await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, mode)))
-                    # a warm-up pass of each contender first (its prompts cached as a session's next request finds
-                    # them, target and draft alike); then rounds alternating which goes first, each point the median
-                    # over them (a point is under a second: one alone is at the mercy of this machine's drift)
-                    await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
-                    points: dict[str, list[dict[str, float]]] = {name: [] for name, _ in contenders}
-                    for r in range(1 + sweep_rounds):
+                # a warm-up pass of each contender in each mode first (its prompts cached as a session's next request
+                # finds them, target and draft alike); then rounds alternating the modes and, within a mode, which
+                # contender goes first: each point the median over the rounds (a point is under a second, at the
+                # mercy of this machine's drift, so batched and round-robin are measured round by round, not one
+                # after the other)
+                await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
+                for batching in modes:
+                    await mode(batching)
+                    for _, k in contenders:
+                        await sweep_point(one, cases, streams, k, runtime)
+                points: dict[tuple[str, str], list[dict[str, float]]] = {
+                    (b, name): [] for b in modes for name, _ in contenders}
+                for r in range(sweep_rounds):
+                    for batching in modes if r % 2 == 0 else modes[::-1]:
+                        await mode(batching)
                         for name, k in (contenders if r % 2 else contenders[::-1]):
-                            point = await sweep_point(one, cases, streams, k, runtime)
-                            if r:
-                                points[name].append(point)
-                    for name, _ in contenders:
-                        sweep[f"{streams}:{mode}:{name}"] = {
-                            key: statistics.median(p[key] for p in points[name]) for key in points[name][0]}
-                        sweep[f"{streams}:{mode}:{name}"]["streams"] = streams
-                        sweep[f"{streams}:{mode}:{name}"]["rounds"] = sweep_rounds
+                            points[(batching, name)].append(await sweep_point(one, cases, streams, k, runtime))
+                for (batching, name), measured in points.items():
+                    key = f"{streams}:{batching}:{name}"
+                    sweep[key] = {field: statistics.median(p[field] for p in measured) for field in measured[0]}
+                    sweep[key]["streams"] = streams
+                    sweep[key]["rounds"] = sweep_rounds
             await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, "batched")))
             for key, value in list(sweep.items()):  # the batched figures also under their former names
                 if ":batched:" in key:
