@@ -195,15 +195,17 @@ class NativeStep:
         the same products whatever shares its call, so the logits are those of the rows run alone."""
         out: list[torch.Tensor] = []
         pack: list[BatchRow] = []
+        packed = 0  # tokens in `pack`
         for r in rows:
             count = r.ids.shape[0]
-            if pack and (sum(p.ids.shape[0] for p in pack) + count > MAX_TOKENS or count > MAX_TOKENS):
+            if pack and (packed + count > MAX_TOKENS or count > MAX_TOKENS):
                 out += self.run_batch(pack)
-                pack = []
+                pack, packed = [], 0
             if count > MAX_TOKENS:
                 out.append(self.run_chunks(r.ids, r.start, r.slot, r.num_logits))
             else:
                 pack.append(r)
+                packed += count
         if pack:
             out += self.run_batch(pack)
         return out

@@ -335,6 +335,7 @@ static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, c
 }
 #else
 constexpr int INT8_GROUP = 1;  // int8 weights widened to float in registers, one column at a time
+constexpr int64_t QBLOCK = 1;  // no activation blocks: activations stay float
 #endif
 
 // y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] (· scale[n]) + b[n] for t < T (call inside the parallel region).
@@ -628,13 +629,7 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
 extern "C" int specrpc_int8_group() { return INT8_GROUP; }
 
 // Columns an int8 panel's rows are padded to a multiple of (`pack_int8_groups`): VNNI's activation block, else 1.
-extern "C" int specrpc_int8_block() {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-    return QBLOCK;
-#else
-    return 1;
-#endif
-}
+extern "C" int specrpc_int8_block() { return QBLOCK; }
 
 extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, const int64_t* positions, const int64_t* slots,
                                int64_t T, const int64_t* rows, int64_t n_logits, float* logits, int threads) {
