@@ -379,9 +379,14 @@ class AdaptivePolicy:
         if batch is not None:
             plain = self._batch_rate(0, source, a, batch)
             return [1.0] + [self._batch_rate(k, source, a, batch) / plain for k in range(1, cap + 1)]
-        c = self.costs.c if source == "draft" else 0.0
-        plain, host = 1.0 + self.costs.host("plain"), self.costs.host(host_kind(source))
+        c, plain, host = self._solo_terms(source)
         return [1.0] + [expected_tokens(a, k) * plain / (k * c + self.costs.v(k) + host) for k in range(1, cap + 1)]
+
+    def _solo_terms(self, source: str) -> tuple[float, float, float]:
+        """What a solo step's S(k) takes besides α and V(k): c (0 for prompt lookup, free to draft), 1 + the plain
+        step's host time and the source's host time, in target steps."""
+        c = self.costs.c if source == "draft" else 0.0
+        return c, 1.0 + self.costs.host("plain"), self.costs.host(host_kind(source))
 
     def speedup(self, k: int, source: str = "draft", alpha: float | None = None, batch: BatchLoad | None = None
                 ) -> float:
@@ -392,9 +397,8 @@ class AdaptivePolicy:
             return 1.0
         if batch is not None:
             return self._batch_rate(k, source, a, batch) / self._batch_rate(0, source, a, batch)
-        c = self.costs.c if source == "draft" else 0.0
-        plain = 1.0 + self.costs.host("plain")
-        return expected_tokens(a, k) * plain / (k * c + self.costs.v(k) + self.costs.host(host_kind(source)))
+        c, plain, host = self._solo_terms(source)
+        return expected_tokens(a, k) * plain / (k * c + self.costs.v(k) + host)
 
     @staticmethod
     def _batch_rate(k: int, source: str, alpha: float, batch: BatchLoad) -> float:
