@@ -355,11 +355,11 @@ static inline void gemm(const Model* m, Weight w, const float* __restrict b, con
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
         if (stream) gemm_q<true>(m, w, b, x, y, T, rows, cols, add);
         else gemm_q<false>(m, w, b, x, y, T, rows, cols, add);
-        return;
-#endif
+#else
         const int8_t* q = static_cast<const int8_t*>(w.w);
         if (stream) gemm_rows<true>(q, w.scale, b, x, y, T, rows, cols, add);
         else gemm_rows<false>(q, w.scale, b, x, y, T, rows, cols, add);
+#endif
     } else {
         const float* f = static_cast<const float*>(w.w);
         if (stream) gemm_rows<true>(f, nullptr, b, x, y, T, rows, cols, add);
@@ -574,7 +574,7 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
     for (int64_t r = 0; r < n_rows; ++r) row_end[r] = r + 1 < n_rows ? row_start[r + 1] : T;
     int64_t longest = 0;
     for (int64_t r = 0; r < n_rows; ++r) longest = row_end[r] - row_start[r] > longest ? row_end[r] - row_start[r] : longest;
-    const int64_t chunks = (longest * (hq / hkv) + QUERIES - 1) / QUERIES, n_jobs = n_rows * hkv * chunks;
+    const int64_t chunks = (longest * rep + QUERIES - 1) / QUERIES, n_jobs = n_rows * hkv * chunks;
 #pragma omp parallel num_threads(threads)
     {
         for (int64_t l = 0; l < m->layers; ++l) {
