@@ -328,6 +328,8 @@ class Engine:
             rows[i] = gens[i]._prefill_row(share)
         self._prefill_draft(gens, prefilling, rows, results)
         limit = None if len(decoding) < 2 else self.batch_guard.limit(len(decoding))
+        if prefilling and limit != 0 and self.batch_guard.drafting_off(len(gens)):
+            limit = 0  # the prompts join the decoding batch next: a draft caught up now would go unused there
         proposals, catch_up_s = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results,
                                                  limit)
         planned = [i for i in proposals if gens[i].fixed_k is None and proposals[i].source != "suggestion"]

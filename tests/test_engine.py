@@ -589,6 +589,38 @@ def test_batch_guard_off_at_a_width_stops_policy_drafts_but_not_a_requests_own_k
     assert out == [run(engine, r.prompt_ids, 20, GREEDY, 0, proposer=r.proposer or "draft") for r in requests]
 
 
+def test_a_lone_decoding_stream_amid_prompts_keeps_to_the_guard_of_the_width_they_make(
+        pair: tuple[Path, Path]) -> None:
+    """One stream decodes while two prompts are still in their prefill chunks: the width it decodes at next is
+    three, where the guard found drafting slower, so it does not draft now either (its draft would catch up on the
+    whole context for steps that then decode plainly); the output is the same."""
+    engine = make_engine(pair, slots=3)
+    engine.batch_costs = BatchCosts(target_s=dict.fromkeys(range(1, 64), 1e-2),
+                                    draft_s=dict.fromkeys(range(1, 4), 1e-4),
+                                    decay=1.0)  # drafting pays here (every size priced: measurements ignored)
+    guard = BatchGuard(probe_every=10**6)
+    for drafted, seconds in ((True, 4.0), (False, 1.0)):
+        for _ in range(guard.min_steps):
+            guard.observe(3, drafted, seconds, 3)
+    engine.batch_guard = guard
+    long = [(i * 7) % 6 for i in range(40)]  # three prefill chunks (16, 16, 8)
+    requests = [GenerationRequest([1, 2, 3], 12, GREEDY, None, "draft"),
+                GenerationRequest(long, 4, GREEDY, None, "draft"),
+                GenerationRequest(long[::-1], 4, GREEDY, None, "draft")]
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    out: list[list[int]] = [[], [], []]
+    proposed = 0
+    while not all(g.finished for g in gens):
+        live = [i for i, g in enumerate(gens) if not g.finished]
+        prompts = any(gens[i].prefilling for i in live)
+        for i, result in zip(live, engine.step_many([gens[i] for i in live]), strict=True):
+            assert not isinstance(result, Exception)
+            proposed += result.proposed if prompts else 0
+            out[i] += result.token_ids
+    assert proposed == 0
+    assert out == [run(engine, r.prompt_ids, r.max_new_tokens, GREEDY, 0) for r in requests]
+
+
 def test_a_batched_prefill_feeds_the_draft_the_same_chunks(pair: tuple[Path, Path]) -> None:
     """In a batched step, prompts that may draft go through the draft with the target's prefill chunks (no
     whole-prompt catch-up in a later step every stream waits for); plain and lookup-only requests do not."""
