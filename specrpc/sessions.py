@@ -65,8 +65,9 @@ class Lease:
 class SessionRegistry:
     """Owns the slot pool. Anonymous requests borrow a free slot: the one sharing the longest prefix with their
     prompt, so repeated prompts still hit the cache, unless that prefix is too short to be worth another prompt's
-    cache (under `MIN_REUSE` tokens and half the prompt); then the free slot taken longest ago (never-taken ones
-    first), so that prompts taking turns keep their caches (as llama.cpp's slot similarity threshold does). Named
+    cache (under `MIN_REUSE` tokens and half the prompt); then the free slot whose cached prompt other slots hold
+    too, else the one taken longest ago (never-taken ones first), so that prompts taking turns keep their caches (as
+    llama.cpp's slot similarity threshold does). Named
     sessions keep theirs until idle past the TTL, and idle sessions are evicted least-recently-used first when a new
     request needs a slot."""
 
@@ -76,6 +77,7 @@ class SessionRegistry:
         self.slots = [engine.new_slot(i) for i in range(num_slots)]
         self.free: set[int] = set(range(num_slots))
         self._taken: dict[int, int] = {}  # slot → when an anonymous request last took it (`_clock`)
+        self._prompts: dict[int, list[int]] = {}  # slot → the prompt it was last taken for
         self._clock = 0
         self.sessions: dict[str, Session] = {}
         self.busy: set[int] = set()
@@ -111,11 +113,37 @@ class SessionRegistry:
         shared = {i: common_prefix(self.slots[i].tokens, prompt) for i in self.free}
         best = max(self.free, key=lambda i: (shared[i], -i))
         if shared[best] < min(MIN_REUSE, len(prompt) // 2):
-            best = min(self.free, key=lambda i: (self._taken.get(i, -1), i))
+            best = self._victim()
         self._clock += 1
         self._taken[best] = self._clock
+        self._prompts[best] = prompt
         self.free.discard(best)
         return self.slots[best]
+
+    def _victim(self) -> int:
+        """The free slot whose cache a prompt that no free slot shares overwrites: the one whose cached prompt most
+        other slots hold too (free ones in their caches, anonymous ones in flight in their prompts: they come back
+        with it), so that nothing is lost, then the one taken longest ago (never-taken ones first). With LRU alone,
+        prompts taking turns over just enough slots lose their last free copy to a miss, and the next request for
+        it misses in turn."""
+        held = {i: self._cached_prompt(i) for i in self.free}
+        held.update({i: self._prompts[i] for i, lease in self.leases.items()
+                     if lease.session is None and i in self._prompts})
+
+        def copies(i: int) -> int:
+            mine = held[i]
+            if not mine:
+                return len(self.slots)  # an empty slot loses nothing
+            n = len(mine)
+            return sum(j != i and other[:n] == mine for j, other in held.items())
+
+        return max(self.free, key=lambda i: (copies(i), -self._taken.get(i, -1), -i))
+
+    def _cached_prompt(self, index: int) -> list[int]:
+        """The prompt a free slot was last taken for, while its cache still starts with it; else its whole cache."""
+        tokens = self.slots[index].tokens
+        prompt = self._prompts.get(index)
+        return prompt if prompt is not None and tokens[: len(prompt)] == prompt else tokens
 
     def _evict_lru_idle(self) -> None:
         idle = [s for s in self.sessions.values() if s.slot.index not in self.busy]

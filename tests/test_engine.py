@@ -22,6 +22,7 @@ from specrpc.models.llama import LlamaLM
 from specrpc.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
 from specrpc.proposers import DraftRequest, Proposal, lookup_kind
 from specrpc.sampling import SamplingParams, logits_to_probs
+from specrpc.sessions import SessionRegistry
 
 VOCAB = 6
 CAPACITY = 64
@@ -619,6 +620,31 @@ def test_a_lone_decoding_stream_amid_prompts_keeps_to_the_guard_of_the_width_the
             out[i] += result.token_ids
     assert proposed == 0
     assert out == [run(engine, r.prompt_ids, r.max_new_tokens, GREEDY, 0) for r in requests]
+
+
+async def test_a_prompt_no_free_slot_shares_overwrites_a_duplicated_cache_before_the_oldest(
+        pair: tuple[Path, Path]) -> None:
+    """Anonymous prompts taking turns: a prompt that no free slot shares takes a free slot whose cached prompt
+    another slot holds too (nothing is lost), not the one taken longest ago when that one holds its prompt's only
+    copy, so that the next request for it still finds it cached."""
+    engine = make_engine(pair, slots=4)
+    registry = SessionRegistry(engine, 4, 60.0)
+    p, q, r, s = [1, 2, 3, 4] * 10, [5, 4, 3, 2] * 10, [0, 1, 0, 2] * 10, [2, 2, 5, 1] * 10
+
+    async def take(prompt: list[int]) -> Slot:
+        lease = await registry.acquire("", prompt)
+        decode(engine, lease.slot, GenerationRequest(prompt, 2, GREEDY, 0))
+        return lease.slot
+
+    only_q = await take(q)
+    registry.release(registry.leases[only_q.index])
+    copies = [await take(p), await take(p)]  # two streams at once on the same prompt: two copies
+    for slot in copies:
+        registry.release(registry.leases[slot.index])
+    assert len({only_q.index, *(slot.index for slot in copies)}) == 3
+    await take(r)  # the never-taken slot, held
+    assert (await take(s)).index == copies[0].index  # not q's, taken longest ago: q's only copy
+    assert (await take(q)).index == only_q.index  # still cached there
 
 
 def test_a_batched_prefill_feeds_the_draft_the_same_chunks(pair: tuple[Path, Path]) -> None:
