@@ -46,6 +46,14 @@ MAX_SUGGESTION_TOKENS = 64
 """Most tokens of the session's last suggestion verified in one step (it is a draft the editor already shows, so
 it is drafted whole rather than in the policy's k)."""
 
+PREFILL_STALL = 4.0
+"""While streams decode, the prefill chunks mixed into their step make it at most this many times as long as their
+plain step (by the measured batch costs): a long prompt delays each of them by a bounded factor, not by its whole
+chunk, and is prefilled over more steps."""
+
+MIN_PREFILL_SHARE = 16
+"""Fewest prompt tokens a prefilling stream takes in a batched step, whatever the budget: every prompt moves on."""
+
 
 @dataclass(frozen=True)
 class Logprob:
@@ -298,9 +306,10 @@ class Engine:
 
     def step_many(self, gens: list[Generation]) -> list[StepResult | Exception]:
         """One device step for several generations on distinct slots: each prefilling one takes a prefill chunk
-        (together within `prefill_chunk` tokens, at least 16 each), each decoding one plans its proposal with the
-        batch's load in view, the draft model drafts for all that use it together, and the target runs every row
-        (prefill chunks, verify k+1, plain decode 1) in one batched forward; then each verifies and commits alone.
+        (together within `_prefill_budget` tokens, at least `MIN_PREFILL_SHARE` each), each decoding one plans its
+        proposal with the batch's load in view, the draft model drafts for all that use it together, and the target
+        runs every row (prefill chunks, verify k+1, plain decode 1) in one batched forward; then each verifies and
+        commits alone.
         Returns per generation its StepResult or the exception that ended its step (the others go on; a failure
         of a shared forward fails every generation in it). One generation steps exactly as `Generation.step`."""
         if len(gens) == 1:
@@ -323,7 +332,7 @@ class Engine:
         prefilling = [i for i in live if gens[i].prefilling]
         decoding = [i for i in live if not gens[i].prefilling]
         rows: dict[int, BatchRow] = {}
-        share = max(16, self.config.prefill_chunk // max(1, len(prefilling)))
+        share = max(MIN_PREFILL_SHARE, self._prefill_budget(len(decoding)) // max(1, len(prefilling)))
         for i in prefilling:
             rows[i] = gens[i]._prefill_row(share)
         self._prefill_draft(gens, prefilling, rows, results)
@@ -364,6 +373,23 @@ class Engine:
             self.batch_guard.observe(len(decoding), policy_drafted, time.perf_counter() - step_t0 - catch_up_s,
                                      committed)  # a catch-up is the price of the steps the drafts sat out
         return [results[i] for i in range(len(gens))]
+
+    def _prefill_budget(self, decoding: int) -> int:
+        """Prompt tokens a batched step takes in prefill chunks: `prefill_chunk` when no stream decodes in it, else
+        the most that keep the target forward within `PREFILL_STALL` × the decoding streams' plain one."""
+        chunk = self.config.prefill_chunk
+        if not decoding:
+            return chunk
+        costs = self.batch_costs
+        ceiling = PREFILL_STALL * costs.target(decoding)
+        lo, hi = MIN_PREFILL_SHARE, chunk
+        while lo < hi:  # the largest n with target(decoding + n) within the ceiling (at least the smallest share)
+            mid = (lo + hi + 1) // 2
+            if costs.target(decoding + mid) <= ceiling:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _prefill_draft(self, gens: list[Generation], prefilling: list[int], rows: dict[int, BatchRow],
                        results: dict[int, StepResult | Exception]) -> None:

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import ASSETS, EngineConfig
-from specrpc.engine import Engine, GenerationRequest, Slot, Stall, TokenLogprob
+from specrpc.engine import PREFILL_STALL, Engine, GenerationRequest, Slot, Stall, TokenLogprob
 from specrpc.models import load_model, load_tokenizer, native_step
 from specrpc.models.llama import LlamaLM
 from specrpc.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
@@ -645,6 +645,32 @@ async def test_a_prompt_no_free_slot_shares_overwrites_a_duplicated_cache_before
     await take(r)  # the never-taken slot, held
     assert (await take(s)).index == copies[0].index  # not q's, taken longest ago: q's only copy
     assert (await take(q)).index == only_q.index  # still cached there
+
+
+def test_a_prompt_joining_a_decoding_stream_is_prefilled_within_the_stall_budget(pair: tuple[Path, Path]) -> None:
+    """While another stream decodes, a prompt's chunk keeps their step within `PREFILL_STALL` × that stream's plain
+    step by the batch costs (here 2 ms a step, 0.26 ms per further token: 24 tokens); alone it takes its whole
+    prefill chunk; the output is the same either way."""
+    engine = make_engine(pair, slots=2, prefill_chunk=48)
+    engine.batch_costs = BatchCosts(target_s={1: 2e-3, 2: 2e-3, 100: 2e-3 + 98 * 0.26e-3},
+                                    decay=1.0)  # measurements ignored
+    assert PREFILL_STALL == 4.0 and engine._prefill_budget(1) == 24 and engine._prefill_budget(0) == 48
+    prompt = [(i * 5) % 6 for i in range(40)]
+    requests = [GenerationRequest([1, 2, 3], 8, GREEDY, 0), GenerationRequest(prompt, 8, GREEDY, 0)]
+    first = engine.start(engine.new_slot(0), requests[0])
+    out = [first.step().token_ids, []]
+    joining = engine.start(engine.new_slot(1), requests[1])
+    lengths = []
+    while not (first.finished and joining.finished):
+        live = [g for g in (first, joining) if not g.finished]
+        for gen, result in zip(live, engine.step_many(live), strict=True):
+            assert not isinstance(result, Exception)
+            out[gen is joining] += result.token_ids
+        lengths.append(engine.target.length(1))
+    assert lengths[:2] == [24, 40]
+    alone = engine.start(engine.new_slot(1), requests[1])
+    assert alone.step().token_ids == out[1][:1] and engine.target.length(1) == 40
+    assert out == [run(engine, r.prompt_ids, 8, GREEDY, 0) for r in requests]
 
 
 def test_a_batched_prefill_feeds_the_draft_the_same_chunks(pair: tuple[Path, Path]) -> None:

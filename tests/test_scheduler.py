@@ -65,7 +65,8 @@ async def test_concurrent_greedy_streams_equal_their_solo_runs(stub: pb_grpc.Gen
 async def test_a_prefill_shares_its_step_with_the_decoding_streams(stub: pb_grpc.GeneratorStub, server: Running,
                                                                     batching: None) -> None:
     """With batched steps, a prompt arriving while another stream decodes is prefilled in the same engine steps
-    as that stream's decode steps (the decoding stream waits no step for it)."""
+    as that stream's decode steps (the decoding stream waits no step for it), in chunks that keep those steps short
+    (`Engine._prefill_budget`)."""
     scheduler = server.runtime.scheduler
     scheduler.call(lambda: setattr(scheduler, "batching", True)).result()
     long_prompt = "# " + "spam and eggs " * 60
@@ -86,10 +87,11 @@ async def test_a_prefill_shares_its_step_with_the_decoding_streams(stub: pb_grpc
     finally:
         scheduler.on_step = None
     assert summary.completion_tokens == 2
-    first_long = next(i for i, s in enumerate(steps) if s[0] == "long")
-    prefill = steps[first_long]
-    assert prefill[1] == 1, "the whole prompt in one chunk, its first token out"
-    assert any(s[0] == "short" and s[2] == prefill[2] and s[1] == 1 for s in steps), "same step, a token each"
+    long = [s for s in steps if s[0] == "long"]
+    prefill = long[: next(i for i, s in enumerate(long) if s[1]) + 1]  # its chunks, the last with its first token
+    assert prefill[-1][1] == 1 and len(prefill) > 1, "a long prompt in several chunks, its first token out"
+    for chunk in prefill:
+        assert any(s[0] == "short" and s[2] == chunk[2] and s[1] == 1 for s in steps), "same step, a token each"
 
 
 def test_batching_setting_defaults_on_and_is_validated() -> None:
