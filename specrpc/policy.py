@@ -237,7 +237,9 @@ def default_acceptance() -> dict[str, AcceptanceEstimate]:
 class BatchGuard:
     """Realized seconds per committed token of whole batched steps by width (decoding streams, in `bucket`s), with
     drafts the policy chose and without (requests' own k and suggestions draft either way): at a width where steps
-    with policy drafts are not `min_speedup` faster per token than steps without, policy k is 0. While off, a probe
+    with policy drafts are not `min_speedup` faster per token than steps without (a margin too: where drafting and
+    plain decoding are about even, the rates' noise would keep a slightly losing speculation on), policy k is 0.
+    While off, a probe
     restarts the drafted rate from `min_steps` steps of its own; speculation comes back only when they are
     `resume_speedup` faster (a margin, so that a lucky probe on a noisy machine does not turn on a losing
     speculation for the steps it then takes to judge it again), and each probe that fails doubles the plain steps
@@ -247,7 +249,7 @@ class BatchGuard:
     drafting is on, one step in `plain_every` + 1 is plain, so that it is judged against plain decoding as it runs
     now, not as it ran when last measured."""
 
-    min_speedup: float = 1.0
+    min_speedup: float = 1.05
     resume_speedup: float = 1.15
     min_steps: int = 4
     probe_every: int = 32
@@ -259,6 +261,7 @@ class BatchGuard:
     _probing: set[int] = field(default_factory=set)  # a probe was allowed, its drafted step not yet seen
     _judging: set[int] = field(default_factory=set)  # a probe's step was seen, not yet judged
     plain_every: int = 32  # drafted steps at a width between two plain ones, which keep plain's rate measured
+    decay: float = 0.9  # of both rates: a step's committed tokens swing with acceptance, its time with the host
     idle_share: float = 0.1  # below this share of streams drafting with the draft model, its prefill is idle work
     draft_share: dict[int, float] = field(default_factory=dict)  # width → decayed share of streams that drafted
     _since_plain: dict[int, int] = field(default_factory=dict)  # width → drafted steps since its last plain one
@@ -334,8 +337,8 @@ class BatchGuard:
         if drafted and width in self._probing:
             self._probing.discard(width)
             self._judging.add(width)
-            self.rates[(width, True)] = RealizedRate()  # judged again after min_steps drafted steps of its own
-        self.rates.setdefault((width, drafted), RealizedRate()).observe(seconds, tokens)
+            self.rates[(width, True)] = RealizedRate(decay=self.decay)  # judged again after min_steps of its own
+        self.rates.setdefault((width, drafted), RealizedRate(decay=self.decay)).observe(seconds, tokens)
 
     def speedup(self, width: int) -> float | None:
         """Realized speed-up of drafted over plain steps at `width` (None until both were measured)."""
