@@ -336,9 +336,11 @@ class Engine:
         for i in prefilling:
             rows[i] = gens[i]._prefill_row(share)
         self._prefill_draft(gens, prefilling, rows, results)
-        limit = None if len(decoding) < 2 else self.batch_guard.limit(len(decoding))
-        if prefilling and limit != 0 and self.batch_guard.drafting_off(len(gens)):
-            limit = 0  # the prompts join the decoding batch next: a draft caught up now would go unused there
+        limit: int | None = None
+        if prefilling and not self.batch_guard.drafting_on(len(gens)):
+            limit = 0  # the guard judges steps without prompts; the prompts join the width they make next
+        elif len(decoding) > 1:
+            limit = self.batch_guard.limit(len(decoding))
         proposals, catch_up_s = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results,
                                                  limit)
         planned = [i for i in proposals if gens[i].fixed_k is None and proposals[i].source != "suggestion"]
@@ -394,16 +396,17 @@ class Engine:
     def _prefill_draft(self, gens: list[Generation], prefilling: list[int], rows: dict[int, BatchRow],
                        results: dict[int, StepResult | Exception]) -> None:
         """The draft takes the same prefill chunks as the target (one batched draft forward), for the prompts that
-        may draft and whose draft cache has reached the chunk, unless the guard found drafting slower at this width
-        or the policy has hardly drafted there lately (the draft then catches up if drafting returns): otherwise
-        the first batched draft after a prefill would catch up on whole prompts at once, in a step every stream
-        waits for. A failure fails those rows."""
-        guard = self.batch_guard
-        if self.draft is None or self.max_k == 0 or guard.drafting_off(len(gens)) or guard.draft_idle(len(gens)):
-            return  # where drafting does not pay at this width, a prompt's draft prefill would be spent for nothing
-        draft = self.draft
-        chunks = [i for i in prefilling if gens[i].fixed_k != 0 and gens[i].proposer != "lookup"
-                  and draft.length(rows[i].slot) == rows[i].start]
+        will draft and whose draft cache has reached the chunk: a request's own k always, the policy's where the
+        guard has drafting on at this width and the policy has drafted there lately (elsewhere it would likely be
+        spent for nothing; the draft catches up if drafting comes): otherwise the first batched draft after a
+        prefill would catch up on whole prompts at once, in a step every stream waits for. A failure fails those
+        rows."""
+        if self.draft is None or self.max_k == 0:
+            return
+        guard, draft = self.batch_guard, self.draft
+        policy = guard.drafting_on(len(gens)) and not guard.draft_idle(len(gens))
+        chunks = [i for i in prefilling if gens[i].proposer != "lookup" and draft.length(rows[i].slot) == rows[i].start
+                  and (policy if (k := gens[i].fixed_k) is None else k > 0)]
         if not chunks:
             return
         try:

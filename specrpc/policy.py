@@ -307,12 +307,13 @@ class BatchGuard:
         margin = self.resume_speedup if width in self._off else self.min_speedup
         return plain.per_token <= margin * drafted.per_token
 
-    def drafting_off(self, width: int) -> bool:
-        """Whether drafting was found slower at `width` (without counting a step towards a probe)."""
+    def drafting_on(self, width: int) -> bool:
+        """Whether drafting was found faster at `width` and is not being probed or first measured there (without
+        counting a step towards a probe)."""
         width = self.bucket(width)
         drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
         return (drafted is not None and plain is not None and min(drafted.steps, plain.steps) >= self.min_steps
-                and self._judged_off(width))
+                and width not in self._probing and width not in self._judging and not self._judged_off(width))
 
     def observe_share(self, width: int, drafting: int, streams: int) -> None:
         """In a batched step of `width` streams, `drafting` of the `streams` the policy planned for drafted with

@@ -675,8 +675,13 @@ def test_a_prompt_joining_a_decoding_stream_is_prefilled_within_the_stall_budget
 
 def test_a_batched_prefill_feeds_the_draft_the_same_chunks(pair: tuple[Path, Path]) -> None:
     """In a batched step, prompts that may draft go through the draft with the target's prefill chunks (no
-    whole-prompt catch-up in a later step every stream waits for); plain and lookup-only requests do not."""
+    whole-prompt catch-up in a later step every stream waits for) where the guard has drafting on at the width;
+    plain and lookup-only requests do not."""
     engine = make_engine(pair, slots=3)
+    for drafted, seconds in ((True, 1.0), (False, 4.0)):
+        for _ in range(engine.batch_guard.min_steps):
+            engine.batch_guard.observe(3, drafted, seconds, 3)
+    assert engine.batch_guard.drafting_on(3)
     prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2]  # 20 tokens: chunks of 16 and 4
     requests = [GenerationRequest(prompt, 8, GREEDY, None, "draft"), GenerationRequest(prompt, 8, GREEDY, 0, "draft"),
                 GenerationRequest(prompt, 8, GREEDY, None, "lookup")]
@@ -689,6 +694,21 @@ def test_a_batched_prefill_feeds_the_draft_the_same_chunks(pair: tuple[Path, Pat
     assert [g.generated for g in gens] == [1, 1, 1]
     out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
     assert out == [run(engine, prompt, 8, GREEDY, 0)] * 3
+
+
+def test_a_batched_prefill_feeds_the_draft_only_for_drafts_to_come(pair: tuple[Path, Path]) -> None:
+    """Where the guard has not found drafting faster at the width (not measured yet, here), an adaptive prompt
+    skips the draft's prefill (its draft catches up if drafting comes); a request's own k drafts whatever the
+    guard says, so its prompt still goes through the draft; the output is the same."""
+    engine = make_engine(pair, slots=2)
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2]
+    requests = [GenerationRequest(prompt, 8, GREEDY, None, "draft"), GenerationRequest(prompt, 8, GREEDY, 2, "draft")]
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    assert engine.draft is not None and not engine.batch_guard.drafting_on(2)
+    engine.step_many(gens)
+    assert [engine.draft.length(i) for i in range(2)] == [0, 16]
+    out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
+    assert out == [run(engine, prompt, 8, GREEDY, 0)] * 2
 
 
 def test_drafts_catching_up_at_once_share_a_prefill_chunk_per_step(pair: tuple[Path, Path]) -> None:

@@ -233,7 +233,7 @@ def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes
     for _ in range(2):
         seen.append(guard.limit(width))
         guard.observe(width, False, 1.0, 8)  # 0.125 s per token plain: drafting is slower here
-    assert seen == [2, 2, 0, 0] and guard.drafting_off(width) and guard.drafting_off(5) and not guard.drafting_off(4)
+    assert seen == [2, 2, 0, 0] and not guard.drafting_on(width) and not guard.drafting_on(5)
     decisions = [guard.limit(width) for _ in range(8)]
     assert decisions == [0, 0, 0, 2, 0, 0, 0, 2]  # off, a probe (at most probe_k) every 4th step
     assert guard.limit(4) == 2 and guard.limit(7) == 0  # another bucket of widths decides on its own; 5..8 together
@@ -291,14 +291,14 @@ def test_batch_guard_needs_a_margin_to_come_back_and_backs_off_its_probes_while_
     # 0.22 s per token: faster than plain, but not by the 1.2 margin a probe needs to bring speculation back;
     # each failed probe doubles the wait for the next, up to max_probe_every
     assert probe_gaps(0.88, 4) == [1, 3, 7, 7]
-    assert guard.drafting_off(width)
+    assert not guard.drafting_on(width)
     probe_gaps(0.6, 1)  # 0.15 s per token: 1.33× plain, speculation is back, unlimited
-    assert guard.limit(width) is None and not guard.drafting_off(width)
+    assert guard.limit(width) is None and guard.drafting_on(width)
     guard.observe(width, True, 0.85, 4)  # once on, it stays on with a smaller margin (1.05)
     assert guard.limit(width) is None
     for _ in range(20):
         guard.observe(width, True, 0.78, 4)  # 0.195 s per token: 1.03× plain, within the rates' noise
-    assert guard.drafting_off(width)
+    assert not guard.drafting_on(width)
 
 
 def test_batch_guard_knows_when_the_draft_sits_idle_at_a_width() -> None:
