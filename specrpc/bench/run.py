@@ -213,29 +213,32 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             async def mode(name: str) -> None:
                 await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, name)))
 
-            for streams in concurrency:  # both modes in one run, side by side: the same server, machine and moment
-                # a warm-up pass of each contender in each mode first (its prompts cached as a session's next request
-                # finds them, target and draft alike); then rounds alternating the modes and, within a mode, which
-                # contender goes first: each point the median over the rounds (a point is under a second, at the
-                # mercy of this machine's drift, so batched and round-robin are measured round by round, not one
-                # after the other)
-                await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
+            # A warm-up pass of each contender in each mode at each width first (its prompts cached as a session's
+            # next request finds them, target and draft alike); then rounds, each over every width in turn, that
+            # alternate the modes and, within a mode, which contender goes first: each point the median over the
+            # rounds. A point is under a second at the mercy of this machine's drift, so batched and round-robin
+            # are measured round by round, not one after the other, and so are the widths that "× one stream"
+            # compares (one width's rounds after another's put minutes of drift between them).
+            await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
+            for streams in concurrency:
                 for batching in modes:
                     await mode(batching)
                     for _, k in contenders:
                         await sweep_point(one, cases, streams, k, runtime)
-                points: dict[tuple[str, str], list[dict[str, float]]] = {
-                    (b, name): [] for b in modes for name, _ in contenders}
-                for r in range(sweep_rounds):
+            points: dict[tuple[int, str, str], list[dict[str, float]]] = {
+                (streams, b, name): [] for streams in concurrency for b in modes for name, _ in contenders}
+            for r in range(sweep_rounds):
+                for streams in concurrency:
                     for batching in modes if r % 2 == 0 else modes[::-1]:
                         await mode(batching)
                         for name, k in (contenders if r % 2 else contenders[::-1]):
-                            points[(batching, name)].append(await sweep_point(one, cases, streams, k, runtime))
-                for (batching, name), measured in points.items():
-                    key = f"{streams}:{batching}:{name}"
-                    sweep[key] = {field: statistics.median(p[field] for p in measured) for field in measured[0]}
-                    sweep[key]["streams"] = streams
-                    sweep[key]["rounds"] = sweep_rounds
+                            points[(streams, batching, name)].append(
+                                await sweep_point(one, cases, streams, k, runtime))
+            for (streams, batching, name), measured in points.items():
+                key = f"{streams}:{batching}:{name}"
+                sweep[key] = {field: statistics.median(p[field] for p in measured) for field in measured[0]}
+                sweep[key]["streams"] = streams
+                sweep[key]["rounds"] = sweep_rounds
             await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, "batched")))
             for key, value in list(sweep.items()):  # the batched figures also under their former names
                 if ":batched:" in key:
