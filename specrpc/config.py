@@ -105,9 +105,10 @@ HELP: dict[str, str] = {
     "max_draft_tokens": "largest k, draft tokens per verify step",
     "speculation": "adaptive (choose k from measured acceptance and costs), fixed (always max_draft_tokens), off",
     "proposer": "default proposer: combined (prompt lookup when it matches, else the draft model), draft or lookup",
-    "prefill_chunk": "prompt tokens per prefill forward (long prompts are prefilled in chunks)",
+    "prefill_chunk": "prompt tokens per prefill forward (long prompts are prefilled in chunks; while other streams "
+                     "decode, fewer: their step stays within 4x its plain cost)",
     "batching": "on: each device step runs every runnable stream together (one batched draft and target forward, "
-                "prefill chunks mixed in within --prefill-chunk tokens); off: one stream's step at a time, round-robin",
+                "prefill chunks mixed in); off: one stream's step at a time, round-robin",
     "lean": "use specrpc's lean Llama-family forward when the architecture allows (else transformers)",
     "threads": "CPU threads for torch (0: torch's default)",
     "draft_int8": "on CPU, run the draft's decode steps on int8 weight copies (drafting is bound by reading weights; "

@@ -239,15 +239,14 @@ class BatchGuard:
     drafts the policy chose and without (requests' own k and suggestions draft either way): at a width where steps
     with policy drafts are not `min_speedup` faster per token than steps without (a margin too: where drafting and
     plain decoding are about even, the rates' noise would keep a slightly losing speculation on), policy k is 0.
-    While off, a probe
-    restarts the drafted rate from `min_steps` steps of its own; speculation comes back only when they are
-    `resume_speedup` faster (a margin, so that a lucky probe on a noisy machine does not turn on a losing
-    speculation for the steps it then takes to judge it again), and each probe that fails doubles the plain steps
-    before the next one (`probe_every` up to `max_probe_every`). Until both rates have `min_steps` steps, it lets the
-    policy draft (at most `probe_k`) first, then has plain steps measured. A probe, too, drafts `min_steps` steps
-    before it is judged: one step's committed tokens vary too much with acceptance to judge a width by. While
-    drafting is on, one step in `plain_every` + 1 is plain, so that it is judged against plain decoding as it runs
-    now, not as it ran when last measured."""
+    While off, a probe restarts the drafted rate from `min_steps` steps of its own; speculation comes back only
+    when they are `resume_speedup` faster (a margin, so that a lucky probe on a noisy machine does not turn on a
+    losing speculation for the steps it then takes to judge it again). Each probe that fails doubles the plain
+    steps before the next one (`probe_every` up to `max_probe_every`), each that succeeds halves them. Until both
+    rates have `min_steps` steps, it lets the policy draft (at most `probe_k`) first, then has plain steps
+    measured. A probe, too, drafts `min_steps` steps before it is judged: one step's committed tokens vary too much
+    with acceptance to judge a width by. While drafting is on, one step in `plain_every` + 1 is plain, so that it
+    is judged against plain decoding as it runs now, not as it ran when last measured."""
 
     min_speedup: float = 1.05
     resume_speedup: float = 1.15
@@ -285,8 +284,9 @@ class BatchGuard:
         probed = width in self._judging
         self._judging.discard(width)
         if not self._judged_off(width):
+            if probed:  # back on: the next probes come sooner, but a width where it flaps keeps most of its wait
+                self._every[width] = max(self.probe_every, self._every.get(width, self.probe_every) // 2)
             self._off.pop(width, None)
-            self._every.pop(width, None)
             since = self._since_plain.get(width, 0) + 1
             self._since_plain[width] = 0 if since > self.plain_every else since
             return 0 if since > self.plain_every else None

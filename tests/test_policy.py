@@ -299,6 +299,7 @@ def test_batch_guard_needs_a_margin_to_come_back_and_backs_off_its_probes_while_
     for _ in range(20):
         guard.observe(width, True, 0.78, 4)  # 0.195 s per token: 1.03× plain, within the rates' noise
     assert not guard.drafting_on(width)
+    assert probe_gaps(0.88, 2) == [3, 7]  # the successful probe halved the wait (8 → 4), not reset it to 2
 
 
 def test_batch_guard_knows_when_the_draft_sits_idle_at_a_width() -> None:
