@@ -218,9 +218,11 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             # alternate the modes and, within a mode, which contender goes first: each point the median over the
             # rounds. A point is under a second at the mercy of this machine's drift, so batched and round-robin
             # are measured round by round, not one after the other, and so are the widths that "× one stream"
-            # compares (one width's rounds after another's put minutes of drift between them).
+            # compares (one width's rounds after another's put minutes of drift between them). The rounds go up
+            # and down the widths in turn (warm-ups downwards, so the first round starts where they ended): a point
+            # measured right after the widest one met its aftermath, and one mode went first there more often.
             await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
-            for streams in concurrency:
+            for streams in concurrency[::-1]:
                 for batching in modes:
                     await mode(batching)
                     for _, k in contenders:
@@ -228,7 +230,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             points: dict[tuple[int, str, str], list[dict[str, float]]] = {
                 (streams, b, name): [] for streams in concurrency for b in modes for name, _ in contenders}
             for r in range(sweep_rounds):
-                for streams in concurrency:
+                for streams in concurrency if r % 2 == 0 else concurrency[::-1]:
                     for batching in modes if r % 2 == 0 else modes[::-1]:
                         await mode(batching)
                         for name, k in (contenders if r % 2 else contenders[::-1]):
