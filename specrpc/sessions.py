@@ -67,9 +67,8 @@ class SessionRegistry:
     prompt, so repeated prompts still hit the cache, unless that prefix is too short to be worth another prompt's
     cache (under `MIN_REUSE` tokens and half the prompt); then the free slot whose cached prompt other slots hold
     too, else the one taken longest ago (never-taken ones first), so that prompts taking turns keep their caches (as
-    llama.cpp's slot similarity threshold does). Named
-    sessions keep theirs until idle past the TTL, and idle sessions are evicted least-recently-used first when a new
-    request needs a slot."""
+    llama.cpp's slot similarity threshold does). Named sessions keep theirs until idle past the TTL, and idle
+    sessions are evicted least-recently-used first when a new request needs a slot."""
 
     def __init__(self, engine: Engine, num_slots: int, ttl_s: float) -> None:
         self.engine = engine
