@@ -332,10 +332,11 @@ class Engine:
         prefilling = [i for i in live if gens[i].prefilling]
         decoding = [i for i in live if not gens[i].prefilling]
         rows: dict[int, BatchRow] = {}
-        share = max(MIN_PREFILL_SHARE, self._prefill_budget(len(decoding)) // max(1, len(prefilling)))
-        for i in prefilling:
-            rows[i] = gens[i]._prefill_row(share)
-        self._prefill_draft(gens, prefilling, rows, results)
+        if prefilling:  # the budget's search over the batch costs only where a prompt takes it
+            share = max(MIN_PREFILL_SHARE, self._prefill_budget(len(decoding)) // len(prefilling))
+            for i in prefilling:
+                rows[i] = gens[i]._prefill_row(share)
+            self._prefill_draft(gens, prefilling, rows, results)
         limit: int | None = None
         if prefilling and not self.batch_guard.drafting_on(len(gens)):
             limit = 0  # the guard judges steps without prompts; the prompts join the width they make next
