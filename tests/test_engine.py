@@ -590,6 +590,16 @@ def test_batch_guard_off_at_a_width_stops_policy_drafts_but_not_a_requests_own_k
     assert out == [run(engine, r.prompt_ids, 20, GREEDY, 0, proposer=r.proposer or "draft") for r in requests]
 
 
+def test_a_lone_streams_steps_refine_the_batch_costs_of_their_size(pair: tuple[Path, Path]) -> None:
+    """A stream alone steps outside the batched forward, yet its forwards are batches of one row: they refine the
+    batch costs of their token count (the one-token entry a batched width's bound is compared with), no other."""
+    engine = make_engine(pair)
+    engine.batch_costs = BatchCosts(target_s={1: 10.0, 4: 10.0}, decay=0.5)
+    run(engine, [1, 2, 3], 6, GREEDY, 0)
+    assert engine.batch_costs.target_s[1] < 1.0  # ten-second forwards nowhere: measured ones took over
+    assert engine.batch_costs.target_s[4] == 10.0
+
+
 def test_a_lone_decoding_stream_amid_prompts_keeps_to_the_guard_of_the_width_they_make(
         pair: tuple[Path, Path]) -> None:
     """One stream decodes while two prompts are still in their prefill chunks: the width it decodes at next is
