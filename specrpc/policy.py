@@ -28,6 +28,7 @@ drafts, and turns the policy's speculation off at a width where it is not faster
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -128,14 +129,15 @@ class CostModel:
 def _interpolate(table: dict[int, float], x: int) -> float:
     """table (size → seconds) at x: linear between measured sizes, the smallest one's below them, extended along
     the last two (never downwards) above them; never below a nanosecond."""
+    measured = table.get(x)
+    if measured is not None:  # the common case (a width's sizes recur), without sorting a table of every size seen
+        return max(1e-9, measured)
     known = sorted(table)
-    if x in table:
-        return max(1e-9, table[x])
-    if x < known[0]:
+    at = bisect.bisect_left(known, x)  # known[at - 1] < x < known[at]
+    if at == 0:
         return max(1e-9, table[known[0]])
-    above = [n for n in known if n > x]
-    if above:
-        lo, hi = max(n for n in known if n < x), above[0]
+    if at < len(known):
+        lo, hi = known[at - 1], known[at]
         return max(1e-9, table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo))
     last = table[known[-1]]
     if len(known) == 1:
