@@ -33,7 +33,8 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
             assert point["aggregate_tokens_per_s"] > 0 and point["per_stream_tokens_per_s"] > 0
             assert point["itl_p99_ms"] >= point["itl_p50_ms"] > 0 and point["bound_tokens_per_s"] > 0
     assert sweep["2:batched:target-only"]["mean_k"] == 0 and sweep["2:batched:adaptive"]["rounds"] == 2
-    assert "| 2 | round-robin |" in (tmp_path / "results.md").read_text()
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| 2 | round-robin |" in markdown and "reached of the bound's ×" in markdown
     for chart in ("tokens_per_s.png", "accepted_length.png", "speedup_vs_k.png"):
         assert (tmp_path / chart).stat().st_size > 0
     assert "| adaptive |" in (tmp_path / "results.md").read_text()

@@ -235,7 +235,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                         await mode(batching)
                         for name, k in (contenders if r % 2 else contenders[::-1]):
                             points[(streams, batching, name)].append(
-                                await sweep_point(one, cases, streams, k, runtime))
+                                await sweep_point(one, cases, streams, k, runtime, POINT_STREAMS))
             for (streams, batching, name), measured in points.items():
                 key = f"{streams}:{batching}:{name}"
                 sweep[key] = {field: statistics.median(p[field] for p in measured) for field in measured[0]}
@@ -257,15 +257,22 @@ def set_batching(runtime: Runtime, mode: str) -> None:
     runtime.scheduler.batching = mode == "batched"
 
 
+POINT_STREAMS = 8
+"""A measured sweep point runs at least the requests of this many streams: a narrower one repeats its cases (one
+stream runs them 8 times), so that the one-stream point, the denominator of every "× one stream", is not the
+shortest measurement of the sweep and the noisiest (four requests, under half a second)."""
+
+
 async def sweep_point(one: Callable[[Case, int | None, int], Awaitable[tuple[Run, int]]], cases: list[Case],
-                      streams: int, k: int | None, runtime: Runtime) -> dict[str, float]:
-    """`streams` clients at once, each running every case one after the other (client i starting at case i, so
-    that the clients carry equal work and stay in flight together: a prompt that stops early would otherwise leave
-    its client idle and the batch narrower than `streams`), with k (None: adaptive): aggregate and per-stream
-    tokens/s, ITL p50/p99, mean k, and the bound plain batched decoding has from the measured batch costs
-    (`streams` tokens per target forward of that many tokens, nothing else)."""
+                      streams: int, k: int | None, runtime: Runtime, span: int = 1) -> dict[str, float]:
+    """`streams` clients at once, each running every case one after the other, ceil(span / streams) times over
+    (client i starting at case i, so that the clients carry equal work and stay in flight together: a prompt that
+    stops early would otherwise leave its client idle and the batch narrower than `streams`), with k (None:
+    adaptive): aggregate and per-stream tokens/s, ITL p50/p99, mean k, and the bound plain batched decoding has from
+    the measured batch costs (`streams` tokens per target forward of that many tokens, nothing else)."""
     t0 = time.perf_counter()
-    batches = [[cases[(i + j) % len(cases)] for j in range(len(cases))] for i in range(streams)]
+    repeats = -(-span // streams)
+    batches = [[cases[(i + j) % len(cases)] for j in range(len(cases) * repeats)] for i in range(streams)]
 
     async def worker(batch: list[Case]) -> list[Run]:
         return [(await one(c, k, j))[0] for j, c in enumerate(batch)]
@@ -324,8 +331,8 @@ def markdown(results: dict[str, Any]) -> str:
                   "",
                   "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | adaptive ÷ target-only "
                   "| target-only × one stream | bound (batched target-only, measured batch costs) | bound × one "
-                  "stream's | adaptive ITL p50 / p99 ms | target-only ITL p99 ms | mean k |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "stream's | reached of the bound's × | adaptive ITL p50 / p99 ms | target-only ITL p99 ms | mean k |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         one = {mode: sweep.get(f"1:{mode}:target-only", {}).get("aggregate_tokens_per_s")
                for mode in ("batched", "round-robin")}
         one_bound = sweep.get("1:batched:target-only", {}).get("bound_tokens_per_s")
@@ -335,12 +342,13 @@ def markdown(results: dict[str, Any]) -> str:
                     continue
                 a, t = sweep[f"{streams}:{mode}:adaptive"], sweep[f"{streams}:{mode}:target-only"]
                 ratio = a["aggregate_tokens_per_s"] / t["aggregate_tokens_per_s"] if t["aggregate_tokens_per_s"] else 0
-                scale = f"{t['aggregate_tokens_per_s'] / base:.2f}×" if (base := one[mode]) else ""
-                bound_scale = f"{t['bound_tokens_per_s'] / one_bound:.2f}×" if one_bound else ""
+                scale = t["aggregate_tokens_per_s"] / base if (base := one[mode]) else 0.0
+                bound_scale = t["bound_tokens_per_s"] / one_bound if one_bound else 0.0
+                reached = f"{scale / bound_scale:.2f}" if scale and bound_scale else ""
                 lines.append(f"| {streams} | {mode} | {a['aggregate_tokens_per_s']:.1f} | "
                              f"{a['per_stream_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
-                             f"{ratio:.2f}× | {scale} | {t['bound_tokens_per_s']:.1f} | "
-                             f"{bound_scale} | "
+                             f"{ratio:.2f}× | {scale:.2f}× | {t['bound_tokens_per_s']:.1f} | "
+                             f"{bound_scale:.2f}× | {reached} | "
                              f"{a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} | "
                              f"{a['mean_k']:.2f} |")
     if "workloads" in results:
