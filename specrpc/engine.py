@@ -725,9 +725,8 @@ class Generation:
         )
         if forward_s is not None:
             slot.policy.costs.observe_target(len(proposal) + 1, forward_s)
-            # a solo step is a batch of one row: without it the batch costs' one-token entry stayed at its start-up
-            # calibration (2.3 ms here, against 1.6 ms for the steps a lone stream then ran), and so did every bound
-            # a batched width is compared with
+            # a solo step is a batch of one row: it refines the batch costs of its size too (the one-token entry
+            # otherwise keeps its start-up calibration, and so does the bound every batched width is compared with)
             engine.batch_costs.observe_target(len(proposal) + 1, forward_s)
             if engine.stall is not None and len(proposal):
                 time.sleep(engine.stall.verify_s)

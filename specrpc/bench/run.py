@@ -347,8 +347,8 @@ def markdown(results: dict[str, Any]) -> str:
                 reached = f"{scale / bound_scale:.2f}" if scale and bound_scale else ""
                 lines.append(f"| {streams} | {mode} | {a['aggregate_tokens_per_s']:.1f} | "
                              f"{a['per_stream_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
-                             f"{ratio:.2f}× | {scale:.2f}× | {t['bound_tokens_per_s']:.1f} | "
-                             f"{bound_scale:.2f}× | {reached} | "
+                             f"{ratio:.2f}× | {f'{scale:.2f}×' if scale else ''} | {t['bound_tokens_per_s']:.1f} | "
+                             f"{f'{bound_scale:.2f}×' if bound_scale else ''} | {reached} | "
                              f"{a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} | "
                              f"{a['mean_k']:.2f} |")
     if "workloads" in results:
