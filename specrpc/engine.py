@@ -146,12 +146,18 @@ class Slot:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix."""
+    """Length of the longest common prefix (list comparisons, halving the span where they differ)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; the first difference, if any, lies in [lo, hi)
+    if a[:n] == b[:n]:
+        return n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class Engine:
@@ -170,6 +176,7 @@ class Engine:
         self.calibration_rounds = 0  # measured rounds of the last `calibrate`
         self.batch_costs = BatchCosts()  # batched steps' costs by total tokens, shared by every stream
         self.batch_guard = BatchGuard()  # whether speculating pays in fact, per batch width
+        self.slots: dict[int, Slot] = {}  # each index's slot state (`new_slot`): where a prompt's prefix may be cached
         self.lookup = PromptLookupProposer()
         self.drafter = DraftModelProposer(draft, config.prefill_chunk) if draft is not None else None
         # "combined": each step, prompt lookup when it finds a match worth verifying, else the draft model
@@ -187,7 +194,20 @@ class Engine:
         self.target.truncate(index, 0)
         if self.draft is not None:
             self.draft.truncate(index, 0)
-        return Slot(index, [], policy if policy is not None else self.new_policy())
+        slot = self.slots[index] = Slot(index, [], policy if policy is not None else self.new_policy())
+        return slot
+
+    def prefix_source(self, index: int, prompt: list[int]) -> tuple[Slot, int] | None:
+        """The slot other than `index` whose target cache holds the longest prefix of `prompt`, and its length (its
+        draft's may be shorter); None where no other slot holds any."""
+        best: tuple[Slot, int] | None = None
+        for other in self.slots.values():
+            if other.index == index:
+                continue
+            held = min(common_prefix(other.tokens, prompt), self.target.length(other.index))
+            if held > (best[1] if best is not None else 0):
+                best = (other, held)
+        return best
 
     def reset_slot(self, slot: Slot) -> None:
         """Forget a slot's cached context (after a failure mid-step its caches may be inconsistent)."""
@@ -534,13 +554,27 @@ class Generation:
         return self._speculate()
 
     def _reuse_prefix(self) -> None:
-        """Keep the cached prefix shared with the prompt (at least the last prompt token is recomputed)."""
+        """Keep the cached prefix shared with the prompt, extended by a copy from another slot's cache where that
+        one holds more of it (a prompt many clients send: a system prompt, a file several editors complete in); at
+        least the last prompt token is recomputed."""
         engine, slot, prompt = self.engine, self.slot, self.request.prompt_ids
         shared = common_prefix(slot.tokens, prompt)
         keep = min(engine.target.length(slot.index), shared, len(prompt) - 1)
         engine.target.truncate(slot.index, keep)
+        draft_keep = 0
         if engine.draft is not None:
-            engine.draft.truncate(slot.index, min(engine.draft.length(slot.index), shared))
+            draft_keep = min(engine.draft.length(slot.index), shared)
+            engine.draft.truncate(slot.index, draft_keep)
+        source = engine.prefix_source(slot.index, prompt)
+        if source is not None:
+            other, held = source
+            taken = min(held, len(prompt) - 1)
+            if taken > keep and engine.target.copy_prefix(other.index, slot.index, taken, keep):
+                keep = taken
+            if engine.draft is not None:
+                theirs = min(held, engine.draft.length(other.index))
+                if theirs > draft_keep:
+                    engine.draft.copy_prefix(other.index, slot.index, theirs, draft_keep)
         slot.tokens = list(prompt)
         self.stats.cached_prompt_tokens = keep
         self.prefill_pos = keep

@@ -90,3 +90,15 @@ class KVCache(SlotLengths):
     def tensors(self) -> list[torch.Tensor]:
         """K and V: 2 · layers · slots · kv_heads · capacity · head_dim elements in all."""
         return [self.k, self.v]
+
+    def copy_prefix(self, source: int, slot: int, length: int, start: int = 0) -> None:
+        """Positions [start, length) of `source` into `slot`, which keeps its own [0, start) and then holds `length`
+        positions: a prompt another slot has cached, taken in one copy of its K/V instead of a prefill."""
+        self._check_slot(source)
+        self._check_slot(slot)
+        if source == slot or not 0 <= start <= min(length, self.lengths[slot]) or length > self.lengths[source]:
+            raise ValueError(f"cannot copy positions {start}..{length - 1} of slot {source} (it holds "
+                             f"{self.lengths[source]}) into slot {slot} (it holds {self.lengths[slot]})")
+        self.k[:, slot, :, start:length] = self.k[:, source, :, start:length]  # [L, H, length - start, D]
+        self.v[:, slot, :, start:length] = self.v[:, source, :, start:length]
+        self.lengths[slot] = length

@@ -590,6 +590,25 @@ def test_batch_guard_off_at_a_width_stops_policy_drafts_but_not_a_requests_own_k
     assert out == [run(engine, r.prompt_ids, 20, GREEDY, 0, proposer=r.proposer or "draft") for r in requests]
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_prompt_another_slot_holds_is_copied_not_prefilled(pair: tuple[Path, Path], k: int) -> None:
+    """A request whose prompt starts with what another slot has cached (its prompt and some of its output) takes
+    those positions of both caches in one copy, not a prefill; its output is the one a fresh slot gives."""
+    engine = make_engine(pair, slots=3)
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3, 1, 2, 3]
+    first = run(engine, prompt, 8, GREEDY, 0)  # slot 0 now holds the prompt and its first 7 output tokens
+    held_draft = engine.draft.length(0) if engine.draft is not None else 0
+    longer = prompt + first[:4] + [5, 5]
+    gen = engine.start(engine.new_slot(1), GenerationRequest(longer, 10, GREEDY, k, "draft"))
+    out: list[int] = []
+    while not gen.finished:
+        out += gen.step().token_ids
+    assert gen.stats.cached_prompt_tokens == len(prompt) + 4  # the copy: nothing of it was prefilled
+    assert engine.draft is not None and engine.draft.length(1) >= min(held_draft, len(prompt) + 4)
+    engine.new_slot(0)  # forget slot 0's cache: no more source
+    assert out == run(engine, longer, 10, GREEDY, 0, slot=engine.new_slot(2))
+
+
 def test_a_lone_streams_steps_refine_the_batch_costs_of_their_size(pair: tuple[Path, Path]) -> None:
     """A stream alone steps outside the batched forward, yet its forwards are batches of one row: they refine the
     batch costs of their token count (the one-token entry a batched width's bound is compared with), no other."""

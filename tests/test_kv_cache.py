@@ -98,3 +98,26 @@ def test_kv_cache_layout() -> None:
     cache.commit(0, 16)
     cache.begin_write(0, 3, 2)  # a rewrite inside the slot drops everything from its start
     assert cache.length(0) == 3
+
+
+def test_copy_prefix_takes_another_slots_positions_without_gaps() -> None:
+    """A slot keeps its own [0, start) and takes [start, length) of another: exactly those positions change hands,
+    and a copy that would read past the source's length or leave a gap is refused."""
+    cache = KVCache(num_layers=2, num_slots=3, kv_heads=2, capacity=16, head_dim=4, device=CPU, dtype=torch.float32)
+    cache.k.normal_()
+    cache.v.normal_()
+    before = cache.k.clone(), cache.v.clone()
+    cache.commit(0, 10)
+    cache.commit(1, 3)
+    cache.copy_prefix(0, 1, 8, start=3)
+    assert cache.length(1) == 8
+    for now, old in zip((cache.k, cache.v), before, strict=True):
+        assert torch.equal(now[:, 1, :, :3], old[:, 1, :, :3])  # its own first three positions
+        assert torch.equal(now[:, 1, :, 3:8], old[:, 0, :, 3:8])  # the source's next five
+        assert torch.equal(now[:, 1, :, 8:], old[:, 1, :, 8:]) and torch.equal(now[:, [0, 2]], old[:, [0, 2]])
+    with pytest.raises(ValueError, match="cannot copy"):
+        cache.copy_prefix(0, 2, 11)  # slot 0 holds 10
+    with pytest.raises(ValueError, match="cannot copy"):
+        cache.copy_prefix(0, 2, 5, start=1)  # slot 2 holds nothing: a gap at 0
+    with pytest.raises(ValueError, match="cannot copy"):
+        cache.copy_prefix(1, 1, 2)

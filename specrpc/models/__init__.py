@@ -50,6 +50,12 @@ class CausalLM(Protocol):
         """Valid positions in `slot`."""
         ...
 
+    def copy_prefix(self, source: int, slot: int, length: int, start: int = 0) -> bool:
+        """Positions [start, length) of `source` into `slot` (start <= length(slot), length <= length(source)), which
+        then holds `length` positions; False where this model cannot copy between slots (the prompt is then
+        prefilled)."""
+        ...
+
     def cache_bytes(self) -> int:
         """Bytes of the preallocated K/V tensors."""
         ...

@@ -118,6 +118,11 @@ class HFCausalLM:
         """Valid positions in `slot`."""
         return self.cache.length(slot)
 
+    def copy_prefix(self, source: int, slot: int, length: int, start: int = 0) -> bool:
+        """No copy between slots: transformers allocates each slot's cache on its first write and keeps its own
+        length in it, so the fallback prefills the prompt instead."""
+        return False
+
     def cache_bytes(self) -> int:
         """Bytes of the preallocated K/V tensors."""
         return self.cache.nbytes()

@@ -1072,6 +1072,11 @@ class LlamaLM:
         """Valid positions in `slot`."""
         return self.cache.length(slot)
 
+    def copy_prefix(self, source: int, slot: int, length: int, start: int = 0) -> bool:
+        """`slot` takes positions [start, length) of `source` (`KVCache.copy_prefix`)."""
+        self.cache.copy_prefix(source, slot, length, start)
+        return True
+
     def cache_bytes(self) -> int:
         """Bytes of the preallocated K/V tensors."""
         return self.cache.nbytes()
