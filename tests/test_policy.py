@@ -314,3 +314,18 @@ def test_batch_guard_knows_when_the_draft_sits_idle_at_a_width() -> None:
     for _ in range(10):
         guard.observe_share(16, 8, 16)
     assert not guard.draft_idle(16)
+
+
+def test_batch_guard_is_not_held_by_one_stalled_step() -> None:
+    """Plain steps at 8 streams take 4.5 ms for 8 tokens, drafted ones 6.5 ms for 10 (slower per token); one plain
+    step the host stalled to 17 ms does not make drafting look faster: it is judged off once both kinds are
+    measured, and a drafted step stalled alike does not turn it back on."""
+    guard = BatchGuard(min_steps=4)
+    for _ in range(8):
+        guard.observe(8, True, 6.5e-3, 10)
+    guard.observe(8, False, 17e-3, 8)
+    for _ in range(4):
+        guard.observe(8, False, 4.5e-3, 8)
+    assert guard.limit(8) == 0 and not guard.drafting_on(8)
+    guard.observe(8, True, 30e-3, 10)
+    assert not guard.drafting_on(8)
