@@ -288,8 +288,7 @@ class BatchGuard:
     _probing: set[int] = field(default_factory=set)  # a probe was allowed, its drafted step not yet seen
     _judging: set[int] = field(default_factory=set)  # a probe's step was seen, not yet judged
     plain_every: int = 32  # drafted steps at a width between two plain ones, which keep plain's rate measured
-    window: int = 8  # steps each rate is the median over: a step's committed tokens swing with acceptance, its time
-    # with the host
+    window: int = 8  # steps each rate is the median of (tokens swing with acceptance, times with the host)
     idle_share: float = 0.1  # below this share of streams drafting with the draft model, its prefill is idle work
     draft_share: dict[int, float] = field(default_factory=dict)  # width → decayed share of streams that drafted
     _since_plain: dict[int, int] = field(default_factory=dict)  # width → drafted steps since its last plain one
