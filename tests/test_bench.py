@@ -33,8 +33,11 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
             assert point["aggregate_tokens_per_s"] > 0 and point["per_stream_tokens_per_s"] > 0
             assert point["itl_p99_ms"] >= point["itl_p50_ms"] > 0 and point["bound_tokens_per_s"] > 0
     assert sweep["2:batched:target-only"]["mean_k"] == 0 and sweep["2:batched:adaptive"]["rounds"] == 2
+    assert sweep["1:batched:target-only"]["paired_times_one_stream"] == 1.0  # each round's one stream ÷ itself
+    assert sweep["2:batched:adaptive"]["paired_over_other_mode"] > 0  # batched ÷ round-robin, round by round
     markdown = (tmp_path / "results.md").read_text()
     assert "| 2 | round-robin |" in markdown and "reached of the bound's ×" in markdown
+    assert "batched ÷ round-robin, target-only" in markdown
     for chart in ("tokens_per_s.png", "accepted_length.png", "speedup_vs_k.png"):
         assert (tmp_path / chart).stat().st_size > 0
     assert "| adaptive |" in (tmp_path / "results.md").read_text()

@@ -241,6 +241,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                 sweep[key] = {field: statistics.median(p[field] for p in measured) for field in measured[0]}
                 sweep[key]["streams"] = streams
                 sweep[key]["rounds"] = sweep_rounds
+                sweep[key].update(paired_ratios(points, streams, batching, name))
             await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, "batched")))
             for key, value in list(sweep.items()):  # the batched figures also under their former names
                 if ":batched:" in key:
@@ -249,6 +250,26 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
     finally:
         await running.server.stop(0)
         running.janitor.cancel()
+    return out
+
+
+def paired_ratios(points: dict[tuple[int, str, str], list[dict[str, float]]], streams: int, mode: str,
+                  name: str) -> dict[str, float]:
+    """A point's ratios to the points it is compared with, each the median of the ratios within a round (the
+    medians of two points divided come from different rounds, and this machine drifts between rounds): aggregate
+    ÷ the same width in the other mode ("paired_over_other_mode"), and target-only's ÷ one stream's in this mode
+    ("paired_times_one_stream", target-only only)."""
+
+    def median_ratio(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
+        ratios = [x["aggregate_tokens_per_s"] / y["aggregate_tokens_per_s"] for x, y in zip(a, b, strict=True)
+                  if y["aggregate_tokens_per_s"]]
+        return statistics.median(ratios) if ratios else 0.0
+
+    mine = points[(streams, mode, name)]
+    other = "round-robin" if mode == "batched" else "batched"
+    out = {"paired_over_other_mode": median_ratio(mine, points[(streams, other, name)])}
+    if name == "target-only" and (1, mode, name) in points:
+        out["paired_times_one_stream"] = median_ratio(mine, points[(1, mode, name)])
     return out
 
 
@@ -351,6 +372,15 @@ def markdown(results: dict[str, Any]) -> str:
                              f"{f'{bound_scale:.2f}×' if bound_scale else ''} | {reached} | "
                              f"{a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} | "
                              f"{a['mean_k']:.2f} |")
+        lines += ["", "The same ratios paired by round (each the median of its ratios within a round; the table above "
+                  "divides medians, which may come from different rounds):", "",
+                  "| streams | batched ÷ round-robin, adaptive | batched ÷ round-robin, target-only | target-only × "
+                  "one stream, batched |", "| --- | --- | --- | --- |"]
+        for streams in sorted({int(v["streams"]) for v in sweep.values()}):
+            a, t = sweep.get(f"{streams}:batched:adaptive", {}), sweep.get(f"{streams}:batched:target-only", {})
+            if "paired_over_other_mode" in a and "paired_over_other_mode" in t:
+                lines.append(f"| {streams} | {a['paired_over_other_mode']:.3f} | {t['paired_over_other_mode']:.3f} | "
+                             f"{t.get('paired_times_one_stream', 0.0):.2f}× |")
     if "workloads" in results:
         lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
                   "| --- | --- | --- | --- | --- |"]
