@@ -57,6 +57,14 @@ class SlotLengths(ABC):
         """Mark positions [0, length) of `slot` valid after a successful write."""
         self.lengths[slot] = length
 
+    def check_copy(self, source: int, slot: int, length: int, start: int) -> None:
+        """Check a copy of positions [start, length) of `source` into `slot`, which keeps its own [0, start)."""
+        self._check_slot(source)
+        self._check_slot(slot)
+        if source == slot or not 0 <= start <= min(length, self.lengths[slot]) or length > self.lengths[source]:
+            raise ValueError(f"cannot copy positions {start}..{length - 1} of slot {source} (it holds "
+                             f"{self.lengths[source]}) into slot {slot} (it holds {self.lengths[slot]})")
+
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every preallocated K/V tensor (their data_ptr never changes)."""
@@ -94,11 +102,7 @@ class KVCache(SlotLengths):
     def copy_prefix(self, source: int, slot: int, length: int, start: int = 0) -> None:
         """Positions [start, length) of `source` into `slot`, which keeps its own [0, start) and then holds `length`
         positions: a prompt another slot has cached, taken in one copy of its K/V instead of a prefill."""
-        self._check_slot(source)
-        self._check_slot(slot)
-        if source == slot or not 0 <= start <= min(length, self.lengths[slot]) or length > self.lengths[source]:
-            raise ValueError(f"cannot copy positions {start}..{length - 1} of slot {source} (it holds "
-                             f"{self.lengths[source]}) into slot {slot} (it holds {self.lengths[slot]})")
+        self.check_copy(source, slot, length, start)
         self.k[:, slot, :, start:length] = self.k[:, source, :, start:length]  # [L, H, length - start, D]
         self.v[:, slot, :, start:length] = self.v[:, source, :, start:length]
         self.lengths[slot] = length

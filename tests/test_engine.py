@@ -56,16 +56,17 @@ def one_thread() -> object:
 
 
 def make_engine(pair: tuple[Path, Path], draft_int8: bool = False, dtype: torch.dtype = torch.float32,
-                slots: int = 2, native: bool = True, **overrides: object) -> Engine:
+                slots: int = 2, native: bool = True, lean: bool = True, **overrides: object) -> Engine:
     """`draft_int8`: the draft decodes on int8 weight copies, as the server runs it on CPU by default; one-token
     steps at float32 run native, as in the server (the torch forward's are checked in test_models and
     test_shipped_models)."""
     config = replace(EngineConfig(max_sessions=slots, max_context=CAPACITY - 9, max_draft_tokens=8, prefill_chunk=16),
                      **overrides)  # type: ignore[arg-type]
     cpu = torch.device("cpu")
-    target = load_model(pair[0], device=cpu, dtype=dtype, num_slots=slots, max_context=CAPACITY, native_decode=native)
+    target = load_model(pair[0], device=cpu, dtype=dtype, num_slots=slots, max_context=CAPACITY, native_decode=native,
+                        lean=lean)
     draft = load_model(pair[1], device=cpu, dtype=dtype, num_slots=slots, max_context=CAPACITY,
-                       int8_decode=draft_int8, native_decode=native)
+                       int8_decode=draft_int8, native_decode=native, lean=lean)
     assert not draft_int8 or (isinstance(draft, LlamaLM) and draft.weights.head.q8 is not None)
     return Engine(target, draft, config)
 
@@ -590,11 +591,14 @@ def test_batch_guard_off_at_a_width_stops_policy_drafts_but_not_a_requests_own_k
     assert out == [run(engine, r.prompt_ids, 20, GREEDY, 0, proposer=r.proposer or "draft") for r in requests]
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
 @pytest.mark.parametrize("k", [0, 3])
-def test_a_prompt_another_slot_holds_is_copied_not_prefilled(pair: tuple[Path, Path], k: int) -> None:
+def test_a_prompt_another_slot_holds_is_copied_not_prefilled(pair: tuple[Path, Path], k: int, lean: bool) -> None:
     """A request whose prompt starts with what another slot has cached (its prompt and some of its output) takes
-    those positions of both caches in one copy, not a prefill; its output is the one a fresh slot gives."""
-    engine = make_engine(pair, slots=3)
+    those positions of both caches in one copy, not a prefill; its output is the one a fresh slot gives, with the
+    lean forward and with the transformers fallback."""
+    engine = make_engine(pair, slots=3, lean=lean)
+    assert engine.target.lean_forward == lean
     prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3, 1, 2, 3]
     first = run(engine, prompt, 8, GREEDY, 0)  # slot 0 now holds the prompt and its first 7 output tokens
     held_draft = engine.draft.length(0) if engine.draft is not None else 0

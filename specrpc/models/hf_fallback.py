@@ -42,6 +42,30 @@ class StaticSlotCache(SlotLengths):
         if removed:
             self.caches[slot].crop(-removed)  # static layers take the count to remove as a negative number
 
+    def copy_prefix(self, source: int, slot: int, length: int, start: int = 0) -> bool:
+        """Positions [start, length) of `source` into `slot`, which keeps its own [0, start) and then holds `length`
+        positions (`KVCache.copy_prefix`); False, nothing changed, where a layer is not a plain static one (a
+        sliding window keeps its own positions)."""
+        self.check_copy(source, slot, length, start)
+        theirs, mine = self._static_layers(source), self._static_layers(slot)
+        if theirs is None or mine is None:
+            return False
+        self.truncate(slot, start)
+        with torch.inference_mode():  # the layers' tensors were made under it, by the forwards
+            for a, b in zip(theirs, mine, strict=True):
+                assert a.keys is not None and a.values is not None and b.keys is not None and b.values is not None
+                b.keys[:, :, start:length] = a.keys[:, :, start:length]  # [1, H, length - start, D]
+                b.values[:, :, start:length] = a.values[:, :, start:length]
+                b.cumulative_length.add_(length - start)  # the layer's own fill level, as its `update` advances it
+        self.commit(slot, length)
+        return True
+
+    def _static_layers(self, slot: int) -> list[StaticLayer] | None:
+        """`slot`'s layers where every one is a plain, allocated StaticLayer; else None."""
+        layers = [layer for layer in self.caches[slot].layers
+                  if isinstance(layer, StaticLayer) and type(layer) is StaticLayer and layer.is_initialized]
+        return layers if len(layers) == len(self.caches[slot].layers) else None
+
     def tensors(self) -> list[torch.Tensor]:
         """Every slot's K and V per layer (allocated at model construction)."""
         out: list[torch.Tensor] = []
@@ -119,9 +143,9 @@ class HFCausalLM:
         return self.cache.length(slot)
 
     def copy_prefix(self, source: int, slot: int, length: int, start: int = 0) -> bool:
-        """No copy between slots: transformers allocates each slot's cache on its first write and keeps its own
-        length in it, so the fallback prefills the prompt instead."""
-        return False
+        """`slot` takes positions [start, length) of `source` (`StaticSlotCache.copy_prefix`); False where this
+        model's cache layers cannot be copied (the prompt is prefilled instead)."""
+        return self.cache.copy_prefix(source, slot, length, start)
 
     def cache_bytes(self) -> int:
         """Bytes of the preallocated K/V tensors."""
