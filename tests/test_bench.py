@@ -35,6 +35,8 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert sweep["2:batched:target-only"]["mean_k"] == 0 and sweep["2:batched:adaptive"]["rounds"] == 2
     assert sweep["1:batched:target-only"]["paired_times_one_stream"] == 1.0  # each round's one stream ÷ itself
     assert sweep["2:batched:adaptive"]["paired_over_other_mode"] > 0  # batched ÷ round-robin, round by round
+    assert sweep["2:batched:adaptive"]["paired_over_target_only"] > 0
+    assert len(sweep["2:round-robin:target-only"]["round_tokens_per_s"]) == 2
     markdown = (tmp_path / "results.md").read_text()
     assert "| 2 | round-robin |" in markdown and "reached of the bound's ×" in markdown
     assert "batched ÷ round-robin, target-only" in markdown

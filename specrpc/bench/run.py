@@ -206,7 +206,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                 "identical": sum(a.tokens == b.tokens for a, b, _ in pairs) / len(pairs),
             }
 
-            sweep: dict[str, dict[str, float]] = {}
+            sweep: dict[str, dict[str, Any]] = {}
             contenders = (("adaptive", None), ("target-only", 0))
             modes = ("batched", "round-robin")
 
@@ -254,11 +254,12 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
 
 
 def paired_ratios(points: dict[tuple[int, str, str], list[dict[str, float]]], streams: int, mode: str,
-                  name: str) -> dict[str, float]:
+                  name: str) -> dict[str, Any]:
     """A point's ratios to the points it is compared with, each the median of the ratios within a round (the
     medians of two points divided come from different rounds, and this machine drifts between rounds): aggregate
-    ÷ the same width in the other mode ("paired_over_other_mode"), and target-only's ÷ one stream's in this mode
-    ("paired_times_one_stream", target-only only)."""
+    ÷ the same width in the other mode ("paired_over_other_mode"), adaptive's ÷ target-only's at this width and
+    mode ("paired_over_target_only", adaptive only), and target-only's ÷ one stream's in this mode
+    ("paired_times_one_stream", target-only only); and the point's aggregate in each round ("round_tokens_per_s")."""
 
     def median_ratio(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
         ratios = [x["aggregate_tokens_per_s"] / y["aggregate_tokens_per_s"] for x, y in zip(a, b, strict=True)
@@ -267,7 +268,10 @@ def paired_ratios(points: dict[tuple[int, str, str], list[dict[str, float]]], st
 
     mine = points[(streams, mode, name)]
     other = "round-robin" if mode == "batched" else "batched"
-    out = {"paired_over_other_mode": median_ratio(mine, points[(streams, other, name)])}
+    out: dict[str, Any] = {"paired_over_other_mode": median_ratio(mine, points[(streams, other, name)]),
+                           "round_tokens_per_s": [p["aggregate_tokens_per_s"] for p in mine]}
+    if name != "target-only" and (streams, mode, "target-only") in points:
+        out["paired_over_target_only"] = median_ratio(mine, points[(streams, mode, "target-only")])
     if name == "target-only" and (1, mode, name) in points:
         out["paired_times_one_stream"] = median_ratio(mine, points[(1, mode, name)])
     return out
@@ -341,7 +345,7 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | {s['ttft_p50_ms']:.2f} | {s['itl_p50_ms']:.2f} | {s['tokens_per_s']:.1f} | "
                          f"{g[name]['messages']} |")
         o = results["grpc_overhead"]
-        sweep: dict[str, dict[str, float]] = g["concurrency"]
+        sweep: dict[str, dict[str, Any]] = g["concurrency"]
         rounds = int(min((v.get("rounds", 1) for v in sweep.values()), default=1))
         lines += ["", f"gRPC overhead (target-only, {o['requests']} requests alternating in-process and through "
                   f"gRPC, {o['messages']} messages, identical tokens {o['identical']:.2f}): median TTFT "
@@ -375,12 +379,13 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "The same ratios paired by round (each the median of its ratios within a round; the table above "
                   "divides medians, which may come from different rounds):", "",
                   "| streams | batched ÷ round-robin, adaptive | batched ÷ round-robin, target-only | target-only × "
-                  "one stream, batched |", "| --- | --- | --- | --- |"]
+                  "one stream, batched | adaptive ÷ target-only, batched |", "| --- | --- | --- | --- | --- |"]
         for streams in sorted({int(v["streams"]) for v in sweep.values()}):
             a, t = sweep.get(f"{streams}:batched:adaptive", {}), sweep.get(f"{streams}:batched:target-only", {})
             if "paired_over_other_mode" in a and "paired_over_other_mode" in t:
                 lines.append(f"| {streams} | {a['paired_over_other_mode']:.3f} | {t['paired_over_other_mode']:.3f} | "
-                             f"{t.get('paired_times_one_stream', 0.0):.2f}× |")
+                             f"{t.get('paired_times_one_stream', 0.0):.2f}× | "
+                             f"{a.get('paired_over_target_only', 0.0):.2f}× |")
     if "workloads" in results:
         lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
                   "| --- | --- | --- | --- | --- |"]
