@@ -383,9 +383,9 @@ def markdown(results: dict[str, Any]) -> str:
         for streams in sorted({int(v["streams"]) for v in sweep.values()}):
             a, t = sweep.get(f"{streams}:batched:adaptive", {}), sweep.get(f"{streams}:batched:target-only", {})
             if "paired_over_other_mode" in a and "paired_over_other_mode" in t:
+                times_one, over_t = t.get("paired_times_one_stream"), a.get("paired_over_target_only")
                 lines.append(f"| {streams} | {a['paired_over_other_mode']:.3f} | {t['paired_over_other_mode']:.3f} | "
-                             f"{t.get('paired_times_one_stream', 0.0):.2f}× | "
-                             f"{a.get('paired_over_target_only', 0.0):.2f}× |")
+                             f"{f'{times_one:.2f}×' if times_one else ''} | {f'{over_t:.2f}×' if over_t else ''} |")
     if "workloads" in results:
         lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
                   "| --- | --- | --- | --- | --- |"]

@@ -61,8 +61,9 @@ class StaticSlotCache(SlotLengths):
         return True
 
     def _static_layers(self, slot: int) -> list[StaticLayer] | None:
-        """`slot`'s layers where every one is a plain, allocated StaticLayer; else None."""
-        layers = [layer for layer in self.caches[slot].layers
+        """`slot`'s layers where every one is a plain, allocated StaticLayer (not a subclass: a sliding window layer
+        is one, and keeps its own positions); else None."""
+        layers = [layer for layer in self.caches[slot].layers  # isinstance: the type mypy narrows to
                   if isinstance(layer, StaticLayer) and type(layer) is StaticLayer and layer.is_initialized]
         return layers if len(layers) == len(self.caches[slot].layers) else None
 
