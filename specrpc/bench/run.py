@@ -361,7 +361,8 @@ def markdown(results: dict[str, Any]) -> str:
         one = {mode: sweep.get(f"1:{mode}:target-only", {}).get("aggregate_tokens_per_s")
                for mode in ("batched", "round-robin")}
         one_bound = sweep.get("1:batched:target-only", {}).get("bound_tokens_per_s")
-        for streams in sorted({int(v["streams"]) for v in sweep.values()}):
+        widths = sorted({int(v["streams"]) for v in sweep.values()})
+        for streams in widths:
             for mode in ("batched", "round-robin"):
                 if f"{streams}:{mode}:adaptive" not in sweep:
                     continue
@@ -380,7 +381,7 @@ def markdown(results: dict[str, Any]) -> str:
                   "divides medians, which may come from different rounds):", "",
                   "| streams | batched ÷ round-robin, adaptive | batched ÷ round-robin, target-only | target-only × "
                   "one stream, batched | adaptive ÷ target-only, batched |", "| --- | --- | --- | --- | --- |"]
-        for streams in sorted({int(v["streams"]) for v in sweep.values()}):
+        for streams in widths:
             a, t = sweep.get(f"{streams}:batched:adaptive", {}), sweep.get(f"{streams}:batched:target-only", {})
             if "paired_over_other_mode" in a and "paired_over_other_mode" in t:
                 times_one, over_t = t.get("paired_times_one_stream"), a.get("paired_over_target_only")
