@@ -394,7 +394,7 @@ class Engine:
             policy_drafted = any(len(p) and gens[i].fixed_k is None and p.source != "suggestion"
                                  for i, p in proposals.items())  # what the guard decides on; the rest is given
             self.batch_guard.observe(len(decoding), policy_drafted, time.perf_counter() - step_t0 - catch_up_s,
-                                     committed)  # a catch-up is the price of the steps the drafts sat out
+                                     committed, catch_up_s)  # a catch-up is the price of the steps the drafts sat out
         return [results[i] for i in range(len(gens))]
 
     def _prefill_budget(self, decoding: int) -> int:
@@ -488,6 +488,8 @@ class Engine:
             proposals.update(zip(wanted, drafted, strict=False))
             for width, seconds in timings:
                 self.batch_costs.observe_draft(width, seconds)
+            # the first forward also drafts (the steady forward it extends): only what it took beyond one is catch-up
+            catch_up_s = max(0.0, catch_up_s - self.batch_costs.draft(len(wanted))) if catch_up_s else 0.0
         return proposals, catch_up_s
 
     def start(self, slot: Slot, request: GenerationRequest) -> Generation:

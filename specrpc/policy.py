@@ -270,7 +270,11 @@ class BatchGuard:
     While off, a probe restarts the drafted rate from `min_steps` steps of its own; speculation comes back only
     when they are `resume_speedup` faster (a margin, so that a lucky probe on a noisy machine does not turn on a
     losing speculation for the steps it then takes to judge it again). Each probe that fails doubles the plain
-    steps before the next one (`probe_every` up to `max_probe_every`), each that succeeds halves them. Until both
+    steps before the next one (`probe_every` up to `max_probe_every`), each that succeeds halves them; and after a
+    failed probe the next waits until the plain steps since took 1 / `probe_share` times what it cost (its drafts'
+    catch-ups on contexts they had not seen, and its drafted steps' time beyond plain decoding's rate): at a wide
+    batch on a CPU one probe catches every stream's draft up on its whole context, hundreds of milliseconds that a
+    count of steps alone would spend every few seconds. Until both
     rates have `min_steps` steps, it lets the policy draft (at most `probe_k`) first, then has plain steps
     measured. A probe, too, drafts `min_steps` steps before it is judged: one step's committed tokens vary too much
     with acceptance to judge a width by. While drafting is on, one step in `plain_every` + 1 is plain, so that it
@@ -287,6 +291,11 @@ class BatchGuard:
     _every: dict[int, int] = field(default_factory=dict)  # width → plain steps between probes now
     _probing: set[int] = field(default_factory=set)  # a probe was allowed, its drafted step not yet seen
     _judging: set[int] = field(default_factory=set)  # a probe's step was seen, not yet judged
+    probe_share: float = 0.01  # the most of plain decoding's time that failed probes may cost at a width
+    # width → the measurement under way (first, or a probe): its drafts' catch-up seconds, drafted seconds, tokens
+    _probe_cost: dict[int, tuple[float, float, int]] = field(default_factory=dict)
+    _wait_s: dict[int, float] = field(default_factory=dict)  # width → plain seconds before the next probe
+    _off_s: dict[int, float] = field(default_factory=dict)  # width → plain seconds since it was judged off or probed
     plain_every: int = 32  # drafted steps at a width between two plain ones, which keep plain's rate measured
     window: int = 8  # steps each rate is the median of (tokens swing with acceptance, times with the host)
     idle_share: float = 0.1  # below this share of streams drafting with the draft model, its prefill is idle work
@@ -305,24 +314,34 @@ class BatchGuard:
         that finding out costs little."""
         width = self.bucket(width)
         drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
-        if drafted is None or drafted.steps < self.min_steps:
-            return self.probe_k
-        if plain is None or plain.steps < self.min_steps:
-            return 0
+        measured = (drafted.steps if drafted else 0, plain.steps if plain else 0)
+        if min(measured) < self.min_steps:  # drafted and plain steps in turn, so that the host's drift hits both
+            return self.probe_k if measured[0] <= measured[1] else 0
         probed = width in self._judging
         self._judging.discard(width)
-        if not self._judged_off(width):
+        # while off, only a probe's own steps judge it again: the drafted rate is the last probe's, and plain steps
+        # that the host slowed since would turn a losing speculation on
+        if (probed or width not in self._off) and not self._judged_off(width):
             if probed:  # back on: the next probes come sooner, but a width where it flaps keeps most of its wait
                 self._every[width] = max(self.probe_every, self._every.get(width, self.probe_every) // 2)
             self._off.pop(width, None)
+            self._off_s.pop(width, None)
+            self._wait_s.pop(width, None)
+            self._probe_cost.pop(width, None)
             since = self._since_plain.get(width, 0) + 1
             self._since_plain[width] = 0 if since > self.plain_every else since
             return 0 if since > self.plain_every else None
         if probed:  # the probe failed: wait twice as long for the next one
             self._every[width] = min(self.max_probe_every, 2 * self._every.get(width, self.probe_every))
+        if probed or width not in self._off:  # and long enough for what it (or the first measurement) cost
+            catch_up_s, seconds, tokens = self._probe_cost.pop(width, (0.0, 0.0, 0))
+            beyond = max(0.0, seconds - tokens * self.rates[(width, False)].per_token)  # its steps beyond plain's
+            self._wait_s[width] = (catch_up_s + beyond) / self.probe_share
         off = self._off.get(width, 0) + 1
-        if off >= self._every.get(width, self.probe_every):
+        waited = self._off_s.get(width, 0.0) >= self._wait_s.get(width, 0.0)
+        if off >= self._every.get(width, self.probe_every) and waited:
             self._off[width] = 0
+            self._off_s[width] = 0.0
             self._probing.add(width)
             return self.probe_k
         self._off[width] = off
@@ -341,7 +360,8 @@ class BatchGuard:
         width = self.bucket(width)
         drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
         return (drafted is not None and plain is not None and min(drafted.steps, plain.steps) >= self.min_steps
-                and width not in self._probing and width not in self._judging and not self._judged_off(width))
+                and width not in self._probing and width not in self._judging and width not in self._off
+                and not self._judged_off(width))
 
     def observe_share(self, width: int, drafting: int, streams: int) -> None:
         """In a batched step of `width` streams, `drafting` of the `streams` the policy planned for drafted with
@@ -359,14 +379,23 @@ class BatchGuard:
         share = self.draft_share.get(self.bucket(width))
         return share is not None and share < self.idle_share
 
-    def observe(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
+    def observe(self, width: int, drafted: bool, seconds: float, tokens: int, catch_up_s: float = 0.0) -> None:
         """A batched step of `width` decoding streams (no prefill in it), with drafts or without, took `seconds`
-        and committed `tokens`."""
+        and committed `tokens`, besides `catch_up_s` its drafts spent catching up on what they had not seen (the
+        price of the steps they sat out: not judged, but a probe's cost)."""
         width = self.bucket(width)
         if drafted and width in self._probing:
             self._probing.discard(width)
             self._judging.add(width)
-            self.rates[(width, True)] = RecentRate(self.window)  # judged again after min_steps of its own
+            for kind in (True, False):  # judged again after min_steps of each, measured now
+                self.rates[(width, kind)] = RecentRate(self.window)
+            self._probe_cost.pop(width, None)
+        measured = self.rates.get((width, True))
+        if drafted and (width in self._judging or measured is None or measured.steps < self.min_steps):
+            cost = self._probe_cost.get(width, (0.0, 0.0, 0))
+            self._probe_cost[width] = (cost[0] + catch_up_s, cost[1] + seconds, cost[2] + tokens)
+        elif not drafted and width in self._off:
+            self._off_s[width] = self._off_s.get(width, 0.0) + seconds
         self.rates.setdefault((width, drafted), RecentRate(self.window)).observe(seconds, tokens)
 
     def speedup(self, width: int) -> float | None:

@@ -224,31 +224,29 @@ def test_a_flat_batch_cost_keeps_speculating_in_a_batch() -> None:
 
 
 def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes_back() -> None:
-    guard = BatchGuard(min_steps=2, probe_every=4, probe_k=2, plain_every=3)
+    guard = BatchGuard(min_steps=2, probe_every=4, probe_k=2, plain_every=3, probe_share=1.0)
     width = 8
     seen = []
-    for _ in range(2):  # drafted steps first (at most probe_k), then plain ones are measured
-        seen.append(guard.limit(width))
-        guard.observe(width, True, 2.0, 8)  # 0.25 s per token with drafts
-    for _ in range(2):
-        seen.append(guard.limit(width))
-        guard.observe(width, False, 1.0, 8)  # 0.125 s per token plain: drafting is slower here
-    assert seen == [2, 2, 0, 0] and not guard.drafting_on(width) and not guard.drafting_on(5)
-    decisions = [guard.limit(width) for _ in range(8)]
+    for _ in range(4):  # drafted steps (at most probe_k) and plain ones in turn, so that drift hits both
+        seen.append(limit := guard.limit(width))
+        # 0.25 s per token with drafts, 0.125 s plain: drafting is slower here
+        guard.observe(width, bool(limit), 2.0 if limit else 1.0, 8)
+    assert seen == [2, 0, 2, 0] and not guard.drafting_on(width) and not guard.drafting_on(5)
+    decisions = []
+    for _ in range(8):
+        decisions.append(guard.limit(width))
+        guard.observe(width, False, 1.0, 8)
     assert decisions == [0, 0, 0, 2, 0, 0, 0, 2]  # off, a probe (at most probe_k) every 4th step
     assert guard.limit(4) == 2 and guard.limit(7) == 0  # another bucket of widths decides on its own; 5..8 together
     assert [BatchGuard.bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
     probe = []
-    while len(probe) < 2:  # the stall is gone: the next probe drafts min_steps steps, fast now
-        limit = guard.limit(width)
-        if limit:
-            probe.append(limit)
-            guard.observe(width, True, 0.5, 8)
-        else:
-            guard.observe(width, False, 1.0, 8)
-    assert probe == [2, 2]
+    while (limit := guard.limit(width)) is not None:  # the stall is gone: the probe drafts fast now
+        probe.append(limit)
+        guard.observe(width, bool(limit), 0.5 if limit else 1.0, 8)
+    assert probe[-4:] == [2, 0, 2, 0]  # min_steps drafted and plain steps in turn, measured afresh
     on = [guard.limit(width) for _ in range(8)]
-    assert on == [None, None, None, 0, None, None, None, 0]  # on, unlimited, but for a plain step now and then
+    # on, unlimited, but for a plain step now and then (the loop's last step was the first unlimited one)
+    assert on == [None, None, 0, None, None, None, 0, None]
     assert guard.speedup(width) is not None and guard.speedup(width) > 1
 
 
@@ -268,7 +266,8 @@ def test_a_plain_step_now_and_then_measures_plain_decoding_and_can_switch_specul
 
 
 def test_batch_guard_needs_a_margin_to_come_back_and_backs_off_its_probes_while_they_fail() -> None:
-    guard = BatchGuard(min_steps=1, probe_every=2, max_probe_every=8, resume_speedup=1.2, probe_k=2)
+    guard = BatchGuard(min_steps=1, probe_every=2, max_probe_every=8, resume_speedup=1.2, probe_k=2,
+                       probe_share=1.0)  # what a probe costs is the next test's
     width = 4
     assert guard.limit(width) == 2
     guard.observe(width, True, 1.0, 4)  # 0.25 s per token with drafts
@@ -290,16 +289,49 @@ def test_batch_guard_needs_a_margin_to_come_back_and_backs_off_its_probes_while_
 
     # 0.22 s per token: faster than plain, but not by the 1.2 margin a probe needs to bring speculation back;
     # each failed probe doubles the wait for the next, up to max_probe_every
-    assert probe_gaps(0.88, 4) == [1, 3, 7, 7]
+    assert probe_gaps(0.88, 4) == [1, 4, 8, 8]  # 1, 3, 7, 7 and each probe's plain step
     assert not guard.drafting_on(width)
-    probe_gaps(0.6, 1)  # 0.15 s per token: 1.33× plain, speculation is back, unlimited
+    probe_gaps(0.6, 1)  # 0.15 s per token: 1.33× plain, speculation is back, unlimited (once plain is measured)
+    assert guard.limit(width) == 0
+    guard.observe(width, False, 1.0, 5)
     assert guard.limit(width) is None and guard.drafting_on(width)
     guard.observe(width, True, 0.85, 4)  # once on, it stays on with a smaller margin (1.05)
     assert guard.limit(width) is None
     for _ in range(20):
         guard.observe(width, True, 0.78, 4)  # 0.195 s per token: 1.03× plain, within the rates' noise
     assert not guard.drafting_on(width)
-    assert probe_gaps(0.88, 2) == [3, 7]  # the successful probe halved the wait (8 → 4), not reset it to 2
+    assert probe_gaps(0.88, 2) == [3, 8]  # the successful probe halved the wait (8 → 4), not reset it to 2
+
+
+def test_a_failed_probe_waits_for_plain_decoding_to_take_what_it_cost_many_times_over() -> None:
+    """At 16 streams plain steps take 0.5 s for 16 tokens. A probe whose drafts caught up on 0.3 s of contexts and
+    whose step took 1.0 s (0.5 s beyond plain decoding's rate) cost 0.8 s: at probe_share 0.01 the next probe waits
+    for 80 s of plain steps, not for the 4 steps the doubling asks; the first measurement counts alike; a probe that
+    cost little waits the steps. While off, plain steps the host slowed do not turn drafting on against the last
+    probe's drafted rate: only probes judge."""
+    guard = BatchGuard(min_steps=1, probe_every=2, max_probe_every=8, probe_k=2, probe_share=0.01)
+    width = 16
+    assert guard.limit(width) == 2
+    guard.observe(width, True, 1.0, 16)
+    assert guard.limit(width) == 0
+    guard.observe(width, False, 0.5, 16)  # plain is faster: off
+
+    def gap() -> int:
+        """Plain steps before the next probe."""
+        steps = 0
+        while guard.limit(width) == 0:
+            guard.observe(width, False, 0.5, 16)
+            steps += 1
+        return steps
+
+    assert gap() == 100  # the first measurement cost 0.5 s beyond plain decoding: 50 s of plain steps
+    guard.observe(width, True, 1.0, 16, catch_up_s=0.3)
+    assert gap() == 160  # 0.8 s / 0.01 = 80 s of plain steps of 0.5 s, the probe's own among them (doubling: 4)
+    guard.observe(width, True, 0.51, 16)  # 0.01 s beyond plain: 1 s of plain steps, less than the doubling's wait
+    assert gap() == 8  # the probe's own plain step, then 7
+    for _ in range(20):  # the host slows plain steps (2 s for 16 tokens): the stale drafted rate does not judge
+        assert guard.limit(width) in (0, 2) and not guard.drafting_on(width)
+        guard.observe(width, False, 2.0, 16)
 
 
 def test_batch_guard_knows_when_the_draft_sits_idle_at_a_width() -> None:
