@@ -221,6 +221,8 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             # compares (one width's rounds after another's put minutes of drift between them). The rounds go up
             # and down the widths in turn (warm-ups downwards, so the first round starts where they ended): a point
             # measured right after the widest one met its aftermath, and one mode went first there more often.
+            # One stream's two modes go request by request in turn (the path is the same: only drift tells them
+            # apart).
             await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
             for streams in concurrency[::-1]:
                 for batching in modes:
@@ -231,6 +233,13 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                 (streams, b, name): [] for streams in concurrency for b in modes for name, _ in contenders}
             for r in range(sweep_rounds):
                 for streams in concurrency if r % 2 == 0 else concurrency[::-1]:
+                    if streams == 1:  # both modes at once, request by request (`one_stream_points`)
+                        for name, k in (contenders if r % 2 else contenders[::-1]):
+                            both = await one_stream_points(one, cases, k, runtime, modes if r % 2 == 0 else modes[::-1],
+                                                           mode, POINT_STREAMS)
+                            for batching, figures in both.items():
+                                points[(1, batching, name)].append(figures)
+                        continue
                     for batching in modes if r % 2 == 0 else modes[::-1]:
                         await mode(batching)
                         for name, k in (contenders if r % 2 else contenders[::-1]):
@@ -303,7 +312,30 @@ async def sweep_point(one: Callable[[Case, int | None, int], Awaitable[tuple[Run
         return [(await one(c, k, j))[0] for j, c in enumerate(batch)]
 
     results = await asyncio.gather(*(worker(b) for b in batches))
-    wall = time.perf_counter() - t0
+    return point_figures(results, time.perf_counter() - t0, streams, runtime)
+
+
+async def one_stream_points(one: Callable[[Case, int | None, int], Awaitable[tuple[Run, int]]], cases: list[Case],
+                            k: int | None, runtime: Runtime, modes: tuple[str, ...],
+                            switch: Callable[[str], Awaitable[None]], span: int) -> dict[str, dict[str, float]]:
+    """`sweep_point` of one stream in each of `modes` at once: every case `span` times, each request run in every
+    mode in turn (`switch`ing between them; the first mode alternating), each mode's figures over its own
+    requests. A lone stream takes the same path in both modes, so their ratio measures nothing but the machine's
+    drift between two points run one after the other (several percent here in a few seconds); request by
+    request, drift hits both alike."""
+    runs: dict[str, list[Run]] = {m: [] for m in modes}
+    walls = dict.fromkeys(modes, 0.0)
+    for j in range(len(cases) * span):
+        for m in modes if j % 2 == 0 else modes[::-1]:
+            await switch(m)
+            t0 = time.perf_counter()
+            runs[m].append((await one(cases[j % len(cases)], k, j))[0])
+            walls[m] += time.perf_counter() - t0
+    return {m: point_figures([runs[m]], walls[m], 1, runtime) for m in modes}
+
+
+def point_figures(results: list[list[Run]], wall: float, streams: int, runtime: Runtime) -> dict[str, float]:
+    """A sweep point's figures from each stream's runs and the point's wall time (see `sweep_point`)."""
     runs = [r for rs in results for r in rs]
     s = summarize(runs)
     per_stream = [sum(len(r.tokens) for r in rs) / sum(r.total_s for r in rs) for rs in results if rs]
