@@ -267,18 +267,19 @@ class BatchGuard:
     drafts the policy chose and without (requests' own k and suggestions draft either way): at a width where steps
     with policy drafts are not `min_speedup` faster per token than steps without (a margin too: where drafting and
     plain decoding are about even, the rates' noise would keep a slightly losing speculation on), policy k is 0.
-    While off, a probe restarts the drafted rate from `min_steps` steps of its own; speculation comes back only
-    when they are `resume_speedup` faster (a margin, so that a lucky probe on a noisy machine does not turn on a
-    losing speculation for the steps it then takes to judge it again). Each probe that fails doubles the plain
+    Both rates are first measured over `min_steps` steps each, drafted (at most `probe_k`) and plain in turn, so
+    that the host's drift hits both: one step's committed tokens vary too much with acceptance to judge a width by.
+    While off, only a probe judges again (the drafted rate is the last probe's, and plain steps the host slowed
+    since would turn a losing speculation on): it measures both rates afresh, in turn, and speculation comes back
+    only when drafting is `resume_speedup` faster (a margin, so that a lucky probe on a noisy machine does not turn
+    on a losing speculation for the steps it then takes to judge it again). Each probe that fails doubles the plain
     steps before the next one (`probe_every` up to `max_probe_every`), each that succeeds halves them; and after a
-    failed probe the next waits until the plain steps since took 1 / `probe_share` times what it cost (its drafts'
-    catch-ups on contexts they had not seen, and its drafted steps' time beyond plain decoding's rate): at a wide
-    batch on a CPU one probe catches every stream's draft up on its whole context, hundreds of milliseconds that a
-    count of steps alone would spend every few seconds. Until both
-    rates have `min_steps` steps, it lets the policy draft (at most `probe_k`) first, then has plain steps
-    measured. A probe, too, drafts `min_steps` steps before it is judged: one step's committed tokens vary too much
-    with acceptance to judge a width by. While drafting is on, one step in `plain_every` + 1 is plain, so that it
-    is judged against plain decoding as it runs now, not as it ran when last measured."""
+    failed probe (or first measurement) the next waits until the plain steps since took 1 / `probe_share` times
+    what it cost: its drafts' catch-ups on contexts they had not seen, and its drafted tokens' time beyond plain
+    decoding's rate. At a wide batch on a CPU one probe catches every stream's draft up on its whole context,
+    hundreds of milliseconds that a count of steps alone would spend every few seconds. While drafting is on, one
+    step in `plain_every` + 1 is plain, so that it is judged against plain decoding as it runs now, not as it ran
+    when last measured."""
 
     min_speedup: float = 1.05
     resume_speedup: float = 1.15
@@ -292,8 +293,8 @@ class BatchGuard:
     _probing: set[int] = field(default_factory=set)  # a probe was allowed, its drafted step not yet seen
     _judging: set[int] = field(default_factory=set)  # a probe's step was seen, not yet judged
     probe_share: float = 0.01  # the most of plain decoding's time that failed probes may cost at a width
-    # width → the measurement under way (first, or a probe): its drafts' catch-up seconds, drafted seconds, tokens
-    _probe_cost: dict[int, tuple[float, float, int]] = field(default_factory=dict)
+    # width → the measurement under way (first, or a probe): its drafts' catch-up seconds, its drafted steps' tokens
+    _probe_cost: dict[int, tuple[float, int]] = field(default_factory=dict)
     _wait_s: dict[int, float] = field(default_factory=dict)  # width → plain seconds before the next probe
     _off_s: dict[int, float] = field(default_factory=dict)  # width → plain seconds since it was judged off or probed
     plain_every: int = 32  # drafted steps at a width between two plain ones, which keep plain's rate measured
@@ -334,9 +335,9 @@ class BatchGuard:
         if probed:  # the probe failed: wait twice as long for the next one
             self._every[width] = min(self.max_probe_every, 2 * self._every.get(width, self.probe_every))
         if probed or width not in self._off:  # and long enough for what it (or the first measurement) cost
-            catch_up_s, seconds, tokens = self._probe_cost.pop(width, (0.0, 0.0, 0))
-            beyond = max(0.0, seconds - tokens * self.rates[(width, False)].per_token)  # its steps beyond plain's
-            self._wait_s[width] = (catch_up_s + beyond) / self.probe_share
+            catch_up_s, tokens = self._probe_cost.pop(width, (0.0, 0))
+            loss = self.rates[(width, True)].per_token - self.rates[(width, False)].per_token  # medians: no stall
+            self._wait_s[width] = (catch_up_s + tokens * max(0.0, loss)) / self.probe_share
         off = self._off.get(width, 0) + 1
         waited = self._off_s.get(width, 0.0) >= self._wait_s.get(width, 0.0)
         if off >= self._every.get(width, self.probe_every) and waited:
@@ -392,8 +393,8 @@ class BatchGuard:
             self._probe_cost.pop(width, None)
         measured = self.rates.get((width, True))
         if drafted and (width in self._judging or measured is None or measured.steps < self.min_steps):
-            cost = self._probe_cost.get(width, (0.0, 0.0, 0))
-            self._probe_cost[width] = (cost[0] + catch_up_s, cost[1] + seconds, cost[2] + tokens)
+            cost = self._probe_cost.get(width, (0.0, 0))
+            self._probe_cost[width] = (cost[0] + catch_up_s, cost[1] + tokens)
         elif not drafted and width in self._off:
             self._off_s[width] = self._off_s.get(width, 0.0) + seconds
         self.rates.setdefault((width, drafted), RecentRate(self.window)).observe(seconds, tokens)

@@ -334,6 +334,22 @@ def test_a_failed_probe_waits_for_plain_decoding_to_take_what_it_cost_many_times
         guard.observe(width, False, 2.0, 16)
 
 
+def test_a_probes_cost_is_not_set_by_one_stalled_step() -> None:
+    """A first measurement of three drafted steps of 16 tokens, 0.6 s each (plain: 0.5 s) but one the host stalled
+    to 5 s: its cost is its tokens at the median rates' difference (0.1 s a step, 0.3 s), so the next probe waits
+    30 s of plain steps (60), not the 470 s the stalled sum would ask."""
+    guard = BatchGuard(min_steps=3, probe_every=2, probe_share=0.01)
+    drafted = iter([0.6, 5.0, 0.6])
+    for _ in range(6):  # drafted and plain steps in turn
+        limit = guard.limit(16)
+        guard.observe(16, bool(limit), next(drafted) if limit else 0.5, 16)
+    gap = 0
+    while guard.limit(16) == 0:
+        guard.observe(16, False, 0.5, 16)
+        gap += 1
+    assert not guard.drafting_on(16) and gap == 60
+
+
 def test_batch_guard_knows_when_the_draft_sits_idle_at_a_width() -> None:
     """The share of planned streams drafting with the draft model, per width: where it stays near 0 (the policy
     picks k = 0 for almost every stream, whether or not the guard could judge the width) a prompt's draft prefill is
