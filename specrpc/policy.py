@@ -311,8 +311,8 @@ class BatchGuard:
 
     def limit(self, width: int) -> int | None:
         """The most policy k may be in the next batched step of `width` decoding streams: None (no limit: drafting
-        was faster), 0 (it was not), or `probe_k` while drafting is being measured (first, and in each probe), so
-        that finding out costs little."""
+        was faster), 0 (it was not), or, while drafting is being measured (first, and in each probe), `probe_k` and
+        0 in turn, so that finding out costs little and drift hits both rates alike."""
         width = self.bucket(width)
         drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
         measured = (drafted.steps if drafted else 0, plain.steps if plain else 0)
