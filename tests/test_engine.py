@@ -71,14 +71,15 @@ def make_engine(pair: tuple[Path, Path], draft_int8: bool = False, dtype: torch.
     return Engine(target, draft, config)
 
 
-def guard_found_drafting_faster(widths: int) -> BatchGuard:
-    """A batch guard that measured drafted steps 4× faster per token than plain ones at every width up to
-    `widths`, and probes no more: the policy's k stands (but for a measured plain step one step in 33)."""
+def measured_guard(widths: list[int], drafted_s: float, plain_s: float) -> BatchGuard:
+    """A batch guard that measured, at each of `widths`, drafted steps at `drafted_s` and plain ones at `plain_s`
+    per token, and probes no more: faster drafting leaves the policy's k standing (but for a measured plain step
+    one step in 33), slower turns it off there."""
     guard = BatchGuard(probe_every=10**6)
-    for width in range(2, widths + 1):
-        for drafted, tokens in ((True, 4), (False, 1)):
+    for width in widths:
+        for drafted, seconds in ((True, drafted_s), (False, plain_s)):
             for _ in range(guard.min_steps):
-                guard.observe(width, drafted, 1.0, tokens)
+                guard.observe(width, drafted, seconds, 1)
     return guard
 
 
@@ -565,7 +566,7 @@ def test_batched_adaptive_k_follows_the_cost_of_the_batch(pair: tuple[Path, Path
     fixed = 1e-2
     engine.batch_costs = BatchCosts(target_s={n: fixed + per_token_s * n for n in (1, 4, 8, 16, 36)},
                                     draft_s={w: 1e-4 for w in (1, 2, 4)}, decay=1.0)  # decay 1: measurements ignored
-    engine.batch_guard = guard_found_drafting_faster(4)  # the guard judges measured step times: out of the way
+    engine.batch_guard = measured_guard([2, 4], 0.25, 1.0)  # the guard found drafting faster: out of the way
     requests = [GenerationRequest([i, 2, 3, 1], 16, GREEDY, None, "draft") for i in range(4)]
     out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
     gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
@@ -581,11 +582,7 @@ def test_batch_guard_off_at_a_width_stops_policy_drafts_but_not_a_requests_own_k
     """Where the guard found drafting slower at a width (3 here), adaptive streams decode plainly there, a request
     that asked for k still drafts, and the output is the same (once a stream is done, the width is another one)."""
     engine = make_engine(pair, slots=3)
-    guard = BatchGuard(probe_every=10**6)
-    for drafted, seconds in ((True, 4.0), (False, 1.0)):
-        for _ in range(guard.min_steps):
-            guard.observe(3, drafted, seconds, 3)
-    engine.batch_guard = guard
+    engine.batch_guard = measured_guard([3], 4.0, 1.0)  # drafting 4× slower per token at 3 streams
     requests = [GenerationRequest([1, 2, 3, 1, 2, 3], 20, GREEDY, None, "combined"),
                 GenerationRequest([0, 5, 2], 20, GREEDY, None, "draft"),
                 GenerationRequest([4, 4, 1], 20, GREEDY, 3, "draft")]
@@ -643,11 +640,7 @@ def test_a_lone_decoding_stream_amid_prompts_keeps_to_the_guard_of_the_width_the
     engine.batch_costs = BatchCosts(target_s=dict.fromkeys(range(1, 64), 1e-2),
                                     draft_s=dict.fromkeys(range(1, 4), 1e-4),
                                     decay=1.0)  # drafting pays here (every size priced: measurements ignored)
-    guard = BatchGuard(probe_every=10**6)
-    for drafted, seconds in ((True, 4.0), (False, 1.0)):
-        for _ in range(guard.min_steps):
-            guard.observe(3, drafted, seconds, 3)
-    engine.batch_guard = guard
+    engine.batch_guard = measured_guard([3], 4.0, 1.0)  # drafting 4× slower per token at 3 streams
     long = [(i * 7) % 6 for i in range(40)]  # three prefill chunks (16, 16, 8)
     requests = [GenerationRequest([1, 2, 3], 12, GREEDY, None, "draft"),
                 GenerationRequest(long, 4, GREEDY, None, "draft"),
@@ -722,9 +715,7 @@ def test_a_batched_prefill_feeds_the_draft_the_same_chunks(pair: tuple[Path, Pat
     whole-prompt catch-up in a later step every stream waits for) where the guard has drafting on at the width;
     plain and lookup-only requests do not."""
     engine = make_engine(pair, slots=3)
-    for drafted, seconds in ((True, 1.0), (False, 4.0)):
-        for _ in range(engine.batch_guard.min_steps):
-            engine.batch_guard.observe(3, drafted, seconds, 3)
+    engine.batch_guard = measured_guard([3], 1.0, 4.0)
     assert engine.batch_guard.drafting_on(3)
     prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2]  # 20 tokens: chunks of 16 and 4
     requests = [GenerationRequest(prompt, 8, GREEDY, None, "draft"), GenerationRequest(prompt, 8, GREEDY, 0, "draft"),
@@ -764,7 +755,7 @@ def test_drafts_catching_up_at_once_share_a_prefill_chunk_per_step(pair: tuple[P
     engine.batch_costs = BatchCosts(target_s=dict.fromkeys(range(1, 64), 1e-2),
                                     draft_s=dict.fromkeys(range(1, 4), 1e-4),
                                     decay=1.0)  # drafting pays here (every size priced: measurements ignored)
-    engine.batch_guard = guard_found_drafting_faster(3)
+    engine.batch_guard = measured_guard([2, 4], 0.25, 1.0)
     requests = [GenerationRequest([i, 2, 3, 1, 4, 4, 0, 5, 2, 3, 1, i], 12, GREEDY, None, "draft") for i in range(3)]
     gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
     out: list[list[int]] = [list(r.token_ids) for r in engine.step_many(gens) if not isinstance(r, Exception)]
