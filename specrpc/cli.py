@@ -26,7 +26,7 @@ def bound_native_caches() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from specrpc.auth import read_tokens
+    from specrpc.edges.auth import read_tokens
 
     try:
         cfg = config_mod.build_config(args)
@@ -36,7 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"specrpc serve: {exc}", file=sys.stderr)
         return 2
     bound_native_caches()
-    from specrpc.server import serve  # torch and the models: only once the configuration is known to be good
+    from specrpc.edges.server import serve  # torch and the models: only once the configuration is known to be good
 
     configure(cfg.server.log_format, cfg.server.log_level)
     if cfg.server.event_loop == "uvloop":

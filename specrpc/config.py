@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from specrpc.fim import template_names
+from specrpc.prompts.fim import template_names
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 ENV_PREFIX = "SPECRPC_"

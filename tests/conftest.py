@@ -14,7 +14,7 @@ import pytest_asyncio
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.config import Config, Limits, ServerConfig, build_config
-from specrpc.server import Running, start_server
+from specrpc.edges.server import Running, start_server
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
 

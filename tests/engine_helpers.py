@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specrpc.engine import Engine, GenerationRequest, Slot
+from specrpc.engine.core import Engine, GenerationRequest, Slot
 
 
 def decode(engine: Engine, slot: Slot, request: GenerationRequest) -> list[int]:

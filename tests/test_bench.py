@@ -84,7 +84,7 @@ def test_simulated_verifier_accepts_until_the_first_rejection() -> None:
     import torch
 
     from specrpc.bench.simulated import simulated_verifier
-    from specrpc.sampling import SamplingParams
+    from specrpc.engine.sampling import SamplingParams
 
     logits = torch.zeros(5, 10)
     logits[:, 7] = 1.0  # the target's argmax is 7 everywhere

@@ -32,7 +32,7 @@ from specrpc_client import (
     Unavailable,
 )
 
-from specrpc.server import Running
+from specrpc.edges.server import Running
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 

@@ -13,10 +13,10 @@ from engine_helpers import decode
 import specrpc
 from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import EngineConfig
-from specrpc.engine import Engine, GenerationRequest, Stall
+from specrpc.engine.core import Engine, GenerationRequest, Stall
+from specrpc.engine.sampling import SamplingParams
 from specrpc.models import load_model
 from specrpc.models.llama import LlamaLM, bucket_sizes
-from specrpc.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 ASSETS = Path(specrpc.__file__).parent / "assets"

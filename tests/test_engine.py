@@ -16,13 +16,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import ASSETS, EngineConfig
-from specrpc.engine import PREFILL_STALL, Engine, GenerationRequest, Slot, Stall, TokenLogprob
+from specrpc.engine.core import PREFILL_STALL, Engine, GenerationRequest, Slot, Stall, TokenLogprob
+from specrpc.engine.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
+from specrpc.engine.proposers import DraftRequest, Proposal, lookup_kind
+from specrpc.engine.sampling import SamplingParams, logits_to_probs
 from specrpc.models import load_model, load_tokenizer, native_step
 from specrpc.models.llama import LlamaLM
-from specrpc.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
-from specrpc.proposers import DraftRequest, Proposal, lookup_kind
-from specrpc.sampling import SamplingParams, logits_to_probs
-from specrpc.sessions import SessionRegistry
+from specrpc.serving.sessions import SessionRegistry
 
 VOCAB = 6
 CAPACITY = 64

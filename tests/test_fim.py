@@ -1,6 +1,6 @@
-"""Fill-in-the-middle templates (specrpc/fim.py): each family's exact token sequence built from a small tokenizer
-that has its tokens, template selection, the append-only property of the keystroke layouts, trimming that stays put
-from keystroke to keystroke, and greedy exactness of Infill prompts through the engine on the shipped pair."""
+"""Fill-in-the-middle templates (specrpc/prompts/fim.py): each family's exact token sequence built from a small
+tokenizer that has its tokens, template selection, the append-only property of the keystroke layouts, trimming that
+stays put from keystroke to keystroke, and greedy exactness of Infill prompts through the engine on the shipped pair."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from specrpc.config import ASSETS, EngineConfig, build_config
-from specrpc.engine import Engine, GenerationRequest
-from specrpc.fim import (
+from specrpc.engine.core import Engine, GenerationRequest
+from specrpc.models import load_model, load_tokenizer
+from specrpc.prompts.fim import (
     TRIM_STEP_TOKENS,
     EncodeCache,
     ExtraFile,
@@ -33,7 +34,6 @@ from specrpc.fim import (
     lines_of,
     load_format,
 )
-from specrpc.models import load_model, load_tokenizer
 
 FULL_WIDTH = ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>")
 

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from service_helpers import CLIENT_WRITE_RACE, collect, status_of, wait_until
 
 from specrpc.config import Limits
-from specrpc.server import Running, start_server
+from specrpc.edges.server import Running, start_server
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -418,8 +418,8 @@ def parses(kind: Any, data: bytes) -> bool:
 async def test_fuzz_raw_bytes(fuzz_server: Running, fuzz_channel: grpc.aio.Channel, method: str,
                               payloads: list[bytes]) -> None:
     """Arbitrary bytes, or one message's bytes sent as another's: a message that does not decode is
-    INVALID_ARGUMENT naming the method (specrpc.wire; grpc.aio alone answers UNKNOWN and logs a traceback); one that
-    decodes is handled like any other request."""
+    INVALID_ARGUMENT naming the method (specrpc.edges.grpc.wire; grpc.aio alone answers UNKNOWN and logs a
+    traceback); one that decodes is handled like any other request."""
     SENT["raw"] += 1
     kind, shape = RAW_METHODS[method]
     path = f"/specrpc.v1.Generator/{method}"

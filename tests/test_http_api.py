@@ -23,11 +23,11 @@ from conftest import free_port
 from process_helpers import have_openssl, make_certs, serve_process, wait_serving
 from service_helpers import LONG_TOKENS, Conversation, collect, text_of, wait_until
 
-from specrpc.auth import StreamQuota, TokenAuth
 from specrpc.config import build_config
-from specrpc.fim import ExtraFile, InfillInput
-from specrpc.http_api import HttpApi, HttpServer
-from specrpc.server import Running
+from specrpc.edges.auth import StreamQuota, TokenAuth
+from specrpc.edges.http.api import HttpApi, HttpServer
+from specrpc.edges.server import Running
+from specrpc.prompts.fim import ExtraFile, InfillInput
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from specrpc.engine import FINISH_LENGTH, GenerationStats, Logprob, TokenLogprob
-from specrpc.http_replies import LlamaReply, OpenAIReply, flatten
-from specrpc.scheduler import Chunk, Done
+from specrpc.edges.http.replies import LlamaReply, OpenAIReply, flatten
+from specrpc.engine.core import FINISH_LENGTH, GenerationStats, Logprob, TokenLogprob
+from specrpc.serving.scheduler import Chunk, Done
 
 
 def done(finish: str = FINISH_LENGTH, prompt: int = 10, cached: int = 4, completion: int = 3) -> Done:

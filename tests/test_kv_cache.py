@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from specrpc.kv_cache import KVCache
 from specrpc.models import CausalLM, load_model
+from specrpc.models.kv_cache import KVCache
 
 CPU = torch.device("cpu")
 SLOTS, CAPACITY = 3, 32

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import models_missing
 
-from specrpc.server import Running
+from specrpc.edges.server import Running
 
 REPO = Path(__file__).resolve().parents[1]
 

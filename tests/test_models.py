@@ -36,7 +36,7 @@ from specrpc.models import BatchRow, CausalLM, load_model, native_step
 from specrpc.models import llama as llama_mod
 from specrpc.models.hf_fallback import HFCausalLM
 from specrpc.models.llama import LlamaArgs, LlamaLM, bucket_for, bucket_sizes, rope_inv_freq
-from specrpc.runtime import checkpoint_info
+from specrpc.serving.runtime import checkpoint_info
 
 CPU, F32 = torch.device("cpu"), torch.float32
 VOCAB, N, CAPACITY = 96, 40, 48

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specrpc.openmp import _pause_functions, release_workers
-from specrpc.scheduler import Scheduler
+from specrpc.serving.scheduler import Scheduler
 
 T = TypeVar("T")
 

@@ -27,8 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import GREEDY_K0, collect, first_tokens, ids_of, read_rest, rpc_error
 
 from specrpc.config import Config
-from specrpc.runtime import Runtime
-from specrpc.server import Running, start_server
+from specrpc.edges.server import Running, start_server
+from specrpc.serving.runtime import Runtime
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -157,7 +157,7 @@ async def test_health_not_serving_until_warm_and_while_draining(server: Running,
         loaded.append(runtime)
         return runtime
 
-    monkeypatch.setattr("specrpc.server.Runtime", gated_runtime)
+    monkeypatch.setattr("specrpc.edges.server.Runtime", gated_runtime)
     listening: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     starting = asyncio.create_task(start_server(config, on_listening=listening.set_result))
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specrpc.policy import (
+from specrpc.engine.policy import (
     AcceptanceEstimate,
     AdaptivePolicy,
     BatchCosts,

@@ -11,10 +11,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.config import ASSETS, EngineConfig
-from specrpc.engine import Engine, GenerationRequest
+from specrpc.engine.core import Engine, GenerationRequest
+from specrpc.engine.proposers import EMPTY, PromptLookupProposer, SuggestionProposer
+from specrpc.engine.sampling import SamplingParams
 from specrpc.models import load_model, load_tokenizer
-from specrpc.proposers import EMPTY, PromptLookupProposer, SuggestionProposer
-from specrpc.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="default models not trained")
 GREEDY = SamplingParams(temperature=0.0)

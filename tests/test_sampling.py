@@ -1,4 +1,4 @@
-"""Tests for specrpc/sampling.py: temperature, top-k, top-p, greedy, seeded sampling."""
+"""Tests for specrpc/engine/sampling.py: temperature, top-k, top-p, greedy, seeded sampling."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from specrpc.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
 
 CPU = torch.device("cpu")
 

@@ -12,9 +12,9 @@ import pytest
 from service_helpers import collect, ids_of
 
 from specrpc.config import build_config
-from specrpc.engine import StepResult
-from specrpc.scheduler import Job
-from specrpc.server import Running
+from specrpc.edges.server import Running
+from specrpc.engine.core import StepResult
+from specrpc.serving.scheduler import Job
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 

@@ -1,5 +1,5 @@
-"""Security: bearer-token authentication (specrpc/auth.py), TLS and mutual TLS (server._credentials), request limits
-that name their flag and value, the per-client stream quota, and logs that carry neither tokens nor prompt text.
+"""Security: bearer-token authentication (specrpc/edges/auth.py), TLS and mutual TLS (server._credentials), request
+limits that name their flag and value, the per-client stream quota, and logs that carry neither tokens nor prompt text.
 
 In-process servers wrap the shared server's Generator service; one `specrpc serve` process checks the whole path
 (flags → TLS + mTLS + auth, SIGHUP reload, SIGTERM exit 0)."""
@@ -24,11 +24,11 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from process_helpers import FAST_RECONNECT, have_openssl, make_certs, serve_process, wait_serving
 from service_helpers import CLIENT_WRITE_RACE, collect, first_tokens, long_request, rpc_error, status_of, wait_until
 
-from specrpc import auth as auth_mod
-from specrpc.auth import StreamQuota, TokenAuth, bearer_token, peer_host, read_tokens
 from specrpc.config import Config, ServerConfig, build_config, parse_networks, validate
+from specrpc.edges import auth as auth_mod
+from specrpc.edges.auth import StreamQuota, TokenAuth, bearer_token, peer_host, read_tokens
+from specrpc.edges.server import HEALTH_NAME, SERVICE_NAME, Running, _credentials
 from specrpc.logs import configure
-from specrpc.server import HEALTH_NAME, SERVICE_NAME, Running, _credentials
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 

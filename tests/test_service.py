@@ -37,9 +37,9 @@ from service_helpers import (
 )
 from transformers import PreTrainedTokenizerBase
 
-from specrpc.engine import GenerationRequest, GenerationStats, StepResult
-from specrpc.fim import declare_fim
-from specrpc.server import Running, start_server
+from specrpc.edges.server import Running, start_server
+from specrpc.engine.core import GenerationRequest, GenerationStats, StepResult
+from specrpc.prompts.fim import declare_fim
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 

@@ -9,11 +9,11 @@ from engine_helpers import decode, requires_native
 from transformers import AutoModelForCausalLM
 
 from specrpc.config import ASSETS, EngineConfig
-from specrpc.engine import Engine, GenerationRequest
+from specrpc.engine.core import Engine, GenerationRequest
+from specrpc.engine.sampling import SamplingParams
 from specrpc.models import load_model, load_tokenizer
 from specrpc.models.llama import LlamaLM, bf16_available, int8_available
 from specrpc.models.tokenizer_check import check_tokenizers_match
-from specrpc.sampling import SamplingParams
 
 TARGET, DRAFT = ASSETS / "target", ASSETS / "draft"
 pytestmark = pytest.mark.skipif(not (TARGET / "config.json").exists(), reason="default models not trained yet")

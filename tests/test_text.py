@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from specrpc.text import CONTEXT_TOKENS, IncrementalDetokenizer, LineGuard, PhraseSegmenter, StopMatcher
+from specrpc.prompts.text import CONTEXT_TOKENS, IncrementalDetokenizer, LineGuard, PhraseSegmenter, StopMatcher
 
 SHIPPED = Path(__file__).resolve().parent.parent / "specrpc" / "assets" / "target"
 SPECIALS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>"]

@@ -17,10 +17,10 @@ from engine_helpers import decode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specrpc.config import Config, EngineConfig
-from specrpc.engine import GenerationRequest
-from specrpc.fim import InfillInput
-from specrpc.runtime import Runtime
-from specrpc.sampling import SamplingParams
+from specrpc.engine.core import GenerationRequest
+from specrpc.engine.sampling import SamplingParams
+from specrpc.prompts.fim import InfillInput
+from specrpc.serving.runtime import Runtime
 from specrpc.training.tokenizer import SPECIAL_TOKENS
 from specrpc.training.train import PLANS, fit_phase
 

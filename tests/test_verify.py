@@ -1,4 +1,4 @@
-"""Tests for specrpc/verify.py, after vLLM's rejection-sampler tests: forced argmax, named cases, seeded
+"""Tests for specrpc/engine/verify.py, after vLLM's rejection-sampler tests: forced argmax, named cases, seeded
 determinism, and chi-square tests that the emitted tokens are distributed exactly as the target's.
 
 Statistical tests: Pearson chi-square of the emitted-token counts against the target distribution, cells with an
@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from specrpc.sampling import SamplingParams, logits_to_probs, make_generator
-from specrpc.verify import VerifyResult, verify
+from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator
+from specrpc.engine.verify import VerifyResult, verify
 
 ALPHA = 1e-4  # false-alarm rate of each statistical test for a correct sampler
 MIN_EXPECTED = 10.0  # cells expected below this are pooled

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from specrpc.engine import Engine, GenerationRequest
-from specrpc.sampling import SamplingParams
+from specrpc.engine.core import Engine, GenerationRequest
+from specrpc.engine.sampling import SamplingParams
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 from specrpc.bench.common import free_port
 from specrpc.bench.contenders import Run, Runner
-from specrpc.sampling import SamplingParams
+from specrpc.engine.sampling import SamplingParams
 
 SKIP_LINE = ("llama.cpp: skipped (no --llama-server binary given; build llama.cpp's llama-server and convert the "
              "pair with tools/convert_gguf.py, see docs/benchmarks.md)")

@@ -27,13 +27,13 @@ from specrpc.bench.families import CONFIGS, PAIRS, config
 from specrpc.bench.run import summarize
 from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import EngineConfig
-from specrpc.engine import Engine
+from specrpc.engine.core import Engine
+from specrpc.engine.policy import expected_tokens
+from specrpc.engine.sampling import SamplingParams
 from specrpc.models.cuda_graphs import CHUNKS
 from specrpc.models.llama import bucket_sizes
 from specrpc.models.random_weights import random_lm, write_checkpoint
-from specrpc.policy import expected_tokens
-from specrpc.runtime import resolve_device, resolve_dtype
-from specrpc.sampling import SamplingParams
+from specrpc.serving.runtime import resolve_device, resolve_dtype
 
 LABEL = "measured costs, simulated acceptance (random weights: tokens meaningless; not model results)"
 GREEDY = SamplingParams(temperature=0.0)

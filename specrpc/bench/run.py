@@ -25,11 +25,11 @@ from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs
 from specrpc.bench.workloads import Case, build_cases
 from specrpc.config import Config, EngineConfig, Limits, ServerConfig
-from specrpc.fim import InfillInput
+from specrpc.engine.policy import expected_tokens
+from specrpc.engine.sampling import SamplingParams
 from specrpc.openmp import release_workers
-from specrpc.policy import expected_tokens
-from specrpc.runtime import Runtime
-from specrpc.sampling import SamplingParams
+from specrpc.prompts.fim import InfillInput
+from specrpc.serving.runtime import Runtime
 
 
 def summarize(runs: list[Run]) -> dict[str, float]:
@@ -102,7 +102,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
     median of `sweep_rounds`)."""
     import grpc
 
-    from specrpc.server import start_server
+    from specrpc.edges.server import start_server
     from specrpc.v1 import generator_pb2 as pb
     from specrpc.v1 import generator_pb2_grpc as pb_grpc
 

@@ -9,9 +9,9 @@ import random
 
 import torch
 
-from specrpc.engine import Verifier
-from specrpc.sampling import SamplingParams
-from specrpc.verify import VerifyResult
+from specrpc.engine.core import Verifier
+from specrpc.engine.sampling import SamplingParams
+from specrpc.engine.verify import VerifyResult
 
 
 def simulated_verifier(alpha: float, seed: int = 0, vocab: int | None = None) -> Verifier:

@@ -6,8 +6,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from specrpc.kv_cache import SlotLengths
 from specrpc.models.batch import BatchRow
+from specrpc.models.kv_cache import SlotLengths
 from specrpc.models.loader import load_model, load_tokenizer
 
 __all__ = ["BatchRow", "CausalLM", "load_model", "load_tokenizer"]

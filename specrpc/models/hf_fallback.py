@@ -19,8 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from specrpc.kv_cache import SlotLengths
 from specrpc.models.batch import BatchRow, check_rows
+from specrpc.models.kv_cache import SlotLengths
 
 
 class StaticSlotCache(SlotLengths):

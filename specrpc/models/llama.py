@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from specrpc.kv_cache import KVCache
 from specrpc.models import native_step
 from specrpc.models.batch import BatchRow, check_rows
+from specrpc.models.kv_cache import KVCache
 from specrpc.models.native_step import NativeStep
 
 if TYPE_CHECKING:

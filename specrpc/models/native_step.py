@@ -12,7 +12,7 @@ from specrpc import native
 from specrpc.models.batch import BatchRow
 
 if TYPE_CHECKING:
-    from specrpc.kv_cache import KVCache
+    from specrpc.models.kv_cache import KVCache
     from specrpc.models.llama import Linear, LlamaWeights
 
 

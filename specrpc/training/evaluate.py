@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specrpc.fim import declared_fim
+from specrpc.prompts.fim import declared_fim
 from specrpc.training.corpus import EVALUATION_PACKAGES, SourceFile, evaluation_sources, is_heldout, iter_sources
 from specrpc.training.fim_eval import fim_exact_match
 from specrpc.training.tokenizer import FILE_SEP

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specrpc.fim import declare_fim
+from specrpc.prompts.fim import declare_fim
 from specrpc.training.corpus import Corpus, SourceFile, build_corpus, split_sources
 from specrpc.training.layouts import LAYOUTS, Documents, RowBuilder, folder_groups
 from specrpc.training.manifest import encode_files, manifest

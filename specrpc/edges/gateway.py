@@ -10,11 +10,11 @@ from collections.abc import AsyncGenerator, Iterable
 import structlog
 import torch
 
-from specrpc.auth import StreamQuota
 from specrpc.config import Config, parse_networks
-from specrpc.metrics import Metrics
-from specrpc.runtime import DecodeParams, Runtime
-from specrpc.scheduler import Chunk, Done, Failed
+from specrpc.edges.auth import StreamQuota
+from specrpc.edges.metrics import Metrics
+from specrpc.serving.runtime import DecodeParams, Runtime
+from specrpc.serving.scheduler import Chunk, Done, Failed
 
 log = structlog.get_logger(__name__)
 

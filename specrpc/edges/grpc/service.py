@@ -13,23 +13,23 @@ import grpc
 import structlog
 import torch
 
-from specrpc import validation
-from specrpc.auth import StreamQuota, TooManyStreams, metadata_values
 from specrpc.config import Config
-from specrpc.conversation import Conversation, Event, Phrase, Started, TurnDone, reply_stops
-from specrpc.engine import FINISH_LENGTH, FINISH_STOP
-from specrpc.fim import ExtraFile, InfillInput, InfillPrompt, NoInfillSupport, PromptTooLong
-from specrpc.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
-from specrpc.metrics import Metrics
-from specrpc.runtime import CheckpointInfo, DecodeParams, Runtime
-from specrpc.sampling import SamplingParams
-from specrpc.scheduler import FINISH_CANCELLED, Chunk, Done
-from specrpc.sessions import SlotsExhausted, UnknownSession
-from specrpc.text import FINISH_INDENT, FINISH_TIME_LIMIT
+from specrpc.edges import validation as validation
+from specrpc.edges.auth import StreamQuota, TooManyStreams, metadata_values
+from specrpc.edges.conversation import Conversation, Event, Phrase, Started, TurnDone, reply_stops
+from specrpc.edges.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
+from specrpc.edges.grpc.wire import MalformedRequest
+from specrpc.edges.metrics import Metrics
+from specrpc.edges.validation import SESSION_HEADER, InvalidRequest
+from specrpc.engine.core import FINISH_LENGTH, FINISH_STOP
+from specrpc.engine.sampling import SamplingParams
+from specrpc.prompts.fim import ExtraFile, InfillInput, InfillPrompt, NoInfillSupport, PromptTooLong
+from specrpc.prompts.text import FINISH_INDENT, FINISH_TIME_LIMIT
+from specrpc.serving.runtime import CheckpointInfo, DecodeParams, Runtime
+from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk, Done
+from specrpc.serving.sessions import SlotsExhausted, UnknownSession
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
-from specrpc.validation import SESSION_HEADER, InvalidRequest
-from specrpc.wire import MalformedRequest
 
 log = structlog.get_logger(__name__)
 

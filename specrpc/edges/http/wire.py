@@ -19,14 +19,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specrpc.auth import TooManyStreams
-from specrpc.fim import NoInfillSupport, PromptTooLong
-from specrpc.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
-from specrpc.http_replies import Reply
-from specrpc.runtime import DecodeParams
-from specrpc.scheduler import FINISH_CANCELLED, Chunk
-from specrpc.sessions import SlotsExhausted, UnknownSession
-from specrpc.validation import InvalidRequest
+from specrpc.edges.auth import TooManyStreams
+from specrpc.edges.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
+from specrpc.edges.http.replies import Reply
+from specrpc.edges.validation import InvalidRequest
+from specrpc.prompts.fim import NoInfillSupport, PromptTooLong
+from specrpc.serving.runtime import DecodeParams
+from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk
+from specrpc.serving.sessions import SlotsExhausted, UnknownSession
 
 log = structlog.get_logger(__name__)
 

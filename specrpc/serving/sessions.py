@@ -7,8 +7,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from specrpc.engine import Engine, Slot, common_prefix
-from specrpc.scheduler import Job
+from specrpc.engine.core import Engine, Slot, common_prefix
+from specrpc.serving.scheduler import Job
 
 RELEASE_WAIT_S = 2.0
 """Longest wait for the slot of a cancelled stream that the device thread has not let go of yet (within one

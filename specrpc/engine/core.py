@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specrpc.config import EngineConfig
-from specrpc.models import BatchRow, CausalLM
-from specrpc.policy import AdaptivePolicy, BatchCosts, BatchGuard, BatchLoad, CostModel, host_kind
-from specrpc.proposers import (
+from specrpc.engine.policy import AdaptivePolicy, BatchCosts, BatchGuard, BatchLoad, CostModel, host_kind
+from specrpc.engine.proposers import (
     EMPTY,
     STEADY_CATCH_UP,
     DraftModelProposer,
@@ -28,8 +27,9 @@ from specrpc.proposers import (
     Proposer,
     feed,
 )
-from specrpc.sampling import SamplingParams, logits_to_probs, make_generator, sample
-from specrpc.verify import VerifyResult, verify
+from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specrpc.engine.verify import VerifyResult, verify
+from specrpc.models import BatchRow, CausalLM
 
 Verifier = Callable[
     [torch.Tensor, torch.Tensor | None, torch.Tensor, SamplingParams, torch.Generator | None], VerifyResult

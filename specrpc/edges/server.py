@@ -16,16 +16,16 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specrpc.auth import TokenAuth
 from specrpc.config import Config
-from specrpc.gateway import Gateway
-from specrpc.http_api import HttpApi, HttpServer
-from specrpc.metrics import Metrics
-from specrpc.runtime import Runtime
-from specrpc.service import GeneratorService
+from specrpc.edges.auth import TokenAuth
+from specrpc.edges.gateway import Gateway
+from specrpc.edges.grpc.service import GeneratorService
+from specrpc.edges.grpc.wire import DecodeGuard
+from specrpc.edges.http.api import HttpApi, HttpServer
+from specrpc.edges.metrics import Metrics
+from specrpc.serving.runtime import Runtime
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
-from specrpc.wire import DecodeGuard
 
 log = structlog.get_logger(__name__)
 

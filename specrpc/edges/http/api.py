@@ -31,14 +31,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Scope
 
-from specrpc import validation
-from specrpc.auth import TokenAuth, bearer_token
 from specrpc.config import Config
-from specrpc.conversation import chat_prompt, reply_stops
-from specrpc.fim import ExtraFile, InfillInput, Trimmed
-from specrpc.gateway import Gateway, NotReady, ShuttingDown
-from specrpc.http_replies import LlamaReply, OpenAIReply, Reply
-from specrpc.http_wire import (
+from specrpc.edges import validation as validation
+from specrpc.edges.auth import TokenAuth, bearer_token
+from specrpc.edges.conversation import chat_prompt, reply_stops
+from specrpc.edges.gateway import Gateway, NotReady, ShuttingDown
+from specrpc.edges.http.replies import LlamaReply, OpenAIReply, Reply
+from specrpc.edges.http.wire import (
     INTERNAL,
     NOT_FOUND,
     PROTOCOL,
@@ -54,8 +53,9 @@ from specrpc.http_wire import (
     kind_of,
     read_json,
 )
-from specrpc.runtime import DecodeParams
-from specrpc.validation import SESSION_HEADER
+from specrpc.edges.validation import SESSION_HEADER
+from specrpc.prompts.fim import ExtraFile, InfillInput, Trimmed
+from specrpc.serving.runtime import DecodeParams
 
 log = structlog.get_logger(__name__)
 

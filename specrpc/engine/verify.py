@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specrpc.sampling import SamplingParams, logits_to_probs, sample
+from specrpc.engine.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specrpc.engine import FINISH_LENGTH, FINISH_STOP, TokenLogprob
-from specrpc.scheduler import FINISH_CANCELLED, Chunk, Done
-from specrpc.text import FINISH_INDENT, FINISH_TIME_LIMIT
+from specrpc.engine.core import FINISH_LENGTH, FINISH_STOP, TokenLogprob
+from specrpc.prompts.text import FINISH_INDENT, FINISH_TIME_LIMIT
+from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk, Done
 
 OPENAI_FINISH = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "cancelled",
                  FINISH_INDENT: "stop", FINISH_TIME_LIMIT: "length"}

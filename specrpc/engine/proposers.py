@@ -11,8 +11,8 @@ from typing import Protocol
 
 import torch
 
+from specrpc.engine.sampling import SamplingParams, logits_to_probs, sample
 from specrpc.models import BatchRow, CausalLM
-from specrpc.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)

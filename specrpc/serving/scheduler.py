@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from specrpc.engine import Engine, Generation, GenerationRequest, GenerationStats, Slot, StepResult, TokenLogprob
-from specrpc.text import IncrementalDetokenizer, LineGuard, StopMatcher
+from specrpc.engine.core import Engine, Generation, GenerationRequest, GenerationStats, Slot, StepResult, TokenLogprob
+from specrpc.prompts.text import IncrementalDetokenizer, LineGuard, StopMatcher
 
 log = structlog.get_logger(__name__)
 

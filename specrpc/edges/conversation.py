@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specrpc.gateway import Gateway
-from specrpc.runtime import DecodeParams, Runtime
-from specrpc.scheduler import Chunk, Done
-from specrpc.text import PhraseSegmenter
-from specrpc.validation import InvalidRequest, fit_prompt
+from specrpc.edges.gateway import Gateway
+from specrpc.edges.validation import InvalidRequest, fit_prompt
+from specrpc.prompts.text import PhraseSegmenter
+from specrpc.serving.runtime import DecodeParams, Runtime
+from specrpc.serving.scheduler import Chunk, Done
 
 ROLES = ("system", "user", "assistant")
 ROLE_NAMES = {"user": "User", "assistant": "Assistant", "system": "System"}

@@ -8,9 +8,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from specrpc.config import Config, Limits
-from specrpc.engine import MAX_TOP_LOGPROBS
-from specrpc.runtime import DecodeParams
-from specrpc.sampling import SamplingParams
+from specrpc.engine.core import MAX_TOP_LOGPROBS
+from specrpc.engine.sampling import SamplingParams
+from specrpc.serving.runtime import DecodeParams
 
 MAX_SESSION_ID = 128
 MAX_REPO_NAME = 256

@@ -18,19 +18,19 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.config import Config
-from specrpc.engine import Engine, GenerationRequest, GenerationStats
-from specrpc.fim import FimFormat, InfillInput, InfillPrompt, NoInfillSupport, load_format
+from specrpc.engine.core import Engine, GenerationRequest, GenerationStats
+from specrpc.engine.policy import CostModel
+from specrpc.engine.proposers import SuggestionProposer
+from specrpc.engine.sampling import SamplingParams
 from specrpc.models import CausalLM, load_model, load_tokenizer
 from specrpc.models.cuda_graphs import CHUNKS
 from specrpc.models.llama import bucket_sizes
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.openmp import release_workers
-from specrpc.policy import CostModel
-from specrpc.proposers import SuggestionProposer
-from specrpc.sampling import SamplingParams
-from specrpc.scheduler import FINISH_CANCELLED, Done, Event, Failed, Job, Scheduler
-from specrpc.sessions import LastCompletion, Lease, SessionRegistry, Superseded
-from specrpc.text import IncrementalDetokenizer, LineGuard, StopMatcher
+from specrpc.prompts.fim import FimFormat, InfillInput, InfillPrompt, NoInfillSupport, load_format
+from specrpc.prompts.text import IncrementalDetokenizer, LineGuard, StopMatcher
+from specrpc.serving.scheduler import FINISH_CANCELLED, Done, Event, Failed, Job, Scheduler
+from specrpc.serving.sessions import LastCompletion, Lease, SessionRegistry, Superseded
 
 log = structlog.get_logger(__name__)
 

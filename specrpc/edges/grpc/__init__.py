@@ -1,0 +1,1 @@
+"""The gRPC edge: the only code that touches protobuf."""

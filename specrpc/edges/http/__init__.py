@@ -1,0 +1,1 @@
+"""The OpenAI- and llama.cpp-compatible HTTP edge."""
