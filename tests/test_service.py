@@ -38,7 +38,7 @@ from service_helpers import (
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.edges.server import Running, start_server
-from specrpc.engine.core import GenerationRequest, GenerationStats, StepResult
+from specrpc.engine.generation import GenerationRequest, GenerationStats, StepResult
 from specrpc.prompts.fim import declare_fim
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc

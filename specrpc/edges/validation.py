@@ -8,7 +8,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from specrpc.config import Config, Limits
-from specrpc.engine.core import MAX_TOP_LOGPROBS
+from specrpc.engine.generation import MAX_TOP_LOGPROBS
 from specrpc.engine.sampling import SamplingParams
 from specrpc.serving.runtime import DecodeParams
 
