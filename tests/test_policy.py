@@ -228,23 +228,23 @@ def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes
     width = 8
     seen = []
     for _ in range(4):  # drafted steps (at most probe_k) and plain ones in turn, so that drift hits both
-        seen.append(limit := guard.limit(width))
+        seen.append(limit := guard.plan(width))
         # 0.25 s per token with drafts, 0.125 s plain: drafting is slower here
         guard.observe(width, bool(limit), 2.0 if limit else 1.0, 8)
     assert seen == [2, 0, 2, 0] and not guard.drafting_on(width) and not guard.drafting_on(5)
     decisions = []
     for _ in range(8):
-        decisions.append(guard.limit(width))
+        decisions.append(guard.plan(width))
         guard.observe(width, False, 1.0, 8)
     assert decisions == [0, 0, 0, 2, 0, 0, 0, 2]  # off, a probe (at most probe_k) every 4th step
-    assert guard.limit(4) == 2 and guard.limit(7) == 0  # another bucket of widths decides on its own; 5..8 together
+    assert guard.plan(4) == 2 and guard.plan(7) == 0  # another bucket of widths decides on its own; 5..8 together
     assert [BatchGuard.bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
     probe = []
-    while (limit := guard.limit(width)) is not None:  # the stall is gone: the probe drafts fast now
+    while (limit := guard.plan(width)) is not None:  # the stall is gone: the probe drafts fast now
         probe.append(limit)
         guard.observe(width, bool(limit), 0.5 if limit else 1.0, 8)
     assert probe[-4:] == [2, 0, 2, 0]  # min_steps drafted and plain steps in turn, measured afresh
-    on = [guard.limit(width) for _ in range(8)]
+    on = [guard.plan(width) for _ in range(8)]
     # on, unlimited, but for a plain step now and then (the loop's last step was the first unlimited one)
     assert on == [None, None, 0, None, None, None, 0, None]
     assert guard.speedup(width) is not None and guard.speedup(width) > 1
@@ -269,9 +269,9 @@ def test_batch_guard_needs_a_margin_to_come_back_and_backs_off_its_probes_while_
     guard = BatchGuard(min_steps=1, probe_every=2, max_probe_every=8, resume_speedup=1.2, probe_k=2,
                        probe_share=1.0)  # what a probe costs is the next test's
     width = 4
-    assert guard.limit(width) == 2
+    assert guard.plan(width) == 2
     guard.observe(width, True, 1.0, 4)  # 0.25 s per token with drafts
-    assert guard.limit(width) == 0
+    assert guard.plan(width) == 0
     guard.observe(width, False, 1.0, 5)  # 0.2 s per token plain: off
 
     def probe_gaps(drafted_s: float, probes: int) -> list[int]:
@@ -279,7 +279,7 @@ def test_batch_guard_needs_a_margin_to_come_back_and_backs_off_its_probes_while_
         gaps = []
         for _ in range(probes):
             gap = 0
-            while (limit := guard.limit(width)) == 0:
+            while (limit := guard.plan(width)) == 0:
                 guard.observe(width, False, 1.0, 5)
                 gap += 1
             assert limit == 2
@@ -292,11 +292,11 @@ def test_batch_guard_needs_a_margin_to_come_back_and_backs_off_its_probes_while_
     assert probe_gaps(0.88, 4) == [1, 4, 8, 8]  # 1, 3, 7, 7 and each probe's plain step
     assert not guard.drafting_on(width)
     probe_gaps(0.6, 1)  # 0.15 s per token: 1.33× plain, speculation is back, unlimited (once plain is measured)
-    assert guard.limit(width) == 0
+    assert guard.plan(width) == 0
     guard.observe(width, False, 1.0, 5)
-    assert guard.limit(width) is None and guard.drafting_on(width)
+    assert guard.plan(width) is None and guard.drafting_on(width)
     guard.observe(width, True, 0.85, 4)  # once on, it stays on with a smaller margin (1.05)
-    assert guard.limit(width) is None
+    assert guard.plan(width) is None
     for _ in range(20):
         guard.observe(width, True, 0.78, 4)  # 0.195 s per token: 1.03× plain, within the rates' noise
     assert not guard.drafting_on(width)
@@ -311,15 +311,15 @@ def test_a_failed_probe_waits_for_plain_decoding_to_take_what_it_cost_many_times
     probe's drafted rate: only probes judge."""
     guard = BatchGuard(min_steps=1, probe_every=2, max_probe_every=8, probe_k=2, probe_share=0.01)
     width = 16
-    assert guard.limit(width) == 2
+    assert guard.plan(width) == 2
     guard.observe(width, True, 1.0, 16)
-    assert guard.limit(width) == 0
+    assert guard.plan(width) == 0
     guard.observe(width, False, 0.5, 16)  # plain is faster: off
 
     def gap() -> int:
         """Plain steps before the next probe."""
         steps = 0
-        while guard.limit(width) == 0:
+        while guard.plan(width) == 0:
             guard.observe(width, False, 0.5, 16)
             steps += 1
         return steps
@@ -330,7 +330,7 @@ def test_a_failed_probe_waits_for_plain_decoding_to_take_what_it_cost_many_times
     guard.observe(width, True, 0.51, 16)  # 0.01 s beyond plain: 1 s of plain steps, less than the doubling's wait
     assert gap() == 8  # the probe's own plain step, then 7
     for _ in range(20):  # the host slows plain steps (2 s for 16 tokens): the stale drafted rate does not judge
-        assert guard.limit(width) in (0, 2) and not guard.drafting_on(width)
+        assert guard.plan(width) in (0, 2) and not guard.drafting_on(width)
         guard.observe(width, False, 2.0, 16)
 
 
@@ -341,10 +341,10 @@ def test_a_probes_cost_is_not_set_by_one_stalled_step() -> None:
     guard = BatchGuard(min_steps=3, probe_every=2, probe_share=0.01)
     drafted = iter([0.6, 5.0, 0.6])
     for _ in range(6):  # drafted and plain steps in turn
-        limit = guard.limit(16)
+        limit = guard.plan(16)
         guard.observe(16, bool(limit), next(drafted) if limit else 0.5, 16)
     gap = 0
-    while guard.limit(16) == 0:
+    while guard.plan(16) == 0:
         guard.observe(16, False, 0.5, 16)
         gap += 1
     assert not guard.drafting_on(16) and gap == 60
@@ -374,6 +374,6 @@ def test_batch_guard_is_not_held_by_one_stalled_step() -> None:
     guard.observe(8, False, 17e-3, 8)
     for _ in range(4):
         guard.observe(8, False, 4.5e-3, 8)
-    assert guard.limit(8) == 0 and not guard.drafting_on(8)
+    assert guard.plan(8) == 0 and not guard.drafting_on(8)
     guard.observe(8, True, 30e-3, 10)
     assert not guard.drafting_on(8)

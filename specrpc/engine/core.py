@@ -361,7 +361,7 @@ class Engine:
         if prefilling and not self.batch_guard.drafting_on(len(gens)):
             limit = 0  # the guard judges steps without prompts; the prompts join the width they make next
         elif len(decoding) > 1:
-            limit = self.batch_guard.limit(len(decoding))
+            limit = self.batch_guard.plan(len(decoding))
         proposals, catch_up_s = self._plan_batch(gens, decoding, sum(r.ids.shape[0] for r in rows.values()), results,
                                                  limit)
         planned = [i for i in proposals if gens[i].fixed_k is None and proposals[i].source != "suggestion"]

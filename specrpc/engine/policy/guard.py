@@ -1,8 +1,18 @@
-"""Whether speculating pays in fact at a batch width: the realized rates of whole batched steps (`BatchGuard`).
+"""Whether speculating pays in fact at a batch width: a state machine per width over the realized rates of whole
+batched steps (`BatchGuard`).
 
 The policy's cost model can miss costs (ragged rows, draft catch-ups, host work per stream), so the guard keeps the
-realized seconds per committed token of whole batched steps per width, with and without drafts, and turns the
-policy's speculation off at a width where it is not faster in fact (probing back).
+realized seconds per committed token of whole batched steps per width, with policy drafts and without, and caps the
+policy's k at a width where drafting is not faster in fact. Each width bucket moves through these phases:
+
+    MEASURING ──plan, both measured: faster by min_speedup──▶ ON ──plan: not faster by min_speedup──▶ OFF
+        └──────plan, both measured: not──────────────────────────────────────────────────────────▶ OFF
+    OFF ──plan: `every` plain steps and `wait_s` plain seconds──▶ PROBE_ALLOWED (plan gives probe_k; counts as OFF)
+    PROBE_ALLOWED ──observe: a drafted step──▶ PROBING (both rates restart)
+    PROBING ──plan, both measured: faster by resume_speedup──▶ ON   (every halved)
+            └─plan, both measured: not──▶ OFF   (every doubled; wait_s = what the probe cost ÷ probe_share)
+
+`plan` advances a width (it judges, counts, allows probes); `observe` records a step's rate; the rest are queries.
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 
 
 @dataclass
@@ -38,6 +49,52 @@ class RecentRate:
         return statistics.median(self.recent) if self.recent else float("inf")
 
 
+class Phase(Enum):
+    """Where a width bucket stands."""
+
+    MEASURING = "measuring"  # both rates measured the first time, drafted and plain steps in turn; judged at a plan
+    ON = "on"  # drafting was faster: no cap, but for a plain step one in `plain_every` + 1
+    OFF = "off"  # drafting was slower: k 0, plain steps and seconds counted towards the next probe
+    PROBE_ALLOWED = "probe allowed"  # a plan gave probe_k, no drafted step seen since: still off
+    PROBING = "probing"  # the probe's first drafted step restarted both rates: measured in turn, then judged
+
+
+@dataclass
+class WidthState:
+    """One width bucket's phase and what it measured."""
+
+    every: int  # plain steps between probes now
+    drafted: RecentRate  # steps with policy drafts
+    plain: RecentRate  # steps without
+    phase: Phase = Phase.MEASURING
+    plain_steps: int = 0  # plans while off since drafting was last on or a probe allowed
+    plain_s: float = 0.0  # plain steps' seconds while off since then
+    wait_s: float = 0.0  # plain seconds the next probe waits for
+    catch_up_s: float = 0.0  # the measurement under way (first, or a probe): its drafts' catch-up seconds
+    drafted_tokens: int = 0  # and its drafted steps' tokens
+    since_plain: int = 0  # plans while on since the last plain step
+    draft_share: float | None = None  # decayed share of planned streams that drafted with the draft model
+
+    def measured(self, min_steps: int) -> bool:
+        """Whether both rates have `min_steps` steps."""
+        return min(self.drafted.steps, self.plain.steps) >= min_steps
+
+    def faster(self, margin: float) -> bool:
+        """Whether drafted steps are `margin` times faster per token than plain ones."""
+        return self.plain.per_token > margin * self.drafted.per_token
+
+    def measurement_step(self, probe_k: int) -> int:
+        """The cap for the next step of a measurement: drafted (probe_k) and plain (0) in turn, so that the host's
+        drift hits both rates alike."""
+        return probe_k if self.drafted.steps <= self.plain.steps else 0
+
+    def probe_cost(self) -> float:
+        """Seconds the measurement under way cost: its catch-ups, and its drafted tokens' time beyond plain
+        decoding's rate (medians: one stalled step does not set it)."""
+        loss = max(0.0, self.drafted.per_token - self.plain.per_token)
+        return self.catch_up_s + self.drafted_tokens * loss
+
+
 @dataclass
 class BatchGuard:
     """Realized seconds per committed token of whole batched steps by width (decoding streams, in `bucket`s), with
@@ -64,21 +121,11 @@ class BatchGuard:
     probe_every: int = 32
     max_probe_every: int = 512
     probe_k: int = 2
-    rates: dict[tuple[int, bool], RecentRate] = field(default_factory=dict)  # (width bucket, drafted) → rate
-    _off: dict[int, int] = field(default_factory=dict)  # width → plain steps since it was judged off or probed
-    _every: dict[int, int] = field(default_factory=dict)  # width → plain steps between probes now
-    _probing: set[int] = field(default_factory=set)  # a probe was allowed, its drafted step not yet seen
-    _judging: set[int] = field(default_factory=set)  # a probe's step was seen, not yet judged
     probe_share: float = 0.01  # the most of plain decoding's time that failed probes may cost at a width
-    # width → the measurement under way (first, or a probe): its drafts' catch-up seconds, its drafted steps' tokens
-    _probe_cost: dict[int, tuple[float, int]] = field(default_factory=dict)
-    _wait_s: dict[int, float] = field(default_factory=dict)  # width → plain seconds before the next probe
-    _off_s: dict[int, float] = field(default_factory=dict)  # width → plain seconds since it was judged off or probed
     plain_every: int = 32  # drafted steps at a width between two plain ones, which keep plain's rate measured
     window: int = 8  # steps each rate is the median of (tokens swing with acceptance, times with the host)
     idle_share: float = 0.1  # below this share of streams drafting with the draft model, its prefill is idle work
-    draft_share: dict[int, float] = field(default_factory=dict)  # width → decayed share of streams that drafted
-    _since_plain: dict[int, int] = field(default_factory=dict)  # width → drafted steps since its last plain one
+    widths: dict[int, WidthState] = field(default_factory=dict)  # width bucket → its state
 
     @staticmethod
     def bucket(width: int) -> int:
@@ -86,100 +133,124 @@ class BatchGuard:
         bucket's judgement costs steps of both kinds first)."""
         return 1 << max(0, width - 1).bit_length()
 
-    def limit(self, width: int) -> int | None:
-        """The most policy k may be in the next batched step of `width` decoding streams: None (no limit: drafting
-        was faster), 0 (it was not), or, while drafting is being measured (first, and in each probe), `probe_k` and
-        0 in turn, so that finding out costs little and drift hits both rates alike."""
-        width = self.bucket(width)
-        drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
-        measured = (drafted.steps if drafted else 0, plain.steps if plain else 0)
-        if min(measured) < self.min_steps:  # drafted and plain steps in turn, so that the host's drift hits both
-            return self.probe_k if measured[0] <= measured[1] else 0
-        probed = width in self._judging
-        self._judging.discard(width)
-        # while off, only a probe's own steps judge it again: the drafted rate is the last probe's, and plain steps
-        # that the host slowed since would turn a losing speculation on
-        if (probed or width not in self._off) and not self._judged_off(width):
-            if probed:  # back on: the next probes come sooner, but a width where it flaps keeps most of its wait
-                self._every[width] = max(self.probe_every, self._every.get(width, self.probe_every) // 2)
-            self._off.pop(width, None)
-            self._off_s.pop(width, None)
-            self._wait_s.pop(width, None)
-            self._probe_cost.pop(width, None)
-            since = self._since_plain.get(width, 0) + 1
-            self._since_plain[width] = 0 if since > self.plain_every else since
-            return 0 if since > self.plain_every else None
-        if probed:  # the probe failed: wait twice as long for the next one
-            self._every[width] = min(self.max_probe_every, 2 * self._every.get(width, self.probe_every))
-        if probed or width not in self._off:  # and long enough for what it (or the first measurement) cost
-            catch_up_s, tokens = self._probe_cost.pop(width, (0.0, 0))
-            loss = self.rates[(width, True)].per_token - self.rates[(width, False)].per_token  # medians: no stall
-            self._wait_s[width] = (catch_up_s + tokens * max(0.0, loss)) / self.probe_share
-        off = self._off.get(width, 0) + 1
-        waited = self._off_s.get(width, 0.0) >= self._wait_s.get(width, 0.0)
-        if off >= self._every.get(width, self.probe_every) and waited:
-            self._off[width] = 0
-            self._off_s[width] = 0.0
-            self._probing.add(width)
-            return self.probe_k
-        self._off[width] = off
+    def _state(self, width: int) -> WidthState:
+        """The state of `width`'s bucket, measuring from nothing when first met."""
+        bucket = self.bucket(width)
+        state = self.widths.get(bucket)
+        if state is None:
+            state = self.widths[bucket] = WidthState(self.probe_every, RecentRate(self.window), RecentRate(self.window))
+        return state
+
+    def plan(self, width: int) -> int | None:
+        """Advance `width`'s state by the next batched step of `width` decoding streams and return the most policy
+        k may be in it: None (no cap), 0, or `probe_k`. A measurement alternates `probe_k` and 0; a finished one is
+        judged; while on or off, the step counts towards the next plain step or probe."""
+        state = self._state(width)
+        phase = state.phase
+        if phase in (Phase.MEASURING, Phase.PROBING) and not state.measured(self.min_steps):
+            return state.measurement_step(self.probe_k)
+        if phase is Phase.PROBING:
+            if state.faster(self.resume_speedup):
+                self._resume(state)
+                return self._on_step(state)
+            self._fail_probe(state)
+        elif phase in (Phase.MEASURING, Phase.ON):
+            if state.faster(self.min_speedup):
+                if phase is Phase.MEASURING:
+                    self._turn_on(state)
+                return self._on_step(state)
+            self._turn_off(state)
+        return self._off_step(state)
+
+    def _resume(self, state: WidthState) -> None:
+        """A probe found drafting `resume_speedup` faster: on, the next probes sooner (halved, so that a width where
+        it flaps keeps most of its wait)."""
+        state.every = max(self.probe_every, state.every // 2)
+        self._turn_on(state)
+
+    def _fail_probe(self, state: WidthState) -> None:
+        """A probe did not: off again, the next probe twice as many plain steps off (up to `max_probe_every`)."""
+        state.every = min(self.max_probe_every, 2 * state.every)
+        self._turn_off(state)
+
+    def _turn_on(self, state: WidthState) -> None:
+        """Drafting was found faster: what counted towards a probe, and the measurement's cost, are dropped."""
+        state.phase = Phase.ON
+        state.plain_steps, state.plain_s, state.wait_s = 0, 0.0, 0.0
+        state.catch_up_s, state.drafted_tokens = 0.0, 0
+
+    def _turn_off(self, state: WidthState) -> None:
+        """Drafting was found slower: the next probe waits until plain decoding took 1 / `probe_share` times what
+        the measurement cost."""
+        state.phase = Phase.OFF
+        state.wait_s = state.probe_cost() / self.probe_share
+        state.catch_up_s, state.drafted_tokens = 0.0, 0
+
+    def _on_step(self, state: WidthState) -> int | None:
+        """A step while on: unlimited, but for a plain one after every `plain_every`."""
+        state.since_plain += 1
+        if state.since_plain > self.plain_every:
+            state.since_plain = 0
+            return 0
+        return None
+
+    def _off_step(self, state: WidthState) -> int:
+        """A step while off: plain, or a probe once `every` steps and `wait_s` plain seconds passed."""
+        state.plain_steps += 1
+        if state.plain_steps >= state.every and state.plain_s >= state.wait_s:
+            return self._allow_probe(state)
         return 0
 
-    def _judged_off(self, width: int) -> bool:
-        """Whether drafting is off at bucket `width` now (both rates measured): slower than plain by the margin of
-        the state it is in (`min_speedup` to stay on, `resume_speedup` to come back)."""
-        drafted, plain = self.rates[(width, True)], self.rates[(width, False)]
-        margin = self.resume_speedup if width in self._off else self.min_speedup
-        return plain.per_token <= margin * drafted.per_token
+    def _allow_probe(self, state: WidthState) -> int:
+        """Let the next step draft `probe_k`; counting towards the probe after it starts again."""
+        state.phase = Phase.PROBE_ALLOWED
+        state.plain_steps, state.plain_s = 0, 0.0
+        return self.probe_k
 
-    def drafting_on(self, width: int) -> bool:
-        """Whether drafting was found faster at `width` and is not being probed or first measured there (without
-        counting a step towards a probe)."""
-        width = self.bucket(width)
-        drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
-        return (drafted is not None and plain is not None and min(drafted.steps, plain.steps) >= self.min_steps
-                and width not in self._probing and width not in self._judging and width not in self._off
-                and not self._judged_off(width))
-
-    def observe_share(self, width: int, drafting: int, streams: int) -> None:
-        """In a batched step of `width` streams, `drafting` of the `streams` the policy planned for drafted with
-        the draft model (with or without prefill chunks in the step)."""
-        if streams:
-            width = self.bucket(width)
-            old = self.draft_share.get(width)
-            share = drafting / streams
-            self.draft_share[width] = share if old is None else 0.9 * old + 0.1 * share
-
-    def draft_idle(self, width: int) -> bool:
-        """Whether the draft model has hardly drafted at `width` lately (the policy chose k = 0 for nearly every
-        stream there), so a prompt's draft prefill would be spent for nothing: it catches up if drafting
-        returns."""
-        share = self.draft_share.get(self.bucket(width))
-        return share is not None and share < self.idle_share
+    def _start_probe(self, state: WidthState) -> None:
+        """The allowed probe's first drafted step: both rates are measured afresh from it (the old ones are stale)."""
+        state.phase = Phase.PROBING
+        state.drafted, state.plain = RecentRate(self.window), RecentRate(self.window)
+        state.catch_up_s, state.drafted_tokens = 0.0, 0
 
     def observe(self, width: int, drafted: bool, seconds: float, tokens: int, catch_up_s: float = 0.0) -> None:
         """A batched step of `width` decoding streams (no prefill in it), with drafts or without, took `seconds`
         and committed `tokens`, besides `catch_up_s` its drafts spent catching up on what they had not seen (the
         price of the steps they sat out: not judged, but a probe's cost)."""
-        width = self.bucket(width)
-        if drafted and width in self._probing:
-            self._probing.discard(width)
-            self._judging.add(width)
-            for kind in (True, False):  # judged again after min_steps of each, measured now
-                self.rates[(width, kind)] = RecentRate(self.window)
-            self._probe_cost.pop(width, None)
-        measured = self.rates.get((width, True))
-        if drafted and (width in self._judging or measured is None or measured.steps < self.min_steps):
-            cost = self._probe_cost.get(width, (0.0, 0))
-            self._probe_cost[width] = (cost[0] + catch_up_s, cost[1] + tokens)
-        elif not drafted and width in self._off:
-            self._off_s[width] = self._off_s.get(width, 0.0) + seconds
-        self.rates.setdefault((width, drafted), RecentRate(self.window)).observe(seconds, tokens)
+        state = self._state(width)
+        if drafted and state.phase is Phase.PROBE_ALLOWED:
+            self._start_probe(state)
+        if drafted and (state.phase is Phase.PROBING or state.drafted.steps < self.min_steps):
+            state.catch_up_s += catch_up_s  # charged to the measurement under way
+            state.drafted_tokens += tokens
+        elif not drafted and state.phase in (Phase.OFF, Phase.PROBE_ALLOWED, Phase.PROBING):
+            state.plain_s += seconds
+        (state.drafted if drafted else state.plain).observe(seconds, tokens)
+
+    def drafting_on(self, width: int) -> bool:
+        """Whether drafting is faster at `width` by `min_speedup`, on or first measured there and judged so now."""
+        state = self.widths.get(self.bucket(width))
+        return (state is not None and state.phase in (Phase.MEASURING, Phase.ON) and state.measured(self.min_steps)
+                and state.faster(self.min_speedup))
+
+    def observe_share(self, width: int, drafting: int, streams: int) -> None:
+        """In a batched step of `width` streams, `drafting` of the `streams` the policy planned for drafted with
+        the draft model (with or without prefill chunks in the step)."""
+        if streams:
+            state = self._state(width)
+            share = drafting / streams
+            state.draft_share = share if state.draft_share is None else 0.9 * state.draft_share + 0.1 * share
+
+    def draft_idle(self, width: int) -> bool:
+        """Whether the draft model has hardly drafted at `width` lately (the policy chose k = 0 for nearly every
+        stream there), so a prompt's draft prefill would be spent for nothing: it catches up if drafting
+        returns."""
+        state = self.widths.get(self.bucket(width))
+        return state is not None and state.draft_share is not None and state.draft_share < self.idle_share
 
     def speedup(self, width: int) -> float | None:
         """Realized speed-up of drafted over plain steps at `width` (None until both were measured)."""
-        width = self.bucket(width)
-        drafted, plain = self.rates.get((width, True)), self.rates.get((width, False))
-        if drafted is None or plain is None or not drafted.recent or not plain.recent:
+        state = self.widths.get(self.bucket(width))
+        if state is None or not state.drafted.recent or not state.plain.recent:
             return None
-        return plain.per_token / drafted.per_token
+        return state.plain.per_token / state.drafted.per_token
