@@ -88,7 +88,7 @@ class WidthState:
         drift hits both rates alike."""
         return probe_k if self.drafted.steps <= self.plain.steps else 0
 
-    def probe_cost(self) -> float:
+    def measurement_cost(self) -> float:
         """Seconds the measurement under way cost: its catch-ups, and its drafted tokens' time beyond plain
         decoding's rate (medians: one stalled step does not set it)."""
         loss = max(0.0, self.drafted.per_token - self.plain.per_token)
@@ -183,7 +183,7 @@ class BatchGuard:
         """Drafting was found slower: the next probe waits until plain decoding took 1 / `probe_share` times what
         the measurement cost."""
         state.phase = Phase.OFF
-        state.wait_s = state.probe_cost() / self.probe_share
+        state.wait_s = state.measurement_cost() / self.probe_share
         state.catch_up_s, state.drafted_tokens = 0.0, 0
 
     def _on_step(self, state: WidthState) -> int | None:
