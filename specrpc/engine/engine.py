@@ -269,7 +269,7 @@ class Engine:
             if prefilling and not self.batch_guard.drafting_on(len(gens)):
                 limit = 0  # the guard judges steps without prompts; the prompts join the width they make next
             elif len(decoding) > 1:
-                limit = self.batch_guard.limit(len(decoding))
+                limit = self.batch_guard.plan(len(decoding))
             prefill_tokens = sum(row.ids.shape[0] for row in rows.values())
             planned = plan_batch(self.drafting, self.batch_costs, [gens[i] for i in decoding], prefill_tokens, limit,
                                  self.config.prefill_chunk)
