@@ -380,6 +380,30 @@ async def test_serve_on_uvloop_answers_both_edges_and_drains(tmp_path: Path) -> 
         assert await asyncio.to_thread(served.process.wait, 30) == 0, served.log_text()
 
 
+async def test_sampling_parameters_at_the_edges_of_float32_behave_as_documented(http: httpx2.AsyncClient) -> None:
+    async def content(path: str, **sampling: Any) -> str:
+        body = {"prompt": "The weather today is", "seed": 7, **sampling}
+        if path == "/completion":
+            body |= {"n_predict": 12, "top_k": sampling.get("top_k", 0), "top_p": sampling.get("top_p", 1.0)}
+        else:
+            body |= {"max_tokens": 12}
+        response = await http.post(path, json=body)
+        assert response.status_code == 200, response.text
+        reply = response.json()
+        return str(reply["content"] if path == "/completion" else reply["choices"][0]["text"])
+
+    for path in ("/completion", "/v1/completions"):
+        floor = await content(path, temperature=0.01)  # validation.MIN_TEMPERATURE
+        assert floor
+        for tiny in (1e-38, 1e-40, 1e-300, 5e-324):
+            assert await content(path, temperature=tiny) == floor, (path, tiny)
+        plain = await content(path, temperature=0.9)
+        for same in ({"top_p": 1 - 1e-9}, {"top_p": 0.0}):
+            assert await content(path, temperature=0.9, **same) == plain, (path, same)
+    plain = await content("/completion", temperature=0.9)
+    assert await content("/completion", temperature=0.9, top_k=2**31 - 1) == plain  # top_k >= vocabulary: off
+
+
 BAD_REQUESTS: list[tuple[str, Any, int, tuple[str, ...]]] = [
     ("/v1/chat/completions", b"{not json", 400, ("not valid JSON",)),
     ("/v1/chat/completions", b"[1, 2]", 400, ("JSON object",)),
@@ -393,6 +417,11 @@ BAD_REQUESTS: list[tuple[str, Any, int, tuple[str, ...]]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, ("n must be 1",)),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 100}, 400, ("--max-stop-strings",)),
     ("/v1/completions", {"prompt": 42}, 400, ("prompt",)),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e38}, 400, ("temperature", "--max-temperature")),
+    ("/v1/completions", b'{"prompt": "x", "temperature": Infinity}', 400, ("temperature",)),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, ("temperature",)),
+    ("/v1/completions", {"prompt": "x", "top_p": -1e-9}, 400, ("top_p",)),
+    ("/completion", {"prompt": "x", "top_k": -1}, 400, ("top_k",)),
     ("/infill", {"input_prefix": "x", "n_predict": 10**6}, 400, ("n_predict", "--max-new-tokens")),
     ("/infill", {"input_extra": [{"filename": "a", "text": "b"}] * 1000}, 400, ("input_extra", "--max-extra-files")),
 ]

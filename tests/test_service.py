@@ -136,6 +136,25 @@ async def test_seeded_sampling_is_reproducible(stub: Stub, server: Running) -> N
         assert text_of(runs[0][0]) == text_of(runs[1][0])
 
 
+TEMPERATURE_FLOOR = 0.01
+"""validation.MIN_TEMPERATURE: a smaller positive temperature samples as this one (float32 logits / 1e-40 is inf)."""
+
+
+async def test_sampling_parameters_at_the_edges_of_float32_behave_as_documented(stub: Stub) -> None:
+    async def ids(**sampling: Any) -> list[int]:
+        request = greedy("The weather today is", 12, sampling=pb.SamplingParams(seed=7, **sampling),
+                         speculation=pb.SpeculationParams(num_draft_tokens=2))
+        return ids_of((await collect(stub.Generate(request)))[0])
+
+    floor = await ids(temperature=TEMPERATURE_FLOOR)
+    assert len(floor) > 1
+    for tiny in (1e-38, 1e-40, 1e-45, TEMPERATURE_FLOOR / 2):
+        assert await ids(temperature=tiny) == floor, tiny
+    plain = await ids(temperature=0.9)
+    for same in ({"top_p": 1 - 1e-9}, {"top_p": 0.0}, {"top_k": 2**31 - 1}, {"top_k": 10**6}):
+        assert await ids(temperature=0.9, **same) == plain, same  # top_p within float32 of 1, 0; top_k >= vocab: off
+
+
 async def test_max_new_tokens_ends_with_length(stub: Stub, long_streams: float) -> None:
     for n in (1, 3):
         chunks, summary = await collect(stub.Generate(greedy(n=n, speculation=GREEDY_K0)))
@@ -947,6 +966,9 @@ BAD_GENERATE = {
     "NaN temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=math.nan)), "temperature"),
     "huge temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=1e30)), "temperature"),
     "infinite temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=math.inf)), "temperature"),
+    "largest float32 temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=3.4e38)), "temperature"),
+    "tiny negative top_p": (_bad_generate(sampling=pb.SamplingParams(top_p=-1e-9)), "top_p"),
+    "most negative top_k": (_bad_generate(sampling=pb.SamplingParams(top_k=-(2**31))), "top_k"),
     "negative top_p": (_bad_generate(sampling=pb.SamplingParams(top_p=-0.1)), "top_p"),
     "top_p above 1": (_bad_generate(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
     "NaN top_p": (_bad_generate(sampling=pb.SamplingParams(top_p=math.nan)), "top_p"),
