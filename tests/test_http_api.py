@@ -404,6 +404,20 @@ async def test_sampling_parameters_at_the_edges_of_float32_behave_as_documented(
     assert await content("/completion", temperature=0.9, top_k=2**31 - 1) == plain  # top_k >= vocabulary: off
 
 
+async def test_chat_roles_and_a_chat_template_error_are_400s(http: httpx2.AsyncClient, chat_server: Running) -> None:
+    tool = [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": "Sunny."}]
+    assert (await http.post("/v1/chat/completions", json={"messages": tool, "max_tokens": 2})).status_code == 200
+    bogus = await http.post("/v1/chat/completions", json={"messages": [{"role": "bogus-role", "content": "hi"}]})
+    assert_openai_error(bogus, 400, "messages[0].role", "system, user, assistant, tool")
+    async with httpx2.AsyncClient(base_url=base_url(chat_server), timeout=60) as templated:
+        twice = [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Hello?"}]
+        refused = await templated.post("/v1/chat/completions", json={"messages": twice, "max_tokens": 2})
+        assert_openai_error(refused, 400, "roles must alternate")
+        fine = await templated.post("/v1/chat/completions", json={"messages": twice[1:], "max_tokens": 2})
+        assert fine.status_code == 200, fine.text
+    assert chat_server.runtime.registry.in_use == 0 and not chat_server.service.quota.open
+
+
 BAD_REQUESTS: list[tuple[str, Any, int, tuple[str, ...]]] = [
     ("/v1/chat/completions", b"{not json", 400, ("not valid JSON",)),
     ("/v1/chat/completions", b"[1, 2]", 400, ("JSON object",)),

@@ -926,6 +926,44 @@ async def test_converse_protocol_errors_are_invalid_argument(stub: Stub) -> None
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in (error.details() or "")
 
 
+async def test_converse_turn_roles_are_checked(stub: Stub) -> None:
+    conversation = Conversation(stub)
+    await conversation.start(max_new_tokens=2)
+    await conversation.send(turn=pb.Turn(text="hi", role="bogus-role"))
+    error = await rpc_error(conversation.call.read())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "turn.role" in (error.details() or "") and "system, user, assistant, tool" in (error.details() or "")
+    conversation = Conversation(stub)
+    await conversation.start(max_new_tokens=2)
+    _, _, summary = await conversation.turn("The weather is sunny.", role="tool")
+    assert summary.generation.completion_tokens > 0
+    await conversation.close()
+
+
+async def test_a_chat_template_error_is_invalid_argument_and_the_turn_is_rolled_back(chat_server: Running) -> None:
+    tokenizer = chat_server.runtime.tokenizer
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{chat_server.port}") as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        conversation = Conversation(stub)
+        started = await conversation.start(system="Be brief.", max_new_tokens=3)
+        _, _, first = await conversation.turn("Name a colour.")
+        await conversation.send(turn=pb.Turn(text="Blue.", role="assistant"))  # two replies in a row
+        error = await rpc_error(conversation.call.read())
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert "roles must alternate" in (error.details() or "")
+        await wait_until(lambda: chat_server.runtime.registry.in_use == 0, what="slot released")
+
+        resumed = Conversation(stub)
+        assert (await resumed.start(session_id=started.session_id)).resumed
+        _, _, second = await resumed.turn("And another?")
+        await resumed.close()
+        history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                   {"role": "assistant", "content": first.reply_text}, {"role": "user", "content": "And another?"}]
+        expected = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        ids = expected if isinstance(expected, list) else expected["input_ids"]
+        assert second.turn_index == 1 and second.generation.prompt_tokens == len(ids)
+
+
 # ---- GetModelInfo --------------------------------------------------------------------------------------------------
 
 
