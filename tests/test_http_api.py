@@ -149,6 +149,29 @@ async def test_session_second_turn_reuses_the_first_despite_other_clients(
     assert again.usage.prompt_tokens_details.cached_tokens >= first_prompt
 
 
+async def test_a_long_chat_history_is_trimmed_by_whole_messages_keeping_the_system_prompt(
+    http: httpx2.AsyncClient, server: Running
+) -> None:
+    system = "You are a patient assistant who answers every question."
+    system_tokens = len(server.runtime.encode(f"System: {system}\n"))
+    messages = [{"role": "system", "content": system}]
+    for i in range(40):
+        messages += [{"role": "user", "content": f"Question {i} about the mountains and the sea?"},
+                     {"role": "assistant", "content": f"Answer {i}: they are far apart."}]
+    headers = {"x-session-id": f"chat-{uuid.uuid4().hex}"}
+    room = server.runtime.config.engine.max_context - 1
+    for turn in ("And the rivers?", "And the lakes?"):
+        messages.append({"role": "user", "content": turn})
+        response = await http.post("/v1/chat/completions", headers=headers,
+                                   json={"messages": messages, "max_tokens": 2, "temperature": 0})
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert usage["prompt_tokens"] <= room
+        messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+    # the second prompt begins as the first did, with the system prompt (a cut from the front would share nothing)
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= system_tokens, usage
+
+
 async def test_sdk_chat_logprobs_per_token(client: openai.AsyncOpenAI) -> None:
     reply = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Count: 1, 2,"}],
                                                  max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)

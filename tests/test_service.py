@@ -926,6 +926,39 @@ async def test_converse_protocol_errors_are_invalid_argument(stub: Stub) -> None
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in (error.details() or "")
 
 
+async def test_converse_history_is_trimmed_by_whole_messages_and_keeps_the_system_prompt(
+    stub: Stub, server: Running, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    system = "You are a patient assistant who answers every question."
+    system_tokens = len(tokenizer(plain_history([("system", system)])).input_ids)
+    room = server.runtime.config.engine.max_context - 1
+    conversation = Conversation(stub)
+    started = await conversation.start(system=system, max_new_tokens=8,
+                                       sampling=pb.SamplingParams(temperature=0.0))
+    prompts, cached = [], []
+    for turn in range(30):
+        _, _, summary = await conversation.turn(f"Turn {turn}: " + "tell me about the mountains and the sea. " * 5)
+        prompts.append(summary.generation.prompt_tokens)
+        cached.append(summary.generation.cached_prompt_tokens)
+        messages = server.runtime.registry.sessions[started.session_id].conversation[0]
+        assert messages[0] == ("system", system) and len(messages) <= 16, (turn, len(messages))
+    await conversation.close()
+    assert max(prompts) <= room
+    trims = [i for i in range(1, len(prompts)) if prompts[i] < prompts[i - 1]]
+    assert trims, prompts
+    after = range(trims[0] + 1, len(prompts))
+    assert all(cached[i] >= system_tokens for i in after), cached  # the system prompt stays first, and cached
+    extended = [i for i in after if cached[i] >= prompts[i - 1] - 1]  # this prompt extends the last one
+    assert len(extended) >= len(after) // 2, (prompts, cached)
+
+
+async def test_converse_system_prompt_over_the_history_bytes_is_invalid_argument(stub: Stub, server: Running) -> None:
+    conversation = Conversation(stub)
+    await conversation.send(start=pb.SessionStart(system="s" * (server.runtime.config.limits.max_history_bytes + 1)))
+    error = await rpc_error(conversation.call.read())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-history-bytes" in (error.details() or "")
+
+
 async def test_converse_turn_roles_are_checked(stub: Stub) -> None:
     conversation = Conversation(stub)
     await conversation.start(max_new_tokens=2)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specrpc.edges.gateway import Gateway
-from specrpc.edges.history import Message, check_role
-from specrpc.edges.validation import InvalidRequest, fit_prompt
+from specrpc.edges.history import Message, bounded, check_role, fit
+from specrpc.edges.validation import InvalidRequest, prompt_room
 from specrpc.prompts.text import PhraseSegmenter
 from specrpc.serving.runtime import DecodeParams, Runtime
 from specrpc.serving.scheduler import Chunk, Done
@@ -58,18 +58,22 @@ def reply_stops(runtime: Runtime) -> tuple[str, ...]:
 
 
 def chat_prompt(gateway: Gateway, messages: Sequence[Message]) -> list[int]:
-    """The prompt of a whole history given at once (the HTTP chat endpoint), oldest turns cut when it is too long."""
+    """The prompt of a whole history given at once (the HTTP chat endpoint), its oldest messages dropped when it is
+    too long (history.py: the system prompt stays)."""
     for i, (role, _text) in enumerate(messages):
         check_role(role, f"messages[{i}].role")
     return turn_prompt(gateway, messages, f"messages[{len(messages) - 1}].content")[1]
 
 
 def turn_prompt(gateway: Gateway, messages: Sequence[Message], newest: str) -> tuple[list[Message], list[int]]:
-    """The messages kept and their prompt, ending with the assistant's cue. `newest` names the newest message's field
-    in errors."""
+    """The messages kept (within the history limits and the prompt's room) and their prompt, ending with the
+    assistant's cue. `newest` names the newest message's field in errors."""
     rt = gateway.runtime
-    return list(messages), fit_prompt(render(rt, messages, True), rt.context_limit, gateway.limits, truncate=True,
-                                      empty="send at least one message")
+    kept, ids = fit(bounded(messages, gateway.limits, newest), lambda m: render(rt, m, True),
+                    prompt_room(rt.context_limit, gateway.limits))
+    if not ids:
+        raise InvalidRequest("the chat template renders these messages as an empty prompt; send a message with text")
+    return kept, ids
 
 
 # ---- the events a conversation produces ---------------------------------------------------------------------------
@@ -148,6 +152,10 @@ class Conversation:
         await self.runtime.registry.wait_for_release(wanted)
         if self.session_id:
             raise InvalidRequest("start: this Converse stream already has a session; open a new stream for another")
+        limit = self.gateway.limits.max_history_bytes
+        if len(system.encode()) > limit:
+            raise InvalidRequest(f"start.system has {len(system.encode())} bytes, over the {limit} a conversation "
+                                 f"keeps (server --max-history-bytes); send a shorter system prompt")
         registry = self.runtime.registry
         resumed = bool(wanted) and wanted in registry.sessions
         session = registry.open(wanted)

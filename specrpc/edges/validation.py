@@ -112,14 +112,20 @@ def fit_prompt(ids: list[int], context_limit: int, limits: Limits, truncate: boo
     `truncate`; else InvalidRequest saying how long it may be."""
     if not ids:
         raise InvalidRequest(f"the prompt is empty: {empty}")
-    room = context_limit - 1
-    cap = min(room, limits.max_prompt_tokens or room)
+    cap = prompt_room(context_limit, limits)
     if len(ids) > cap:
         if not truncate:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens but at most {cap} fit (context "
                                  f"{context_limit}, --max-prompt-tokens); {too_long}")
         ids = ids[-cap:]
     return ids
+
+
+def prompt_room(context_limit: int, limits: Limits) -> int:
+    """The most prompt tokens a request may have: the context less one position to generate into, and at most
+    --max-prompt-tokens."""
+    room = context_limit - 1
+    return min(room, limits.max_prompt_tokens or room)
 
 
 def extra_files(count: int, limits: Limits, name: str = "extra") -> None:
