@@ -413,13 +413,3 @@ class Runtime:
             job.cancel()
             if watcher is not None:
                 watcher.cancel()
-
-
-def summary_fields(done: Done) -> dict[str, object]:
-    """Log-friendly figures of a finished job."""
-    s = done.stats
-    return {
-        "finish": done.finish, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_prompt_tokens,
-        "completion_tokens": s.completion_tokens, "proposed": s.proposed, "accepted": s.accepted,
-        "verify_steps": s.verify_steps, "mean_accepted_length": round(s.mean_accepted_length, 3),
-    }
