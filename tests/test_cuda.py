@@ -16,7 +16,8 @@ from specrpc.config import EngineConfig
 from specrpc.engine.core import Engine, GenerationRequest, Stall
 from specrpc.engine.sampling import SamplingParams
 from specrpc.models import load_model
-from specrpc.models.llama import LlamaLM, bucket_sizes
+from specrpc.models.backends.eager import bucket_sizes
+from specrpc.models.llama import LlamaLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 ASSETS = Path(specrpc.__file__).parent / "assets"

@@ -30,8 +30,8 @@ from specrpc.config import EngineConfig
 from specrpc.engine.core import Engine
 from specrpc.engine.policy import expected_tokens
 from specrpc.engine.sampling import SamplingParams
-from specrpc.models.cuda_graphs import CHUNKS
-from specrpc.models.llama import bucket_sizes
+from specrpc.models.backends.cuda_graphs import CHUNKS
+from specrpc.models.backends.eager import bucket_sizes
 from specrpc.models.random_weights import random_lm, write_checkpoint
 from specrpc.serving.runtime import resolve_device, resolve_dtype
 

@@ -23,8 +23,8 @@ from specrpc.engine.policy import CostModel
 from specrpc.engine.proposers import SuggestionProposer
 from specrpc.engine.sampling import SamplingParams
 from specrpc.models import CausalLM, load_model, load_tokenizer
-from specrpc.models.cuda_graphs import CHUNKS
-from specrpc.models.llama import bucket_sizes
+from specrpc.models.backends.cuda_graphs import CHUNKS
+from specrpc.models.backends.eager import bucket_sizes
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.openmp import release_workers
 from specrpc.prompts.fim import FimFormat, InfillInput, InfillPrompt, NoInfillSupport, load_format
