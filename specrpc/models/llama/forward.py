@@ -4,7 +4,7 @@ optional biases on every projection, tied or untied embeddings, per-layer slidin
 One decoder (`_decoder`) runs the layers; what differs between its callers is the attention path: one slot
 (`llama_forward`), several slots at once (`llama_forward_batch`), or a fixed-shape twin over a slot's whole
 capacity (`llama_forward_static`, which `backends.cuda_graphs` captures on CUDA, as it does the greedy draft loop
-`greedy_draft_static`).
+`greedy_draft_static`). Each path masks keys with `window_mask`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,15 @@ import torch.nn.functional as F
 
 from specrpc.models.batch import BatchRow
 from specrpc.models.llama.weights import LlamaWeights, linear, linear_add
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query sees: q_pos [..., Q, 1] and k_pos [S] positions → bool [..., Q, S], true for the keys at
+    or before the query and, with a `window`, fewer than `window` positions behind it."""
+    mask = k_pos <= q_pos  # [..., Q, S]
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
 
 
 def _attention_spans(
@@ -33,10 +42,7 @@ def _attention_spans(
         lo = 0 if window is None else max(0, start - window + 1)
         q_pos = w.positions[start:end].repeat(rep)[:, None]  # [rep·T, 1], rows ordered (rep, t)
         k_pos = w.positions[lo:end]  # [S]
-        mask = k_pos <= q_pos  # [rep·T, S]
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        spans[window] = (lo, mask)
+        spans[window] = (lo, window_mask(q_pos, k_pos, window))  # mask [rep·T, S]
     return spans
 
 
@@ -143,12 +149,8 @@ def _rows_attention(w: LlamaWeights, k_all: torch.Tensor, v_all: torch.Tensor, r
     q_pos = torch.zeros(width, tokens, dtype=torch.long, device=device).index_copy_(0, at, pos)  # [B, T]
     q_pos = q_pos.repeat(1, rep)[:, :, None]  # [B, rep·T, 1], rows ordered (rep, t)
     k_pos = w.positions[:span]  # [S]
-    masks: dict[int | None, torch.Tensor] = {}
-    for window in {layer.window for layer in w.layers}:
-        mask = k_pos <= q_pos  # [B, rep·T, S]
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        masks[window] = mask[:, None]  # [B, 1, rep·T, S]
+    masks = {window: window_mask(q_pos, k_pos, window)[:, None]  # [B, 1, rep·T, S]
+             for window in {layer.window for layer in w.layers}}
 
     def attention(i: int, window: int | None, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
                   ) -> torch.Tensor:
@@ -217,8 +219,7 @@ def llama_forward_static(
     a = w.args
     q_pos = pos.repeat(a.heads // a.kv_heads)[:, None]  # [rep·T, 1], rows ordered (rep, t)
     k_pos = w.positions  # [C]
-    causal = k_pos <= q_pos  # [rep·T, C]
-    masks = {window: causal if window is None else causal & (k_pos > q_pos - window)
+    masks = {window: window_mask(q_pos, k_pos, window)  # [rep·T, C]
              for window in {layer.window for layer in w.layers}}
 
     def attention(i: int, window: int | None, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
