@@ -32,7 +32,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import specrpc
-from specrpc.models import BatchRow, CausalLM, load_model
+from specrpc.models import BatchRow, CausalLM, load_model, padded_sizes
 from specrpc.models.backends import eager
 from specrpc.models.backends import native as native_step
 from specrpc.models.backends.eager import bucket_for, bucket_sizes
@@ -369,6 +369,7 @@ def test_bucket_sizes_and_choice() -> None:
     assert bucket_sizes(37, 512) == (64, 128, 256, 512)
     assert bucket_sizes(1, 6) == (1, 2, 4, 6)
     assert bucket_sizes(600, 512) == ()
+    assert padded_sizes(9, 512) == (64, 128, 256, 512), "past what graphs of 9 tokens cover (4 pieces: 36 tokens)"
     sizes = (64, 128, 256, 512)
     assert bucket_for(37, sizes, room=1000) == 64
     assert bucket_for(64, sizes, room=1000) == 64

@@ -1,7 +1,8 @@
-"""Models the engine runs: the CausalLM protocol and the loaders."""
+"""Models the engine runs: the CausalLM protocol, the loaders, and the padded sizes a CUDA-graphed model takes."""
 
 from specrpc.models.batch import BatchRow
+from specrpc.models.llama import padded_sizes
 from specrpc.models.loader import load_model, load_tokenizer
 from specrpc.models.protocol import CausalLM
 
-__all__ = ["BatchRow", "CausalLM", "load_model", "load_tokenizer"]
+__all__ = ["BatchRow", "CausalLM", "load_model", "load_tokenizer", "padded_sizes"]

@@ -5,7 +5,7 @@ backend (`specrpc.models.backends`) per forward shape."""
 
 from specrpc.models.llama.checkpoint import TensorSource, build_llama_weights, checkpoint_shapes, load_llama_weights
 from specrpc.models.llama.config import LEAN_MODEL_TYPES, LlamaArgs, UnsupportedModelError
-from specrpc.models.llama.lm import LlamaLM
+from specrpc.models.llama.lm import LlamaLM, padded_sizes
 from specrpc.models.llama.weights import Linear, LlamaWeights, bf16_available, int8_available
 
 __all__ = [
@@ -21,4 +21,5 @@ __all__ = [
     "checkpoint_shapes",
     "int8_available",
     "load_llama_weights",
+    "padded_sizes",
 ]

@@ -23,6 +23,12 @@ from specrpc.models.llama.weights import LlamaWeights, map_linears, with_int8_de
 log = logging.getLogger(__name__)
 
 
+def padded_sizes(graph_tokens: int, largest: int) -> tuple[int, ...]:
+    """The `buckets` for a model whose forwards of up to `graph_tokens` tokens replay CUDA graphs: token counts past
+    what the graphs cover (in `cuda_graphs.CHUNKS` pieces) up to `largest` (a prefill chunk)."""
+    return eager.bucket_sizes(cuda_graphs.CHUNKS * graph_tokens + 1, largest)
+
+
 class LlamaLM:
     """CausalLM over the lean Llama-family forward with a preallocated per-slot KV cache."""
 
