@@ -3,7 +3,7 @@ from safetensors: `config` parses config.json, `weights` holds the weight format
 reads and fuses a checkpoint's tensors, `rope` and `forward` compute, and `lm.LlamaLM` owns the KV cache and picks a
 backend (`specrpc.models.backends`) per forward shape."""
 
-from specrpc.models.llama.checkpoint import TensorSource, build_llama_weights, checkpoint_shapes, load_llama_weights
+from specrpc.models.llama.checkpoint import TensorSource, build_llama_weights, checkpoint_shapes
 from specrpc.models.llama.config import LEAN_MODEL_TYPES, LlamaArgs, UnsupportedModelError
 from specrpc.models.llama.lm import LlamaLM, padded_sizes
 from specrpc.models.llama.weights import Linear, LlamaWeights, bf16_available, int8_available
@@ -20,6 +20,5 @@ __all__ = [
     "build_llama_weights",
     "checkpoint_shapes",
     "int8_available",
-    "load_llama_weights",
     "padded_sizes",
 ]
