@@ -531,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--starts", type=int, default=0, metavar="N",
                         help="run only the start-to-start spread: `specrpc serve` started N times, the same prompts "
                              "each time, median decode tokens/s of adaptive and k=0 per start (bench/starts.py)")
+    parser.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
+                        help="with --starts N: N rounds alternating a server of this checkout and one of CHECKOUT "
+                             "(another revision of specrpc, its stubs generated), identical tokens checked")
     keys = parser.add_argument_group("keystroke replay (specrpc/bench/keystrokes.py)")
     keys.add_argument("--keystrokes", action="store_true",
                       help="run only the keystroke replay: lines typed in held-out files, an Infill per key through "
@@ -557,8 +560,15 @@ def main(argv: list[str] | None = None) -> int:
         cases = build_cases(args.cases, workloads=tuple(w for w in args.workloads.split(",") if w))
         if args.max_new_tokens:
             cases = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases]
-        spread = starts.run(cases, args.starts, args.target, args.draft, args.threads, args.dtype, args.weights)
         args.out.mkdir(parents=True, exist_ok=True)
+        if args.against is not None:
+            compared = starts.compare(cases, args.starts, str(args.against), args.target, args.draft, args.threads,
+                                      args.dtype, args.weights)
+            (args.out / "against.json").write_text(json.dumps(compared, indent=2))
+            (args.out / "against.md").write_text(starts.compare_markdown(compared))
+            print(starts.compare_markdown(compared))
+            return 0 if compared["identical_tokens"] else 1
+        spread = starts.run(cases, args.starts, args.target, args.draft, args.threads, args.dtype, args.weights)
         (args.out / "starts.json").write_text(json.dumps(spread, indent=2))
         (args.out / "starts.md").write_text(starts.markdown(spread))
         print(starts.markdown(spread))
