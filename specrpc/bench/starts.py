@@ -25,8 +25,8 @@ from specrpc.bench.workloads import Case
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
-MODES: dict[str, int | None] = {"adaptive": None, "k=0": 0}
-"""Contenders per start: the policy's k (None) and target-only."""
+MODES: dict[str, int | None] = {"adaptive": None, "k=3": 3, "k=0": 0}
+"""Contenders per start: the policy's k (None), a fixed k with the server's proposer, and target-only."""
 
 
 def serve_command(target: str, draft: str, port: int, threads: int, dtype: str, weights: str) -> list[str]:
