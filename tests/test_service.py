@@ -249,8 +249,9 @@ def scripted(server: Running, monkeypatch: pytest.MonkeyPatch) -> Callable[[list
     """Make the engine emit a given token script (to force characters split across chunks, whatever the model)."""
 
     def use(script: list[int], per_step: int) -> None:
-        monkeypatch.setattr(server.runtime.engine, "start",
-                            lambda slot, request: ScriptedGeneration(request, script, per_step))
+        engine = server.runtime.engine
+        monkeypatch.setattr(engine, "start", lambda slot, request: ScriptedGeneration(request, script, per_step))
+        monkeypatch.setattr(engine, "step", lambda gens: [gen.step() for gen in gens])
 
     return use
 
