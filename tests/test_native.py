@@ -130,3 +130,26 @@ def test_int8_prompts_and_wide_batches_run_native_as_decoding_does() -> None:
     assert torch.equal(batched[1], torch.cat([lm.forward(ids[t : t + 1], t, 1) for t in range(30, 50)])[-2:])
     lm.truncate(2, 0)
     assert torch.equal(batched[2], lm.forward(ids[:1], 0, 2))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -> None:
+    """Every prefetch mode (none, non-temporal, temporal) and prefetch distance gives the same logits bit for bit,
+    for a decode step and a verify: which one runs is a speed choice made at load, never a numerical one."""
+    requires_native()
+    cpu = torch.device("cpu")
+    if int8 and not int8_available(cpu):
+        pytest.skip("no int8 kernel")
+    lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
+                    int8_weights=int8, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    step = lm.native
+    ids = torch.tensor([(i * 7919) % 4000 for i in range(30)])
+    step.run(ids[:16], 0, 0)
+    seen = []
+    for mode in native.PREFETCH.values():
+        for ahead in (0, 512, 4096):
+            step.model.stream, step.model.prefetch_ahead = mode, ahead
+            seen.append((step.run(ids[16:17], 16, 0), step.run(ids[16:21], 16, 0, num_logits=5)))
+    for one, five in seen[1:]:
+        assert torch.equal(one, seen[0][0]) and torch.equal(five, seen[0][1])

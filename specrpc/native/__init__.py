@@ -92,7 +92,16 @@ class Model(ctypes.Structure):
                 + [("layer", ctypes.POINTER(Layer))]
                 + [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "x", "h", "qkv", "att", "up", "scores",
                                                         "xq", "xs", "xsum")]
-                + [("kq", ctypes.c_int64)])
+                + [("kq", ctypes.c_int64), ("prefetch_ahead", ctypes.c_int64)])
+    # `stream` is decode.cpp's `prefetch` (a `PREFETCH` mode; named for what its modes 0 and 1 were before there were
+    # three), `prefetch_ahead` the bytes ahead a prefetch asks for (0: decode.cpp's default, 2048)
+
+
+PREFETCH = {"none": 0, "non-temporal": 1, "temporal": 2}
+"""decode.cpp's `Prefetch` modes by name: how the products prefetch their weight panels, a hint that never changes
+the results. "non-temporal" reads weights past the caches (what won on a 2-core AMD EPYC whose L3 the target exceeds);
+"temporal" keeps them (where the last-level cache holds the model: an Intel Xeon with 260 MB of L3 ran the target's
+one-token step 5× faster with it); "none" leaves it to the hardware. Which wins is measured at load, per model."""
 
 
 @functools.cache
