@@ -54,6 +54,8 @@ class Limits:
     max_extra_files: int = 32
     max_streams_per_client: int = 16
     max_temperature: float = 100.0
+    max_history_messages: int = 256
+    max_history_bytes: int = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,11 @@ HELP: dict[str, str] = {
     "max_streams_per_client": "most concurrent Generate/Infill/Converse streams per client (its bearer token with "
                               "--auth-tokens-file, else its address); 0: unlimited",
     "max_temperature": "largest temperature accepted",
+    "max_history_messages": "most messages a conversation keeps (a Converse session's history, an HTTP chat's "
+                            "messages): past it the oldest after the system prompt are dropped, eight at a time",
+    "max_history_bytes": "most bytes of message text a conversation keeps: past it the oldest messages after the "
+                         "system prompt are dropped; a newest message that does not fit beside the system prompt "
+                         "is refused",
     "host": "address to listen on",
     "port": "gRPC port (0 picks a free one)",
     "http_port": "port of the OpenAI- and llama.cpp-compatible HTTP API, served beside gRPC (0: off)",
@@ -250,6 +257,8 @@ def validate(config: Config) -> None:
          "--max-prompt-tokens, --max-stop-strings, --max-stop-chars, --max-extra-files and "
          "--max-streams-per-client must be >= 0"),
         (config.limits.max_temperature >= 0, "--max-temperature must be >= 0"),
+        (config.limits.max_history_messages >= 2, "--max-history-messages must be >= 2 (a system prompt and a turn)"),
+        (config.limits.max_history_bytes >= 1024, "--max-history-bytes must be >= 1024"),
     ]
     for ok, message in checks:
         if not ok:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -116,3 +117,40 @@ async def extra_server(request: pytest.FixtureRequest) -> AsyncIterator[Callable
     yield start
     for srv in started:
         await srv.stop(0)
+
+
+ALTERNATING_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- set loop_messages = messages %}"
+    "{%- endif %}{%- for message in loop_messages %}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- if message['role'] == 'user' %}{%- if loop.first and system %}"
+    "{{- '[INST] ' + system + '\\n\\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported, with the exception of an "
+    "initial optional system message!') }}{%- endif %}{%- endfor %}"
+)
+"""Mistral-7B-Instruct's chat template (an optional system prompt, then user and assistant alternating; anything else
+raises), as the chat templates of Mistral and Gemma refuse histories."""
+
+
+@pytest_asyncio.fixture(scope="session")
+async def chat_server(server: Running, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
+    """A second server on the shipped target (no draft) whose tokenizer brings ALTERNATING_TEMPLATE."""
+    source = Path(server.runtime.config.engine.target)
+    target = tmp_path_factory.mktemp("chat") / "target"
+    target.mkdir()
+    for item in source.iterdir():
+        (target / item.name).symlink_to(item)
+    (target / "tokenizer_config.json").unlink()
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = ALTERNATING_TEMPLATE
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    base = test_config()
+    config = replace(base, engine=replace(base.engine, target=str(target), draft="none", max_sessions=2),
+                     server=replace(base.server, metrics_port=0))
+    running = await start_server(config)
+    yield running
+    await running.stop(0.5)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specrpc.engine.core import Engine, GenerationRequest, Slot
+from specrpc.engine.engine import Engine
+from specrpc.engine.generation import GenerationRequest, Slot
 
 
 def decode(engine: Engine, slot: Slot, request: GenerationRequest) -> list[int]:
@@ -12,13 +13,13 @@ def decode(engine: Engine, slot: Slot, request: GenerationRequest) -> list[int]:
     gen = engine.start(slot, request)
     out: list[int] = []
     while not gen.finished:
-        out += gen.step().token_ids
+        out += engine.step_one(gen).token_ids
     return out
 
 
 def decode_together(engine: Engine, runs: list[tuple[Slot, GenerationRequest, int]]
                     ) -> tuple[list[list[int]], list[list[int]]]:
-    """Every request on its slot, advanced together by `Engine.step_many`; a request joins at the step its `int`
+    """Every request on its slot, advanced together by `Engine.step`; a request joins at the step its `int`
     says. Returns each request's tokens, and per step the tokens each running request got (-1: not running)."""
     gens = [engine.start(slot, request) for slot, request, _ in runs]
     out: list[list[int]] = [[] for _ in runs]
@@ -28,7 +29,7 @@ def decode_together(engine: Engine, runs: list[tuple[Slot, GenerationRequest, in
         running = [i for i, (g, (_, _, join)) in enumerate(zip(gens, runs, strict=True))
                    if join <= step and not g.finished]
         got = [-1] * len(runs)
-        for i, result in zip(running, engine.step_many([gens[i] for i in running]), strict=True):
+        for i, result in zip(running, engine.step([gens[i] for i in running]), strict=True):
             assert not isinstance(result, Exception), result
             out[i] += result.token_ids
             got[i] = len(result.token_ids)

@@ -13,7 +13,8 @@ from engine_helpers import decode
 import specrpc
 from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import EngineConfig
-from specrpc.engine.core import Engine, GenerationRequest, Stall
+from specrpc.engine.engine import Engine, Stall
+from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.sampling import SamplingParams
 from specrpc.models import load_model
 from specrpc.models.llama import LlamaLM, bucket_sizes
@@ -92,12 +93,12 @@ def test_guard_both_ways_on_the_gpu(where: str) -> None:
     policy = slot.policy
     policy.probe_every, policy.probe_k = 4, 4
     gen = engine.start(slot, GenerationRequest([1, 2, 3], 380, SamplingParams(temperature=0.0), proposer="draft"))
-    gen.step()
+    engine.step_one(gen)
     engine.stall = Stall(**{where: 0.05})
-    stalled = [gen.step().proposed for _ in range(5 * policy.probe_every)]
+    stalled = [engine.step_one(gen).proposed for _ in range(5 * policy.probe_every)]
     assert sum(k > 0 for k in stalled[-policy.probe_every :]) <= 1, stalled
     engine.stall = None
-    after = [gen.step().proposed for _ in range(5 * policy.probe_every)]
+    after = [engine.step_one(gen).proposed for _ in range(5 * policy.probe_every)]
     assert sum(k > 0 for k in after[-2 * policy.probe_every :]) >= policy.probe_every, after
 
 

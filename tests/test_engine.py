@@ -16,9 +16,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import ASSETS, EngineConfig
-from specrpc.engine.core import PREFILL_STALL, Engine, GenerationRequest, Slot, Stall, TokenLogprob
+from specrpc.engine.engine import PREFILL_STALL, Engine, Stall
+from specrpc.engine.generation import GenerationRequest, Slot, TokenLogprob
+from specrpc.engine.plan import plan
 from specrpc.engine.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
-from specrpc.engine.proposers import DraftRequest, Proposal, lookup_kind
+from specrpc.engine.proposers import DraftRequest, lookup_kind
 from specrpc.engine.sampling import SamplingParams, logits_to_probs
 from specrpc.models import load_model, load_tokenizer, native_step
 from specrpc.models.llama import LlamaLM
@@ -136,10 +138,10 @@ def test_combined_takes_prompt_lookup_only_where_its_match_beats_the_draft(pair:
         slot.policy.acceptance[lookup_kind(1)] = AcceptanceEstimate(lookup_alpha * 100, 100)
         slot.policy.acceptance["draft"] = AcceptanceEstimate(draft_alpha * 100, 100)
         gen = engine.start(slot, GenerationRequest(prompt, 20, GREEDY, proposer="combined"))
-        gen._reuse_prefix()  # the context is the prompt: what the step after its prefill plans from
-        plan = gen._plan()
-        assert (plan.estimate if isinstance(plan, Proposal) else "draft") == chosen
-        assert not isinstance(plan, Proposal) or plan.token_ids[:2] == slot.tokens[1:3]
+        gen.begin(0)  # the context is the prompt: what the step after its prefill plans from
+        chosen_plan = plan(engine.drafting, gen, None)
+        assert chosen_plan.source == chosen
+        assert chosen_plan.draft_k or chosen_plan.proposal.token_ids[:2] == slot.tokens[1:3]
 
 
 def test_adaptive_skips_a_draft_catch_up_the_request_cannot_repay(pair: tuple[Path, Path]) -> None:
@@ -159,7 +161,7 @@ def test_adaptive_skips_a_draft_catch_up_the_request_cannot_repay(pair: tuple[Pa
         out: list[int] = []
         proposed = 0
         while not gen.finished:
-            step = gen.step()
+            step = engine.step_one(gen)
             out += step.token_ids
             proposed += step.proposed
         assert out == plain, name
@@ -216,14 +218,14 @@ def test_adaptive_falls_back_under_a_stall_and_comes_back_when_it_goes(tmp_path:
     policy = slot.policy
     policy.probe_every, policy.probe_k = 4, 4
     gen = engine.start(slot, GenerationRequest([1, 2, 3], capacity, GREEDY, proposer="draft"))
-    gen.step()  # prefill
-    assert gen.step().proposed > 0, "speculating before the stall"
+    engine.step_one(gen)  # prefill
+    assert engine.step_one(gen).proposed > 0, "speculating before the stall"
     engine.stall = Stall(**{where: 0.2})  # far above any noise of this shared CPU
-    stalled = [gen.step().proposed for _ in range(5 * policy.probe_every)]
+    stalled = [engine.step_one(gen).proposed for _ in range(5 * policy.probe_every)]
     assert sum(k > 0 for k in stalled) <= policy.min_realized_steps + 6, stalled  # the stalled steps, probes
     assert sum(k > 0 for k in stalled[-policy.probe_every :]) <= 1, stalled  # off, but for a probe
     engine.stall = None
-    after = [gen.step().proposed for _ in range(5 * policy.probe_every)]
+    after = [engine.step_one(gen).proposed for _ in range(5 * policy.probe_every)]
     # back once a probe finds the stall gone: most steps speculate, not just the probes (at most 2 of these)
     assert sum(k > 0 for k in after[-2 * policy.probe_every :]) >= policy.probe_every, after
 
@@ -294,9 +296,10 @@ def test_sampled_sequences_follow_the_target_distribution(pair: tuple[Path, Path
     counts: dict[tuple[int, ...], int] = {}
     for i in range(n):
         gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, 4, replace(params, seed=i), 2, "draft"))
-        steps = [gen.step() for _ in range(2)]
+        steps = [engine.step_one(gen) for _ in range(2)]
         assert [s.proposed for s in steps] == [0, 2], "the verify step after the first token drafts k = 2"
-        seq = tuple((steps[0].token_ids + steps[1].token_ids + (gen.step().token_ids if not gen.finished else []))[:3])
+        third = engine.step_one(gen).token_ids if not gen.finished else []
+        seq = tuple((steps[0].token_ids + steps[1].token_ids + third)[:3])
         counts[seq] = counts.get(seq, 0) + 1
     assert chi_square_pvalue(counts, sequence_probs(pair[0], prompt, 3, params), n) > 1e-4
     assert chi_square_pvalue(counts, sequence_probs(pair[1], prompt, 3, params), n) < 1e-4
@@ -315,7 +318,7 @@ def test_sampled_sequences_follow_the_target_distribution_in_a_batch(pair: tuple
     for i in range(n // 2):
         gens = [engine.start(engine.new_slot(s), GenerationRequest(prompt, 4, replace(params, seed=2 * i + s), 2,
                                                                    "draft")) for s in (0, 1)]
-        steps = [engine.step_many(gens) for _ in range(2)]
+        steps = [engine.step(gens) for _ in range(2)]
         tokens: list[list[int]] = [[], []]
         for step in steps:
             for j, result in enumerate(step):
@@ -324,7 +327,7 @@ def test_sampled_sequences_follow_the_target_distribution_in_a_batch(pair: tuple
         assert [[r.proposed for r in step if not isinstance(r, Exception)] for step in steps] == [[0, 0], [2, 2]]
         for j, gen in enumerate(gens):
             if not gen.finished:
-                tokens[j] += gen.step().token_ids
+                tokens[j] += engine.step_one(gen).token_ids
             counts[tuple(tokens[j][:3])] = counts.get(tuple(tokens[j][:3]), 0) + 1
     assert chi_square_pvalue(counts, sequence_probs(pair[0], prompt, 3, params), n) > 1e-4
     assert chi_square_pvalue(counts, sequence_probs(pair[1], prompt, 3, params), n) < 1e-4
@@ -358,7 +361,7 @@ def test_batched_streams_equal_their_solo_runs(pair: tuple[Path, Path]) -> None:
     batched_lp: list[list[TokenLogprob]] = [[], []]
     while not all(gen.finished for gen in gens):
         live = [i for i, gen in enumerate(gens) if not gen.finished]
-        for i, result in zip(live, engine.step_many([gens[i] for i in live]), strict=True):
+        for i, result in zip(live, engine.step([gens[i] for i in live]), strict=True):
             assert not isinstance(result, Exception)
             batched_lp[i] += result.logprobs
     for a, b in zip(batched_lp, solo_lp, strict=True):
@@ -405,7 +408,7 @@ def test_rollback_leaves_target_logits_as_without_speculation(pair: tuple[Path, 
     gen = engine.start(slot, GenerationRequest([0, 5, 2], 30, SamplingParams(temperature=1.0, seed=7), 4, "draft"))
     rejected = 0
     while not gen.finished:
-        result = gen.step()
+        result = engine.step_one(gen)
         rejected += result.proposed - result.accepted
     assert rejected > 0
     tokens = slot.tokens
@@ -423,7 +426,7 @@ def test_prefix_reuse_counts_cached_tokens_and_keeps_output(pair: tuple[Path, Pa
     gen = engine.start(slot, GenerationRequest(prompt + first[:4], 10, GREEDY, 3, "draft"))
     out: list[int] = []
     while not gen.finished:
-        out += gen.step().token_ids
+        out += engine.step_one(gen).token_ids
     assert gen.stats.cached_prompt_tokens == len(prompt) + 3
     assert out == run(engine, prompt + first[:4], 10, GREEDY, 0, slot=engine.new_slot(1))
 
@@ -447,7 +450,7 @@ def test_speculation_off_on_the_server_wins_over_a_request_k(pair: tuple[Path, P
     engine = make_engine(pair, speculation="off")
     gen = engine.start(engine.new_slot(0), GenerationRequest([1, 2, 3, 1, 2], 12, GREEDY, 4, "draft"))
     while not gen.finished:
-        assert gen.step().proposed == 0
+        assert engine.step_one(gen).proposed == 0
     assert gen.stats.proposed == 0 and gen.stats.verify_steps == 11
     on = make_engine(pair)
     assert on.start(on.new_slot(0), GenerationRequest([1, 2, 3], 12, GREEDY, 4, "draft")).fixed_k == 4
@@ -460,7 +463,7 @@ def logprob_run(engine: Engine, prompt: list[int], n: int, k: int, top: int, par
     tokens: list[int] = []
     logprobs: list[TokenLogprob] = []
     while not gen.finished:
-        result = gen.step()
+        result = engine.step_one(gen)
         assert len(result.logprobs) == len(result.token_ids)
         tokens += result.token_ids
         logprobs += result.logprobs
@@ -496,7 +499,7 @@ def test_logprobs_are_the_targets_raw_log_softmax(pair: tuple[Path, Path]) -> No
     plain_tokens, plain = logprob_run(engine, prompt, 12, 0, 5)
     assert spec_tokens == plain_tokens
     assert_logprobs_close(spec, plain)
-    assert engine.start(engine.new_slot(0), GenerationRequest(prompt, 2)).step().logprobs == ()
+    assert engine.step_one(engine.start(engine.new_slot(0), GenerationRequest(prompt, 2))).logprobs == ()
 
 
 @pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="default models not trained yet")
@@ -530,7 +533,7 @@ def test_prefill_only_caches_the_prompt_and_generates_nothing(pair: tuple[Path, 
     gen = engine.start(slot, GenerationRequest(prompt, 10, GREEDY, prefill_only=True))
     results = []
     while not gen.finished:
-        results.append(gen.step())
+        results.append(engine.step_one(gen))
     assert [r.token_ids for r in results] == [[], []] and gen.finish == "length"
     assert gen.stats.completion_tokens == 0 and gen.stats.verify_steps == 0
     assert engine.draft is not None
@@ -539,7 +542,7 @@ def test_prefill_only_caches_the_prompt_and_generates_nothing(pair: tuple[Path, 
     gen = engine.start(slot, GenerationRequest(longer, 10, GREEDY, 3, "draft"))
     out = []
     while not gen.finished:
-        out += gen.step().token_ids
+        out += engine.step_one(gen).token_ids
     assert gen.stats.cached_prompt_tokens == len(prompt)
     assert out == run(engine, longer, 10, GREEDY, 0, slot=engine.new_slot(1))
 
@@ -573,7 +576,7 @@ def test_batched_adaptive_k_follows_the_cost_of_the_batch(pair: tuple[Path, Path
     proposed = 0
     while not all(g.finished for g in gens):
         live = [g for g in gens if not g.finished]
-        proposed += sum(r.proposed for r in engine.step_many(live) if not isinstance(r, Exception))
+        proposed += sum(r.proposed for r in engine.step(live) if not isinstance(r, Exception))
     assert (proposed > 0) == (per_token_s == 0.0)
     assert out == [run(engine, r.prompt_ids, 16, GREEDY, 0) for r in requests]
 
@@ -591,7 +594,7 @@ def test_batch_guard_off_at_a_width_stops_policy_drafts_but_not_a_requests_own_k
     out: list[list[int]] = [[], [], []]
     while not all(g.finished for g in gens):
         live = [i for i, g in enumerate(gens) if not g.finished]
-        for i, result in zip(live, engine.step_many([gens[i] for i in live]), strict=True):
+        for i, result in zip(live, engine.step([gens[i] for i in live]), strict=True):
             assert not isinstance(result, Exception)
             proposed[i] += result.proposed if len(live) == 3 else 0
             out[i] += result.token_ids
@@ -614,7 +617,7 @@ def test_a_prompt_another_slot_holds_is_copied_not_prefilled(pair: tuple[Path, P
     gen = engine.start(engine.new_slot(1), GenerationRequest(longer, 10, GREEDY, k, "draft"))
     out: list[int] = []
     while not gen.finished:
-        out += gen.step().token_ids
+        out += engine.step_one(gen).token_ids
     assert gen.stats.cached_prompt_tokens == len(prompt) + 4  # the copy: nothing of it was prefilled
     assert engine.draft is not None and engine.draft.length(1) >= min(held_draft, len(prompt) + 4)
     engine.new_slot(0)  # forget slot 0's cache: no more source
@@ -651,7 +654,7 @@ def test_a_lone_decoding_stream_amid_prompts_keeps_to_the_guard_of_the_width_the
     while not all(g.finished for g in gens):
         live = [i for i, g in enumerate(gens) if not g.finished]
         prompts = any(gens[i].prefilling for i in live)
-        for i, result in zip(live, engine.step_many([gens[i] for i in live]), strict=True):
+        for i, result in zip(live, engine.step([gens[i] for i in live]), strict=True):
             assert not isinstance(result, Exception)
             proposed += result.proposed if prompts else 0
             out[i] += result.token_ids
@@ -691,22 +694,22 @@ def test_a_prompt_joining_a_decoding_stream_is_prefilled_within_the_stall_budget
     engine = make_engine(pair, slots=2, prefill_chunk=48)
     engine.batch_costs = BatchCosts(target_s={1: 2e-3, 2: 2e-3, 100: 2e-3 + 98 * 0.26e-3},
                                     decay=1.0)  # measurements ignored
-    assert PREFILL_STALL == 4.0 and engine._prefill_budget(1) == 24 and engine._prefill_budget(0) == 48
+    assert PREFILL_STALL == 4.0 and engine.prefill_budget(1) == 24 and engine.prefill_budget(0) == 48
     prompt = [(i * 5) % 6 for i in range(40)]
     requests = [GenerationRequest([1, 2, 3], 8, GREEDY, 0), GenerationRequest(prompt, 8, GREEDY, 0)]
     first = engine.start(engine.new_slot(0), requests[0])
-    out = [first.step().token_ids, []]
+    out = [engine.step_one(first).token_ids, []]
     joining = engine.start(engine.new_slot(1), requests[1])
     lengths = []
     while not (first.finished and joining.finished):
         live = [g for g in (first, joining) if not g.finished]
-        for gen, result in zip(live, engine.step_many(live), strict=True):
+        for gen, result in zip(live, engine.step(live), strict=True):
             assert not isinstance(result, Exception)
             out[gen is joining] += result.token_ids
         lengths.append(engine.target.length(1))
     assert lengths[:2] == [24, 40]
     alone = engine.start(engine.new_slot(1), requests[1])
-    assert alone.step().token_ids == out[1][:1] and engine.target.length(1) == 40
+    assert engine.step_one(alone).token_ids == out[1][:1] and engine.target.length(1) == 40
     assert out == [run(engine, r.prompt_ids, 8, GREEDY, 0) for r in requests]
 
 
@@ -722,9 +725,9 @@ def test_a_batched_prefill_feeds_the_draft_the_same_chunks(pair: tuple[Path, Pat
                 GenerationRequest(prompt, 8, GREEDY, None, "lookup")]
     gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
     assert engine.draft is not None
-    engine.step_many(gens)
+    engine.step(gens)
     assert [engine.draft.length(i) for i in range(3)] == [16, 0, 0]  # at least 16 prompt tokens each per step
-    engine.step_many(gens)
+    engine.step(gens)
     assert [engine.draft.length(i) for i in range(3)] == [20, 0, 0]
     assert [g.generated for g in gens] == [1, 1, 1]
     out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
@@ -740,7 +743,7 @@ def test_a_batched_prefill_feeds_the_draft_only_for_drafts_to_come(pair: tuple[P
     requests = [GenerationRequest(prompt, 8, GREEDY, None, "draft"), GenerationRequest(prompt, 8, GREEDY, 2, "draft")]
     gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
     assert engine.draft is not None and not engine.batch_guard.drafting_on(2)
-    engine.step_many(gens)
+    engine.step(gens)
     assert [engine.draft.length(i) for i in range(2)] == [0, 16]
     out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
     assert out == [run(engine, prompt, 8, GREEDY, 0)] * 2
@@ -758,14 +761,14 @@ def test_drafts_catching_up_at_once_share_a_prefill_chunk_per_step(pair: tuple[P
     engine.batch_guard = measured_guard([2, 4], 0.25, 1.0)
     requests = [GenerationRequest([i, 2, 3, 1, 4, 4, 0, 5, 2, 3, 1, i], 12, GREEDY, None, "draft") for i in range(3)]
     gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
-    out: list[list[int]] = [list(r.token_ids) for r in engine.step_many(gens) if not isinstance(r, Exception)]
+    out: list[list[int]] = [list(r.token_ids) for r in engine.step(gens) if not isinstance(r, Exception)]
     assert engine.draft is not None and all(g.started and not g.prefilling for g in gens)
     for i in range(3):
         engine.draft.truncate(i, 0)  # 13 tokens behind each: two catch-ups do not fit 16
     drafted: list[list[int]] = []
     while not all(g.finished for g in gens):
         live = [i for i, g in enumerate(gens) if not g.finished]
-        results = engine.step_many([gens[i] for i in live])
+        results = engine.step([gens[i] for i in live])
         drafted.append([r.proposed for r in results if not isinstance(r, Exception)])
         for i, result in zip(live, results, strict=True):
             assert not isinstance(result, Exception)

@@ -39,7 +39,7 @@ from service_helpers import (
 
 from specrpc.config import Limits
 from specrpc.edges.server import Running, start_server
-from specrpc.engine.core import StepResult
+from specrpc.engine.generation import StepResult
 from specrpc.serving.scheduler import Job
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc

@@ -18,7 +18,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from specrpc.config import ASSETS, EngineConfig, build_config
-from specrpc.engine.core import Engine, GenerationRequest
+from specrpc.engine.engine import Engine
+from specrpc.engine.generation import GenerationRequest
 from specrpc.models import load_model, load_tokenizer
 from specrpc.prompts.fim import (
     TRIM_STEP_TOKENS,

@@ -149,6 +149,29 @@ async def test_session_second_turn_reuses_the_first_despite_other_clients(
     assert again.usage.prompt_tokens_details.cached_tokens >= first_prompt
 
 
+async def test_a_long_chat_history_is_trimmed_by_whole_messages_keeping_the_system_prompt(
+    http: httpx2.AsyncClient, server: Running
+) -> None:
+    system = "You are a patient assistant who answers every question."
+    system_tokens = len(server.runtime.encode(f"System: {system}\n"))
+    messages = [{"role": "system", "content": system}]
+    for i in range(40):
+        messages += [{"role": "user", "content": f"Question {i} about the mountains and the sea?"},
+                     {"role": "assistant", "content": f"Answer {i}: they are far apart."}]
+    headers = {"x-session-id": f"chat-{uuid.uuid4().hex}"}
+    room = server.runtime.config.engine.max_context - 1
+    for turn in ("And the rivers?", "And the lakes?"):
+        messages.append({"role": "user", "content": turn})
+        response = await http.post("/v1/chat/completions", headers=headers,
+                                   json={"messages": messages, "max_tokens": 2, "temperature": 0})
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert usage["prompt_tokens"] <= room
+        messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+    # the second prompt begins as the first did, with the system prompt (a cut from the front would share nothing)
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= system_tokens, usage
+
+
 async def test_sdk_chat_logprobs_per_token(client: openai.AsyncOpenAI) -> None:
     reply = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Count: 1, 2,"}],
                                                  max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
@@ -380,6 +403,44 @@ async def test_serve_on_uvloop_answers_both_edges_and_drains(tmp_path: Path) -> 
         assert await asyncio.to_thread(served.process.wait, 30) == 0, served.log_text()
 
 
+async def test_sampling_parameters_at_the_edges_of_float32_behave_as_documented(http: httpx2.AsyncClient) -> None:
+    async def content(path: str, **sampling: Any) -> str:
+        body = {"prompt": "The weather today is", "seed": 7, **sampling}
+        if path == "/completion":
+            body |= {"n_predict": 12, "top_k": sampling.get("top_k", 0), "top_p": sampling.get("top_p", 1.0)}
+        else:
+            body |= {"max_tokens": 12}
+        response = await http.post(path, json=body)
+        assert response.status_code == 200, response.text
+        reply = response.json()
+        return str(reply["content"] if path == "/completion" else reply["choices"][0]["text"])
+
+    for path in ("/completion", "/v1/completions"):
+        floor = await content(path, temperature=0.01)  # validation.MIN_TEMPERATURE
+        assert floor
+        for tiny in (1e-38, 1e-40, 1e-300, 5e-324):
+            assert await content(path, temperature=tiny) == floor, (path, tiny)
+        plain = await content(path, temperature=0.9)
+        for same in ({"top_p": 1 - 1e-9}, {"top_p": 0.0}):
+            assert await content(path, temperature=0.9, **same) == plain, (path, same)
+    plain = await content("/completion", temperature=0.9)
+    assert await content("/completion", temperature=0.9, top_k=2**31 - 1) == plain  # top_k >= vocabulary: off
+
+
+async def test_chat_roles_and_a_chat_template_error_are_400s(http: httpx2.AsyncClient, chat_server: Running) -> None:
+    tool = [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": "Sunny."}]
+    assert (await http.post("/v1/chat/completions", json={"messages": tool, "max_tokens": 2})).status_code == 200
+    bogus = await http.post("/v1/chat/completions", json={"messages": [{"role": "bogus-role", "content": "hi"}]})
+    assert_openai_error(bogus, 400, "messages[0].role", "system, user, assistant, tool")
+    async with httpx2.AsyncClient(base_url=base_url(chat_server), timeout=60) as templated:
+        twice = [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Hello?"}]
+        refused = await templated.post("/v1/chat/completions", json={"messages": twice, "max_tokens": 2})
+        assert_openai_error(refused, 400, "roles must alternate")
+        fine = await templated.post("/v1/chat/completions", json={"messages": twice[1:], "max_tokens": 2})
+        assert fine.status_code == 200, fine.text
+    assert chat_server.runtime.registry.in_use == 0 and not chat_server.service.quota.open
+
+
 BAD_REQUESTS: list[tuple[str, Any, int, tuple[str, ...]]] = [
     ("/v1/chat/completions", b"{not json", 400, ("not valid JSON",)),
     ("/v1/chat/completions", b"[1, 2]", 400, ("JSON object",)),
@@ -393,6 +454,11 @@ BAD_REQUESTS: list[tuple[str, Any, int, tuple[str, ...]]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, ("n must be 1",)),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 100}, 400, ("--max-stop-strings",)),
     ("/v1/completions", {"prompt": 42}, 400, ("prompt",)),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e38}, 400, ("temperature", "--max-temperature")),
+    ("/v1/completions", b'{"prompt": "x", "temperature": Infinity}', 400, ("temperature",)),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, ("temperature",)),
+    ("/v1/completions", {"prompt": "x", "top_p": -1e-9}, 400, ("top_p",)),
+    ("/completion", {"prompt": "x", "top_k": -1}, 400, ("top_k",)),
     ("/infill", {"input_prefix": "x", "n_predict": 10**6}, 400, ("n_predict", "--max-new-tokens")),
     ("/infill", {"input_extra": [{"filename": "a", "text": "b"}] * 1000}, 400, ("input_extra", "--max-extra-files")),
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specrpc.edges.http.replies import LlamaReply, OpenAIReply, flatten
-from specrpc.engine.core import FINISH_LENGTH, GenerationStats, Logprob, TokenLogprob
+from specrpc.engine.generation import FINISH_LENGTH, GenerationStats, Logprob, TokenLogprob
 from specrpc.serving.scheduler import Chunk, Done
 
 

@@ -1,4 +1,5 @@
-"""The adaptive k policy: expected tokens, speed-up, switch-off at break-even, probing back."""
+"""The adaptive k policy: expected tokens, speed-up, switch-off at break-even, probing back (the batch guard's
+tests are test_policy_guard.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from specrpc.engine.policy import (
     AcceptanceEstimate,
     AdaptivePolicy,
     BatchCosts,
-    BatchGuard,
     BatchLoad,
     CostModel,
     expected_tokens,
@@ -223,33 +223,6 @@ def test_a_flat_batch_cost_keeps_speculating_in_a_batch() -> None:
     assert policy.choose(batch=load) >= 4
 
 
-def test_batch_guard_turns_speculation_off_where_it_is_slower_in_fact_and_probes_back() -> None:
-    guard = BatchGuard(min_steps=2, probe_every=4, probe_k=2, plain_every=3, probe_share=1.0)
-    width = 8
-    seen = []
-    for _ in range(4):  # drafted steps (at most probe_k) and plain ones in turn, so that drift hits both
-        seen.append(limit := guard.limit(width))
-        # 0.25 s per token with drafts, 0.125 s plain: drafting is slower here
-        guard.observe(width, bool(limit), 2.0 if limit else 1.0, 8)
-    assert seen == [2, 0, 2, 0] and not guard.drafting_on(width) and not guard.drafting_on(5)
-    decisions = []
-    for _ in range(8):
-        decisions.append(guard.limit(width))
-        guard.observe(width, False, 1.0, 8)
-    assert decisions == [0, 0, 0, 2, 0, 0, 0, 2]  # off, a probe (at most probe_k) every 4th step
-    assert guard.limit(4) == 2 and guard.limit(7) == 0  # another bucket of widths decides on its own; 5..8 together
-    assert [BatchGuard.bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
-    probe = []
-    while (limit := guard.limit(width)) is not None:  # the stall is gone: the probe drafts fast now
-        probe.append(limit)
-        guard.observe(width, bool(limit), 0.5 if limit else 1.0, 8)
-    assert probe[-4:] == [2, 0, 2, 0]  # min_steps drafted and plain steps in turn, measured afresh
-    on = [guard.limit(width) for _ in range(8)]
-    # on, unlimited, but for a plain step now and then (the loop's last step was the first unlimited one)
-    assert on == [None, None, 0, None, None, None, 0, None]
-    assert guard.speedup(width) is not None and guard.speedup(width) > 1
-
-
 def test_a_plain_step_now_and_then_measures_plain_decoding_and_can_switch_speculation_off() -> None:
     """While speculating, every `plain_every` + 1-th solo step is plain: its measured rate, not the calibration,
     is what the realized guard compares with; here plain decoding is faster in fact, so speculation goes off."""
@@ -263,117 +236,3 @@ def test_a_plain_step_now_and_then_measures_plain_decoding_and_can_switch_specul
     policy.observe_step("plain", seconds=0.25, tokens=1)  # but plain decoding measures 0.25 s a token now
     assert not policy.plain_due()
     assert policy.realized_speedup("draft") < 1.0 and policy.choose() == 0
-
-
-def test_batch_guard_needs_a_margin_to_come_back_and_backs_off_its_probes_while_they_fail() -> None:
-    guard = BatchGuard(min_steps=1, probe_every=2, max_probe_every=8, resume_speedup=1.2, probe_k=2,
-                       probe_share=1.0)  # what a probe costs is the next test's
-    width = 4
-    assert guard.limit(width) == 2
-    guard.observe(width, True, 1.0, 4)  # 0.25 s per token with drafts
-    assert guard.limit(width) == 0
-    guard.observe(width, False, 1.0, 5)  # 0.2 s per token plain: off
-
-    def probe_gaps(drafted_s: float, probes: int) -> list[int]:
-        """Plain steps before each of `probes` probes, each probe's step taking `drafted_s` for 4 tokens."""
-        gaps = []
-        for _ in range(probes):
-            gap = 0
-            while (limit := guard.limit(width)) == 0:
-                guard.observe(width, False, 1.0, 5)
-                gap += 1
-            assert limit == 2
-            gaps.append(gap)
-            guard.observe(width, True, drafted_s, 4)
-        return gaps
-
-    # 0.22 s per token: faster than plain, but not by the 1.2 margin a probe needs to bring speculation back;
-    # each failed probe doubles the wait for the next, up to max_probe_every
-    assert probe_gaps(0.88, 4) == [1, 4, 8, 8]  # 1, 3, 7, 7 and each probe's plain step
-    assert not guard.drafting_on(width)
-    probe_gaps(0.6, 1)  # 0.15 s per token: 1.33× plain, speculation is back, unlimited (once plain is measured)
-    assert guard.limit(width) == 0
-    guard.observe(width, False, 1.0, 5)
-    assert guard.limit(width) is None and guard.drafting_on(width)
-    guard.observe(width, True, 0.85, 4)  # once on, it stays on with a smaller margin (1.05)
-    assert guard.limit(width) is None
-    for _ in range(20):
-        guard.observe(width, True, 0.78, 4)  # 0.195 s per token: 1.03× plain, within the rates' noise
-    assert not guard.drafting_on(width)
-    assert probe_gaps(0.88, 2) == [3, 8]  # the successful probe halved the wait (8 → 4), not reset it to 2
-
-
-def test_a_failed_probe_waits_for_plain_decoding_to_take_what_it_cost_many_times_over() -> None:
-    """At 16 streams plain steps take 0.5 s for 16 tokens. A probe whose drafts caught up on 0.3 s of contexts and
-    whose step took 1.0 s (0.5 s beyond plain decoding's rate) cost 0.8 s: at probe_share 0.01 the next probe waits
-    for 80 s of plain steps, not for the 4 steps the doubling asks; the first measurement counts alike; a probe that
-    cost little waits the steps. While off, plain steps the host slowed do not turn drafting on against the last
-    probe's drafted rate: only probes judge."""
-    guard = BatchGuard(min_steps=1, probe_every=2, max_probe_every=8, probe_k=2, probe_share=0.01)
-    width = 16
-    assert guard.limit(width) == 2
-    guard.observe(width, True, 1.0, 16)
-    assert guard.limit(width) == 0
-    guard.observe(width, False, 0.5, 16)  # plain is faster: off
-
-    def gap() -> int:
-        """Plain steps before the next probe."""
-        steps = 0
-        while guard.limit(width) == 0:
-            guard.observe(width, False, 0.5, 16)
-            steps += 1
-        return steps
-
-    assert gap() == 100  # the first measurement cost 0.5 s beyond plain decoding: 50 s of plain steps
-    guard.observe(width, True, 1.0, 16, catch_up_s=0.3)
-    assert gap() == 160  # 0.8 s / 0.01 = 80 s of plain steps of 0.5 s, the probe's own among them (doubling: 4)
-    guard.observe(width, True, 0.51, 16)  # 0.01 s beyond plain: 1 s of plain steps, less than the doubling's wait
-    assert gap() == 8  # the probe's own plain step, then 7
-    for _ in range(20):  # the host slows plain steps (2 s for 16 tokens): the stale drafted rate does not judge
-        assert guard.limit(width) in (0, 2) and not guard.drafting_on(width)
-        guard.observe(width, False, 2.0, 16)
-
-
-def test_a_probes_cost_is_not_set_by_one_stalled_step() -> None:
-    """A first measurement of three drafted steps of 16 tokens, 0.6 s each (plain: 0.5 s) but one the host stalled
-    to 5 s: its cost is its tokens at the median rates' difference (0.1 s a step, 0.3 s), so the next probe waits
-    30 s of plain steps (60), not the 470 s the stalled sum would ask."""
-    guard = BatchGuard(min_steps=3, probe_every=2, probe_share=0.01)
-    drafted = iter([0.6, 5.0, 0.6])
-    for _ in range(6):  # drafted and plain steps in turn
-        limit = guard.limit(16)
-        guard.observe(16, bool(limit), next(drafted) if limit else 0.5, 16)
-    gap = 0
-    while guard.limit(16) == 0:
-        guard.observe(16, False, 0.5, 16)
-        gap += 1
-    assert not guard.drafting_on(16) and gap == 60
-
-
-def test_batch_guard_knows_when_the_draft_sits_idle_at_a_width() -> None:
-    """The share of planned streams drafting with the draft model, per width: where it stays near 0 (the policy
-    picks k = 0 for almost every stream, whether or not the guard could judge the width) a prompt's draft prefill is
-    idle work; nothing is known before a step was seen, and drafting again lifts the share back."""
-    guard = BatchGuard()
-    assert not guard.draft_idle(16)
-    for _ in range(20):
-        guard.observe_share(16, 0, 16)
-    assert guard.draft_idle(16) and guard.draft_idle(9) and not guard.draft_idle(8)
-    for _ in range(10):
-        guard.observe_share(16, 8, 16)
-    assert not guard.draft_idle(16)
-
-
-def test_batch_guard_is_not_held_by_one_stalled_step() -> None:
-    """Plain steps at 8 streams take 4.5 ms for 8 tokens, drafted ones 6.5 ms for 10 (slower per token); one plain
-    step the host stalled to 17 ms does not make drafting look faster: it is judged off once both kinds are
-    measured, and a drafted step stalled alike does not turn it back on."""
-    guard = BatchGuard(min_steps=4)
-    for _ in range(8):
-        guard.observe(8, True, 6.5e-3, 10)
-    guard.observe(8, False, 17e-3, 8)
-    for _ in range(4):
-        guard.observe(8, False, 4.5e-3, 8)
-    assert guard.limit(8) == 0 and not guard.drafting_on(8)
-    guard.observe(8, True, 30e-3, 10)
-    assert not guard.drafting_on(8)

@@ -11,7 +11,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.config import ASSETS, EngineConfig
-from specrpc.engine.core import Engine, GenerationRequest
+from specrpc.engine.engine import Engine
+from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.proposers import EMPTY, PromptLookupProposer, SuggestionProposer
 from specrpc.engine.sampling import SamplingParams
 from specrpc.models import load_model, load_tokenizer
@@ -100,7 +101,7 @@ def generate(engine: Engine, slot: int, prompt: list[int], n: int, k: int | None
     gen = engine.start(engine.new_slot(slot), GenerationRequest(prompt, n, GREEDY, k, suggestion=suggestion))
     steps, proposed = [], []
     while not gen.finished:
-        result = gen.step()
+        result = engine.step_one(gen)
         if result.token_ids:
             steps.append(result.token_ids)
             proposed.append(result.proposed)

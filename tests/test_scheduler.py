@@ -13,7 +13,7 @@ from service_helpers import collect, ids_of
 
 from specrpc.config import build_config
 from specrpc.edges.server import Running
-from specrpc.engine.core import StepResult
+from specrpc.engine.generation import StepResult
 from specrpc.serving.scheduler import Job
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
@@ -66,7 +66,7 @@ async def test_a_prefill_shares_its_step_with_the_decoding_streams(stub: pb_grpc
                                                                     batching: None) -> None:
     """With batched steps, a prompt arriving while another stream decodes is prefilled in the same engine steps
     as that stream's decode steps (the decoding stream waits no step for it), in chunks that keep those steps short
-    (`Engine._prefill_budget`)."""
+    (`Engine.prefill_budget`)."""
     scheduler = server.runtime.scheduler
     scheduler.call(lambda: setattr(scheduler, "batching", True)).result()
     long_prompt = "# " + "spam and eggs " * 60

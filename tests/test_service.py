@@ -38,7 +38,7 @@ from service_helpers import (
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.edges.server import Running, start_server
-from specrpc.engine.core import GenerationRequest, GenerationStats, StepResult
+from specrpc.engine.generation import GenerationRequest, GenerationStats, StepResult
 from specrpc.prompts.fim import declare_fim
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
@@ -134,6 +134,25 @@ async def test_seeded_sampling_is_reproducible(stub: Stub, server: Running) -> N
             runs.append(await collect(stub.Generate(request)))
         assert ids_of(runs[0][0]) == ids_of(runs[1][0]), speculation
         assert text_of(runs[0][0]) == text_of(runs[1][0])
+
+
+TEMPERATURE_FLOOR = 0.01
+"""validation.MIN_TEMPERATURE: a smaller positive temperature samples as this one (float32 logits / 1e-40 is inf)."""
+
+
+async def test_sampling_parameters_at_the_edges_of_float32_behave_as_documented(stub: Stub) -> None:
+    async def ids(**sampling: Any) -> list[int]:
+        request = greedy("The weather today is", 12, sampling=pb.SamplingParams(seed=7, **sampling),
+                         speculation=pb.SpeculationParams(num_draft_tokens=2))
+        return ids_of((await collect(stub.Generate(request)))[0])
+
+    floor = await ids(temperature=TEMPERATURE_FLOOR)
+    assert len(floor) > 1
+    for tiny in (1e-38, 1e-40, 1e-45, TEMPERATURE_FLOOR / 2):
+        assert await ids(temperature=tiny) == floor, tiny
+    plain = await ids(temperature=0.9)
+    for same in ({"top_p": 1 - 1e-9}, {"top_p": 0.0}, {"top_k": 2**31 - 1}, {"top_k": 10**6}):
+        assert await ids(temperature=0.9, **same) == plain, same  # top_p within float32 of 1, 0; top_k >= vocab: off
 
 
 async def test_max_new_tokens_ends_with_length(stub: Stub, long_streams: float) -> None:
@@ -907,6 +926,77 @@ async def test_converse_protocol_errors_are_invalid_argument(stub: Stub) -> None
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in (error.details() or "")
 
 
+async def test_converse_history_is_trimmed_by_whole_messages_and_keeps_the_system_prompt(
+    stub: Stub, server: Running, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    system = "You are a patient assistant who answers every question."
+    system_tokens = len(tokenizer(plain_history([("system", system)])).input_ids)
+    room = server.runtime.config.engine.max_context - 1
+    conversation = Conversation(stub)
+    started = await conversation.start(system=system, max_new_tokens=8,
+                                       sampling=pb.SamplingParams(temperature=0.0))
+    prompts, cached = [], []
+    for turn in range(30):
+        _, _, summary = await conversation.turn(f"Turn {turn}: " + "tell me about the mountains and the sea. " * 5)
+        prompts.append(summary.generation.prompt_tokens)
+        cached.append(summary.generation.cached_prompt_tokens)
+        messages = server.runtime.registry.sessions[started.session_id].conversation[0]
+        assert messages[0] == ("system", system) and len(messages) <= 16, (turn, len(messages))
+    await conversation.close()
+    assert max(prompts) <= room
+    trims = [i for i in range(1, len(prompts)) if prompts[i] < prompts[i - 1]]
+    assert trims, prompts
+    after = range(trims[0] + 1, len(prompts))
+    assert all(cached[i] >= system_tokens for i in after), cached  # the system prompt stays first, and cached
+    extended = [i for i in after if cached[i] >= prompts[i - 1] - 1]  # this prompt extends the last one
+    assert len(extended) >= len(after) // 2, (prompts, cached)
+
+
+async def test_converse_system_prompt_over_the_history_bytes_is_invalid_argument(stub: Stub, server: Running) -> None:
+    conversation = Conversation(stub)
+    await conversation.send(start=pb.SessionStart(system="s" * (server.runtime.config.limits.max_history_bytes + 1)))
+    error = await rpc_error(conversation.call.read())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-history-bytes" in (error.details() or "")
+
+
+async def test_converse_turn_roles_are_checked(stub: Stub) -> None:
+    conversation = Conversation(stub)
+    await conversation.start(max_new_tokens=2)
+    await conversation.send(turn=pb.Turn(text="hi", role="bogus-role"))
+    error = await rpc_error(conversation.call.read())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "turn.role" in (error.details() or "") and "system, user, assistant, tool" in (error.details() or "")
+    conversation = Conversation(stub)
+    await conversation.start(max_new_tokens=2)
+    _, _, summary = await conversation.turn("The weather is sunny.", role="tool")
+    assert summary.generation.completion_tokens > 0
+    await conversation.close()
+
+
+async def test_a_chat_template_error_is_invalid_argument_and_the_turn_is_rolled_back(chat_server: Running) -> None:
+    tokenizer = chat_server.runtime.tokenizer
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{chat_server.port}") as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        conversation = Conversation(stub)
+        started = await conversation.start(system="Be brief.", max_new_tokens=3)
+        _, _, first = await conversation.turn("Name a colour.")
+        await conversation.send(turn=pb.Turn(text="Blue.", role="assistant"))  # two replies in a row
+        error = await rpc_error(conversation.call.read())
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert "roles must alternate" in (error.details() or "")
+        await wait_until(lambda: chat_server.runtime.registry.in_use == 0, what="slot released")
+
+        resumed = Conversation(stub)
+        assert (await resumed.start(session_id=started.session_id)).resumed
+        _, _, second = await resumed.turn("And another?")
+        await resumed.close()
+        history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                   {"role": "assistant", "content": first.reply_text}, {"role": "user", "content": "And another?"}]
+        expected = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        ids = expected if isinstance(expected, list) else expected["input_ids"]
+        assert second.turn_index == 1 and second.generation.prompt_tokens == len(ids)
+
+
 # ---- GetModelInfo --------------------------------------------------------------------------------------------------
 
 
@@ -947,6 +1037,9 @@ BAD_GENERATE = {
     "NaN temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=math.nan)), "temperature"),
     "huge temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=1e30)), "temperature"),
     "infinite temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=math.inf)), "temperature"),
+    "largest float32 temperature": (_bad_generate(sampling=pb.SamplingParams(temperature=3.4e38)), "temperature"),
+    "tiny negative top_p": (_bad_generate(sampling=pb.SamplingParams(top_p=-1e-9)), "top_p"),
+    "most negative top_k": (_bad_generate(sampling=pb.SamplingParams(top_k=-(2**31))), "top_k"),
     "negative top_p": (_bad_generate(sampling=pb.SamplingParams(top_p=-0.1)), "top_p"),
     "top_p above 1": (_bad_generate(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
     "NaN top_p": (_bad_generate(sampling=pb.SamplingParams(top_p=math.nan)), "top_p"),

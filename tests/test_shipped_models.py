@@ -9,7 +9,8 @@ from engine_helpers import decode, requires_native
 from transformers import AutoModelForCausalLM
 
 from specrpc.config import ASSETS, EngineConfig
-from specrpc.engine.core import Engine, GenerationRequest
+from specrpc.engine.engine import Engine
+from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.sampling import SamplingParams
 from specrpc.models import load_model, load_tokenizer
 from specrpc.models.llama import LlamaLM, bf16_available, int8_available
@@ -80,7 +81,7 @@ def test_greedy_speculation_is_the_targets_greedy_output(engine: Engine) -> None
                                                                  "draft"))
         out: list[int] = []
         while not gen.finished:
-            out += gen.step().token_ids
+            out += engine.step_one(gen).token_ids
         assert out == ref, text
         accepted += gen.stats.accepted
         proposed += gen.stats.proposed

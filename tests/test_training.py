@@ -17,7 +17,7 @@ from engine_helpers import decode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specrpc.config import Config, EngineConfig
-from specrpc.engine.core import GenerationRequest
+from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.sampling import SamplingParams
 from specrpc.prompts.fim import InfillInput
 from specrpc.serving.runtime import Runtime

@@ -3,7 +3,7 @@ against the bandwidth floor (weights + KV bytes read ÷ the bandwidth a large ma
 
     .venv/bin/python tools/profile_step.py --threads 2 --context 400 [--weights int8] [--dtype bfloat16]
 
-Prints Markdown (docs/benchmarks.md, "Where a decode step goes"). Timings need a quiet machine.
+Prints a Markdown table. Timings need a quiet machine.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from specrpc.engine.core import Engine, GenerationRequest
+from specrpc.engine.engine import Engine
+from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.sampling import SamplingParams
 
 
@@ -56,7 +57,7 @@ def engine_runner(engine: Engine, k: int | None, proposer: str, stop_token_ids: 
         ks: list[int] = []
         trials = 0
         while not gen.finished:
-            result = gen.step()
+            result = engine.step_one(gen)
             if result.token_ids:
                 out += result.token_ids
                 times.append(time.perf_counter() - t0)

@@ -27,7 +27,7 @@ from specrpc.bench.families import CONFIGS, PAIRS, config
 from specrpc.bench.run import summarize
 from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import EngineConfig
-from specrpc.engine.core import Engine
+from specrpc.engine.engine import Engine
 from specrpc.engine.policy import expected_tokens
 from specrpc.engine.sampling import SamplingParams
 from specrpc.models.cuda_graphs import CHUNKS

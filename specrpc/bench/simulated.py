@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from specrpc.engine.core import Verifier
+from specrpc.engine.engine import Verifier
 from specrpc.engine.sampling import SamplingParams
 from specrpc.engine.verify import VerifyResult
 

@@ -11,17 +11,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from specrpc.edges.gateway import Gateway
-from specrpc.edges.validation import InvalidRequest, fit_prompt
+from specrpc.edges.history import Message, bounded, check_role, fit
+from specrpc.edges.validation import InvalidRequest, prompt_room
 from specrpc.prompts.text import PhraseSegmenter
 from specrpc.serving.runtime import DecodeParams, Runtime
 from specrpc.serving.scheduler import Chunk, Done
 
-ROLES = ("system", "user", "assistant")
-ROLE_NAMES = {"user": "User", "assistant": "Assistant", "system": "System"}
+ROLE_NAMES = {"user": "User", "assistant": "Assistant", "system": "System", "tool": "Tool"}
 PLAIN_USER_STOP = "\nUser:"
 """Without a chat template a reply ends where the model starts the user's next line."""
-
-Message = tuple[str, str]  # (role, text)
 
 
 def has_template(runtime: Runtime) -> bool:
@@ -35,8 +33,16 @@ def render(runtime: Runtime, messages: Sequence[Message], generation_prompt: boo
     extends the previous prompt and reply token for token and the session's KV cache is reused."""
     tok = runtime.tokenizer
     if has_template(runtime):
-        out: Any = tok.apply_chat_template([{"role": r, "content": t} for r, t in messages],
-                                           add_generation_prompt=generation_prompt, tokenize=True)
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError  # transformers needs jinja2 for templates
+
+        try:
+            out: Any = tok.apply_chat_template([{"role": r, "content": t} for r, t in messages],
+                                               add_generation_prompt=generation_prompt, tokenize=True)
+        except TemplateSyntaxError:
+            raise  # the model's template is broken: not the client's to fix
+        except TemplateError as exc:  # the template's raise_exception: roles out of order, a role it lacks
+            raise InvalidRequest(f"the model's chat template refused the messages: {exc}; change their roles or "
+                                 f"order") from None
         ids = out if isinstance(out, list) else out["input_ids"]
         return [int(i) for i in ids]
     text = "".join(f"Assistant:{t}\n" if r == "assistant" else f"{ROLE_NAMES.get(r, r.capitalize())}: {t}\n"
@@ -52,13 +58,22 @@ def reply_stops(runtime: Runtime) -> tuple[str, ...]:
 
 
 def chat_prompt(gateway: Gateway, messages: Sequence[Message]) -> list[int]:
-    """The prompt of a whole history given at once (the HTTP chat endpoint), oldest turns cut when it is too long."""
+    """The prompt of a whole history given at once (the HTTP chat endpoint), its oldest messages dropped when it is
+    too long (history.py: the system prompt stays)."""
     for i, (role, _text) in enumerate(messages):
-        if role not in ROLES:
-            raise InvalidRequest(f"messages[{i}].role {role!r} is not supported; use system, user or assistant")
+        check_role(role, f"messages[{i}].role")
+    return turn_prompt(gateway, messages, f"messages[{len(messages) - 1}].content")[1]
+
+
+def turn_prompt(gateway: Gateway, messages: Sequence[Message], newest: str) -> tuple[list[Message], list[int]]:
+    """The messages kept (within the history limits and the prompt's room) and their prompt, ending with the
+    assistant's cue. `newest` names the newest message's field in errors."""
     rt = gateway.runtime
-    return fit_prompt(render(rt, messages, True), rt.context_limit, gateway.limits, truncate=True,
-                      empty="send at least one message")
+    kept, ids = fit(bounded(messages, gateway.limits, newest), lambda m: render(rt, m, True),
+                    prompt_room(rt.context_limit, gateway.limits))
+    if not ids:
+        raise InvalidRequest("the chat template renders these messages as an empty prompt; send a message with text")
+    return kept, ids
 
 
 # ---- the events a conversation produces ---------------------------------------------------------------------------
@@ -137,6 +152,10 @@ class Conversation:
         await self.runtime.registry.wait_for_release(wanted)
         if self.session_id:
             raise InvalidRequest("start: this Converse stream already has a session; open a new stream for another")
+        limit = self.gateway.limits.max_history_bytes
+        if len(system.encode()) > limit:
+            raise InvalidRequest(f"start.system has {len(system.encode())} bytes, over the {limit} a conversation "
+                                 f"keeps (server --max-history-bytes); send a shorter system prompt")
         registry = self.runtime.registry
         resumed = bool(wanted) and wanted in registry.sessions
         session = registry.open(wanted)
@@ -154,11 +173,12 @@ class Conversation:
         """Start a reply to a new message (the reply in flight is cancelled first). `params` come from the edge,
         their stops including `reply_stops`."""
         self.require_started("turn")
+        role = check_role(role or "user", "turn.role")
         await self.wait_turn(cancel=True)
         if self.abandoned:
             return
         self.turn_cancel = asyncio.Event()
-        self.turn_task = asyncio.create_task(self._run_turn(role or "user", text, params, self.turn_cancel))
+        self.turn_task = asyncio.create_task(self._run_turn(role, text, params, self.turn_cancel))
 
     def cancel(self) -> None:
         """Barge-in: stop the reply in flight (it ends with its TurnDone, finish `cancelled`)."""
@@ -213,9 +233,8 @@ class Conversation:
             await self.out.put(exc)
 
     async def _turn(self, role: str, text: str, params: DecodeParams, cancel: asyncio.Event) -> None:
-        self.messages.append((role, text))
-        rt = self.runtime
-        prompt = fit_prompt(render(rt, self.messages, True), rt.context_limit, self.gateway.limits, truncate=True)
+        # the history changes only once its prompt is rendered: a turn the template refuses leaves it as it was
+        self.messages, prompt = turn_prompt(self.gateway, [*self.messages, (role, text)], "turn.text")
         started = time.perf_counter()
         segmenter = PhraseSegmenter() if self.phrase_mode else None
         reply: list[str] = []

@@ -4,11 +4,14 @@ length. Each check raises InvalidRequest with a message naming the field (as the
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
+import structlog
+
 from specrpc.config import Config, Limits
-from specrpc.engine.core import MAX_TOP_LOGPROBS
+from specrpc.engine.generation import MAX_TOP_LOGPROBS
 from specrpc.engine.sampling import SamplingParams
 from specrpc.serving.runtime import DecodeParams
 
@@ -17,6 +20,11 @@ MAX_REPO_NAME = 256
 MAX_N_INDENT = 1024  # characters of indentation; deeper is no editor's indentation
 MAX_TIME_MS = 600_000  # ten minutes: a longer budget for one completion is a mistake, not a wish
 SESSION_HEADER = "x-session-id"  # request metadata / HTTP header that load balancers hash on (deploy/README.md)
+MIN_TEMPERATURE = 0.01
+"""A positive temperature below this samples at this one, as vLLM's floor: float32 logits divided by 1e-40 overflow
+to inf and the softmax to NaN. Editors send tiny values to mean "almost greedy"; 0 is greedy."""
+
+log = structlog.get_logger(__name__)
 
 
 class InvalidRequest(ValueError):
@@ -25,17 +33,28 @@ class InvalidRequest(ValueError):
 
 def sampling_params(limits: Limits, temperature: float, top_p: float, top_k: int = 0, seed: int | None = None,
                     prefix: str = "sampling.") -> SamplingParams:
-    """Checked sampling parameters (temperature 0 = greedy; top_p 0 or 1 and top_k 0 = off). `prefix` is how the
-    edge names the fields' parent (`sampling.` over gRPC, nothing over HTTP)."""
+    """Checked sampling parameters (temperature 0 = greedy, below MIN_TEMPERATURE = MIN_TEMPERATURE; top_p 0, 1 or
+    within float32 rounding of 1 and top_k 0 or >= the vocabulary = off). `prefix` is how the edge names the fields'
+    parent (`sampling.` over gRPC, nothing over HTTP)."""
     t, p, k = temperature, top_p, top_k
     if not math.isfinite(t) or t < 0 or t > limits.max_temperature:
         raise InvalidRequest(f"{prefix}temperature must be in [0, {limits.max_temperature}] "
                              f"(0 = greedy; server --max-temperature); got {t}")
+    if 0 < t < MIN_TEMPERATURE:
+        log.warning("temperature raised to the floor", field=f"{prefix}temperature", requested=t,
+                    used=MIN_TEMPERATURE)
+        t = MIN_TEMPERATURE
     if not math.isfinite(p) or p < 0 or p > 1:
         raise InvalidRequest(f"{prefix}top_p must be in (0, 1] (0 or 1 = off); got {p}")
     if k < 0:
         raise InvalidRequest(f"{prefix}top_k must be >= 0 (0 = off); got {k}")
-    return SamplingParams(temperature=float(t), top_p=1.0 if p in (0.0, 1.0) else float(p), top_k=int(k), seed=seed)
+    off = p == 0 or float32(p) == 1.0  # the probabilities are float32: a mass of 1 - 1e-9 is a mass of 1
+    return SamplingParams(temperature=float(t), top_p=1.0 if off else float(p), top_k=int(k), seed=seed)
+
+
+def float32(x: float) -> float:
+    """`x` rounded to the nearest float32 (finite, within float32's range)."""
+    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 def decode_params(config: Config, proposers: Collection[str], max_new_tokens: int, sampling: SamplingParams,
@@ -93,14 +112,20 @@ def fit_prompt(ids: list[int], context_limit: int, limits: Limits, truncate: boo
     `truncate`; else InvalidRequest saying how long it may be."""
     if not ids:
         raise InvalidRequest(f"the prompt is empty: {empty}")
-    room = context_limit - 1
-    cap = min(room, limits.max_prompt_tokens or room)
+    cap = prompt_room(context_limit, limits)
     if len(ids) > cap:
         if not truncate:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens but at most {cap} fit (context "
                                  f"{context_limit}, --max-prompt-tokens); {too_long}")
         ids = ids[-cap:]
     return ids
+
+
+def prompt_room(context_limit: int, limits: Limits) -> int:
+    """The most prompt tokens a request may have: the context less one position to generate into, and at most
+    --max-prompt-tokens."""
+    room = context_limit - 1
+    return min(room, limits.max_prompt_tokens or room)
 
 
 def extra_files(count: int, limits: Limits, name: str = "extra") -> None:

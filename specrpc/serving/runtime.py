@@ -18,7 +18,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.config import Config
-from specrpc.engine.core import Engine, GenerationRequest, GenerationStats
+from specrpc.engine.engine import Engine
+from specrpc.engine.generation import GenerationRequest, GenerationStats
 from specrpc.engine.policy import CostModel
 from specrpc.engine.proposers import SuggestionProposer
 from specrpc.engine.sampling import SamplingParams

@@ -1,5 +1,5 @@
 """One thread owns the device: each device step advances every active generation by one step, together in one
-batched engine step (`Engine.step_many`, `--batching on`) or one after the other (round-robin, `--batching off`),
+batched engine step (`Engine.step`, `--batching on`) or one after the other (round-robin, `--batching off`),
 and hands events back to the asyncio loop (a deque per job, woken with `call_soon_threadsafe`). Cancellation is
 checked between steps, and between the streams' deliveries of a batched step."""
 
@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from specrpc.engine.core import Engine, Generation, GenerationRequest, GenerationStats, Slot, StepResult, TokenLogprob
+from specrpc.engine.engine import Engine
+from specrpc.engine.generation import Generation, GenerationRequest, GenerationStats, Slot, StepResult, TokenLogprob
 from specrpc.prompts.text import IncrementalDetokenizer, LineGuard, StopMatcher
 
 log = structlog.get_logger(__name__)
@@ -262,7 +263,7 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         try:
-            results = self.engine.step_many([job.generation for job in ready if job.generation is not None])
+            results = self.engine.step([job.generation for job in ready if job.generation is not None])
         except Exception as exc:  # outside any one stream's share: every stream of the step fails, the thread goes on
             results = [exc] * len(ready)
         seconds = time.perf_counter() - t0
@@ -303,7 +304,7 @@ class Scheduler:
                 return self._done(job, FINISH_CANCELLED, "")
             assert job.generation is not None
             t0 = time.perf_counter()
-            result = job.generation.step()
+            result = self.engine.step_one(job.generation)
             return self._deliver(job, result, time.perf_counter() - t0)
         except Exception as exc:  # the failure belongs to this stream only
             return self._fail(job, exc)

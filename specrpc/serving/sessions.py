@@ -7,7 +7,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from specrpc.engine.core import Engine, Slot, common_prefix
+from specrpc.engine.engine import Engine
+from specrpc.engine.generation import Slot
+from specrpc.engine.prefix import common_prefix
 from specrpc.serving.scheduler import Job
 
 RELEASE_WAIT_S = 2.0

@@ -21,7 +21,7 @@ from specrpc.edges.gateway import DeviceOutOfMemory, EngineFailure, Gateway, Not
 from specrpc.edges.grpc.wire import MalformedRequest
 from specrpc.edges.metrics import Metrics
 from specrpc.edges.validation import SESSION_HEADER, InvalidRequest
-from specrpc.engine.core import FINISH_LENGTH, FINISH_STOP
+from specrpc.engine.generation import FINISH_LENGTH, FINISH_STOP
 from specrpc.engine.sampling import SamplingParams
 from specrpc.prompts.fim import ExtraFile, InfillInput, InfillPrompt, NoInfillSupport, PromptTooLong
 from specrpc.prompts.text import FINISH_INDENT, FINISH_TIME_LIMIT

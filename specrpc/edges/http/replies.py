@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specrpc.engine.core import FINISH_LENGTH, FINISH_STOP, TokenLogprob
+from specrpc.engine.generation import FINISH_LENGTH, FINISH_STOP, TokenLogprob
 from specrpc.prompts.text import FINISH_INDENT, FINISH_TIME_LIMIT
 from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk, Done
 

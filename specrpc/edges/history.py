@@ -1,0 +1,91 @@
+"""Chat histories kept within bounds by whole messages, for gRPC Converse and the HTTP chat endpoint alike: the
+oldest user, assistant and tool messages go first, in steps of STEP messages, and the system prompt stays first, so
+the prompt's cached prefix (the system prompt and the messages kept) survives a trim; the newest message always
+stays. Steps counted from the history's start make the cut the same for a few turns of a growing history, so an
+HTTP client resending its whole history reuses the KV cache between trims as a Converse session does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+
+from specrpc.config import Limits
+from specrpc.edges.validation import InvalidRequest
+
+ROLES = ("system", "user", "assistant", "tool")
+STEP = 8
+"""Messages dropped at a time (four turns): a trim makes room for several turns before the next one."""
+
+Message = tuple[str, str]  # (role, text)
+Render = Callable[[Sequence[Message]], list[int]]  # messages → prompt ids
+
+
+def check_role(role: str, name: str) -> str:
+    """`role` if it is one of ROLES, else InvalidRequest naming the field `name`."""
+    if role not in ROLES:
+        raise InvalidRequest(f"{name} {role[:32]!r} is not supported; use one of {', '.join(ROLES)}")
+    return role
+
+
+class Trim:
+    """The ways to drop the oldest messages of one history, with their sizes counted once."""
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self.messages = list(messages)
+        self.head = 1 if messages and messages[0][0] == "system" else 0
+        sizes = [len(text.encode()) for _role, text in reversed(messages)]
+        self.tail_bytes = [*reversed(list(accumulate(sizes, initial=0)))]  # [len + 1] text bytes from message i on
+
+    def start(self, n: int) -> int:
+        """Where the kept messages resume after dropping the `n` oldest after the system prompt (never the newest):
+        at a user message, as the templates that make roles alternate (Mistral's, Gemma's) require."""
+        last = len(self.messages) - 1
+        i = min(self.head + n, max(last, self.head))
+        while i < last and self.messages[i][0] != "user":
+            i += 1
+        return i
+
+    def kept(self, n: int) -> list[Message]:
+        """The history less its `n` oldest messages (see `start`)."""
+        return self.messages[:self.head] + self.messages[self.start(n):]
+
+    def bytes(self, n: int) -> int:
+        """Text bytes of `kept(n)`."""
+        return self.tail_bytes[0] - self.tail_bytes[self.head] + self.tail_bytes[self.start(n)]
+
+    def count(self, n: int) -> int:
+        """Messages in `kept(n)`."""
+        return self.head + len(self.messages) - self.start(n)
+
+
+def bounded(messages: Sequence[Message], limits: Limits, newest: str) -> list[Message]:
+    """`messages` within --max-history-messages and --max-history-bytes, the oldest dropped STEP at a time;
+    InvalidRequest naming `newest` (the newest message's field) when the system prompt and it alone are over."""
+    trim, n = Trim(messages), 0
+    while trim.count(n) > max(limits.max_history_messages, 2) or trim.bytes(n) > limits.max_history_bytes:
+        if trim.start(n + STEP) == trim.start(n):
+            raise InvalidRequest(f"{newest} and the system prompt have {trim.bytes(n)} bytes, over the "
+                                 f"{limits.max_history_bytes} a conversation keeps (server --max-history-bytes); "
+                                 f"send a shorter message")
+        n += STEP
+    return trim.kept(n)
+
+
+def fit(messages: Sequence[Message], render: Render, cap: int) -> tuple[list[Message], list[int]]:
+    """The messages to keep and their prompt: all of them when their prompt has at most `cap` tokens, else with the
+    oldest dropped STEP at a time until it has (how many steps is guessed from the tokens per byte of the last render,
+    then checked by rendering). When the system prompt and the newest message alone are
+    over `cap`, their prompt's last `cap` tokens (the system prompt is cut from this prompt only)."""
+    trim, n = Trim(messages), 0
+    ids = render(messages)
+    while len(ids) > cap:
+        if trim.start(n + STEP) == trim.start(n):
+            return trim.kept(n), ids[-cap:]
+        # guess the steps from this render's tokens per byte, so a long history is rendered about twice, not per step
+        excess = (len(ids) - cap) * trim.bytes(n) / len(ids)
+        step = n + STEP
+        while trim.bytes(n) - trim.bytes(step) < excess and trim.start(step + STEP) != trim.start(step):
+            step += STEP
+        n = step
+        ids = render(trim.kept(n))
+    return trim.kept(n), ids

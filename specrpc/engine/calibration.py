@@ -1,0 +1,120 @@
+"""Start-up measurements of what steps cost on this device: one target decode step, verifies of 2..k+1 tokens and
+one draft step (`calibrate`), and batched forwards by width (`calibrate_batches`). The policy starts from these and
+refines them online."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from specrpc.engine.policy import BatchCosts, CostModel
+from specrpc.engine.proposers import feed
+from specrpc.models import BatchRow, CausalLM
+
+
+def calibrate(target: CausalLM, draft: CausalLM | None, max_k: int, prefill_chunk: int, capacity: int,
+              slot: int = 0, context: int = 256, repeats: int = 9, budget_s: float = 3.0,
+              max_repeats: int = 40, settle: float = 0.01) -> tuple[CostModel, int]:
+    """Measure one target decode step, verifying k+1 = 2..max_k+1 tokens and one draft decode step; this is also
+    the warm-up (a first, unmeasured round meets every shape). At `context` positions (within the capacity): a
+    verify's extra cost over a decode step grows with the context its k+1 queries attend to, and the costs of
+    the k the policy does not use are never re-measured, so a short calibration context would leave long drafts
+    looking cheaper than the ones measured online.
+
+    The policy needs ratios (c, V(k)), and on a shared machine a slow spell stretches every time measured
+    during it: so each round times the width-1 step before and after its verify and draft steps and keeps
+    each step's ratio to their mean, and the costs are medians of those ratios over at least `repeats` rounds,
+    more (up to `max_repeats`, within `budget_s`) until no median ratio moves by more than `settle` from one
+    round to the next. The seconds are the median width-1 step times the median ratios. Returns the costs and
+    the rounds measured."""
+    context = max(1, min(context, capacity - max_k - 2))
+    ids = [(i * 7919) % min(target.vocab_size, 256) for i in range(context + max_k + 2)]
+    feed(target, slot, ids[:context], 0, prefill_chunk)
+    if draft is not None:
+        feed(draft, slot, ids[:context], 0, prefill_chunk)
+
+    def timed(model: CausalLM, width: int) -> float:
+        model.truncate(slot, context)
+        batch = torch.tensor(ids[context : context + width], dtype=torch.long, device=model.device)  # [width]
+        t0 = time.perf_counter()
+        model.forward(batch, context, slot, num_logits=width).float().sum().item()
+        return time.perf_counter() - t0
+
+    units: list[float] = []
+    ratios: dict[str, list[float]] = {}
+    previous: dict[str, float] = {}
+    t_start = time.perf_counter()
+    for round_ in range(max_repeats + 1):
+        before = timed(target, 1)
+        times = {f"v{width}": timed(target, width) for width in range(2, max_k + 2)}
+        if draft is not None:
+            times["draft"] = timed(draft, 1)
+        unit = (before + timed(target, 1)) / 2
+        if round_ == 0:
+            continue  # warm-up: first-time shapes
+        units.append(unit)
+        for name, seconds in times.items():
+            ratios.setdefault(name, []).append(seconds / unit)
+        medians = {name: statistics.median(values) for name, values in ratios.items()}
+        settled = all(abs(m - previous.get(name, 0.0)) <= settle * m for name, m in medians.items())
+        previous = medians
+        if round_ >= repeats and (settled or time.perf_counter() - t_start > budget_s):
+            break
+    target.truncate(slot, 0)
+    if draft is not None:
+        draft.truncate(slot, 0)
+    step = statistics.median(units)
+    costs = CostModel(target_step_s=step)
+    costs.verify_s[1] = step
+    for width in range(2, max_k + 2):
+        costs.verify_s[width] = step * previous[f"v{width}"]
+    costs.draft_step_s = step * previous["draft"] if "draft" in previous else step
+    if draft is not None:  # a catch-up's cost per token: the draft fed the context again (warm now)
+        t0 = time.perf_counter()
+        feed(draft, slot, ids[:context], 0, prefill_chunk)
+        costs.draft_prefill_s = (time.perf_counter() - t0) / context
+        draft.truncate(slot, 0)
+    return costs, len(units)
+
+
+def calibrate_batches(target: CausalLM, draft: CausalLM | None, max_k: int, prefill_chunk: int, slots: list[int],
+                      context: int = 64, repeats: int = 3) -> BatchCosts:
+    """Measure batched target forwards over 1, 2, 4, … of `slots` (distinct, empty; left empty) with 1, k/2+1
+    and k+1 tokens per row, and batched draft forwards of one token per row: the costs the policy starts from in
+    a batched step (refined online from every one)."""
+    widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= len(slots)]
+    per_row = sorted({1, max_k // 2 + 1, max_k + 1})
+    ids = [(i * 7919) % min(target.vocab_size, 256) for i in range(context + max_k + 2)]
+    costs = BatchCosts()
+    models = [target] if draft is None else [target, draft]
+    for model in models:
+        for slot in slots[: widths[-1]]:
+            model.truncate(slot, 0)
+            feed(model, slot, ids[:context], 0, prefill_chunk)
+    for width in widths:
+        for tokens in per_row if max_k else [1]:
+            times: list[float] = []
+            for _ in range(repeats):
+                rows = [BatchRow(torch.tensor(ids[context : context + tokens], dtype=torch.long,
+                                              device=target.device), context, s, tokens)
+                        for s in slots[:width]]
+                t0 = time.perf_counter()
+                out = target.forward_batch(rows)
+                out[-1].sum().item()
+                times.append(time.perf_counter() - t0)
+            costs.target_s[width * tokens] = statistics.median(times)
+        if draft is not None and max_k:
+            times = []
+            for _ in range(repeats):
+                rows = [BatchRow(torch.tensor(ids[context : context + 1], dtype=torch.long,
+                                              device=draft.device), context, s, 1) for s in slots[:width]]
+                t0 = time.perf_counter()
+                draft.forward_batch(rows)[-1].sum().item()
+                times.append(time.perf_counter() - t0)
+            costs.draft_s[width] = statistics.median(times)
+    for model in models:
+        for slot in slots[: widths[-1]]:
+            model.truncate(slot, 0)
+    return costs

@@ -1,0 +1,230 @@
+"""One request's decoding state: what it asked for, its slot, how far it got, its figures, and how tokens are
+committed to its context. A `Generation` touches no model: the engine's step runs the forwards and hands it logits.
+
+KV invariant per slot: each model's cache holds a prefix of `Slot.tokens`; the target holds all committed tokens but
+the last (whose logits the next step needs), the draft at most as many. Rollback after a rejection is truncating the
+cache lengths (`engine.step.roll_back`)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from specrpc.engine.policy import AdaptivePolicy
+from specrpc.engine.proposers import Proposal, Proposer
+from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
+
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask log-probabilities for (OpenAI's and vLLM's limit)."""
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token and the target's log-probability of it at one position."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's raw logits (log-softmax, before temperature, top-k and
+    top-p: what OpenAI and vLLM report) and the `top_logprobs` most likely tokens at that position, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[Logprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate, in tokens."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    num_draft_tokens: int | None = None
+    proposer: str | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    prefill_only: bool = False  # cache the prompt (target and draft) and generate nothing
+    logprobs: bool = False  # report each emitted token's TokenLogprob
+    top_logprobs: int = 0  # with logprobs: alternatives per token, 0..MAX_TOP_LOGPROBS
+    suggestion: Proposer | None = None  # the session's last completion as a draft (proposers.SuggestionProposer)
+
+
+@dataclass
+class GenerationStats:
+    """Per-request figures."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    last_k: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    tokens_cached: int = 0  # positions of the slot's context in the target's KV cache when the request ended
+    suggestion_accepted: int = 0  # draft tokens accepted from the session's last suggestion
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verify step (accepted + recovered/bonus)."""
+        return statistics.fmean(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted ÷ proposed."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Tokens committed by one step (prefill's first token, or one verify step's burst)."""
+
+    token_ids: list[int]
+    accepted: int
+    proposed: int
+    finish: str | None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for logprobs
+
+
+NOTHING = StepResult([], 0, 0, None)
+"""A step that committed nothing (a prefill chunk before the last)."""
+
+
+@dataclass
+class Slot:
+    """One KV slot's state: the token context whose prefix both caches hold, and its session's policy."""
+
+    index: int
+    tokens: list[int]
+    policy: AdaptivePolicy
+
+
+class Generation:
+    """One request's decoding on `slot`, advanced by the engine's step until `finished` (a caller may simply stop
+    stepping it: cancellation between steps)."""
+
+    def __init__(self, slot: Slot, request: GenerationRequest, *, proposer: str, fixed_k: int | None, capacity: int,
+                 device: torch.device) -> None:
+        """`proposer`: the drafting source by name; `fixed_k`: the request's own k (0: no drafting), None for the
+        policy's; `capacity`: context positions of the slot."""
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(request.prompt_ids) >= capacity:
+            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens leaves no room in a context of {capacity}")
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
+        self.slot = slot
+        self.request = request
+        self.params = request.sampling
+        self.generator = make_generator(request.sampling, device)
+        self.stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+        self.proposer = proposer
+        self.fixed_k = fixed_k
+        self.capacity = capacity
+        self.finish: str | None = None
+        self.started = False
+        self.prefill_pos = 0
+
+    @property
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish is not None
+
+    @property
+    def generated(self) -> int:
+        """Tokens committed so far by this generation."""
+        return self.stats.completion_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        """True until the prompt is fully in the target's cache and the first token is out."""
+        return not self.started or self.prefill_pos < len(self.request.prompt_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still generate."""
+        return self.request.max_new_tokens - self.generated
+
+    def room(self) -> int:
+        """Draft tokens that fit this step: the bonus token must stay within max_new_tokens and the context."""
+        return min(self.remaining - 1, self.capacity - len(self.slot.tokens))
+
+    def begin(self, cached: int) -> None:
+        """Start on the prompt with its first `cached` tokens already in the target's cache."""
+        self.slot.tokens = list(self.request.prompt_ids)
+        self.stats.cached_prompt_tokens = cached
+        self.prefill_pos = cached
+        self.started = True
+
+    def prefill_chunk(self, budget: int) -> tuple[list[int], int]:
+        """The next prompt chunk of at most `budget` tokens and its start position."""
+        end = min(len(self.request.prompt_ids), self.prefill_pos + budget)
+        return self.request.prompt_ids[self.prefill_pos : end], self.prefill_pos
+
+    def prefilled(self, end: int, logits: torch.Tensor) -> StepResult:
+        """After the target ran the prompt up to `end`: logits [1, V] of its last position. The last chunk emits the
+        first token (or ends a prefill-only request)."""
+        self.prefill_pos = end
+        if end < len(self.request.prompt_ids):
+            return NOTHING
+        if self.request.prefill_only:
+            self.finish = FINISH_LENGTH
+            return StepResult([], 0, 0, self.finish)
+        if self.params.greedy:
+            token = int(logits[0].argmax())
+        else:
+            token = int(sample(logits_to_probs(logits, self.params), self.generator)[0])
+        return self.commit([token], accepted=0, proposed=0, logits=logits)
+
+    def verify_ids(self, proposal: Proposal) -> list[int]:
+        """The tokens the target scores for `proposal`: the last committed token and the k drafts."""
+        return [self.slot.tokens[-1], *proposal.token_ids]
+
+    def commit(self, tokens: list[int], accepted: int, proposed: int, logits: torch.Tensor) -> StepResult:
+        """Append tokens, cut at a stop token or the length limit. `logits` [>= len(tokens), V_t]: the target's raw
+        logits the tokens were chosen from, row i for token i. The caller rolls the caches back to the context."""
+        n_before = len(self.slot.tokens)
+        limit = min(self.remaining, self.capacity - n_before)
+        kept: list[int] = []
+        for token in tokens[: max(0, limit)]:
+            kept.append(token)
+            if token in self.request.stop_token_ids:
+                self.finish = FINISH_STOP
+                break
+        self.slot.tokens.extend(kept)
+        self.stats.completion_tokens += len(kept)
+        self.stats.proposed += proposed
+        self.stats.accepted += min(accepted, len(kept))
+        if self.finish is None and (self.remaining <= 0 or len(self.slot.tokens) >= self.capacity):
+            self.finish = FINISH_LENGTH
+        return StepResult(kept, min(accepted, len(kept)), proposed, self.finish, self._logprobs(logits, kept))
+
+    def count_verify(self, proposal: Proposal, committed: int) -> None:
+        """A verify step's figures: its k and the tokens it committed (accepted + recovered/bonus)."""
+        self.stats.verify_steps += 1
+        self.stats.last_k = len(proposal)
+        self.stats.accepted_lengths.append(committed)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: list[int]) -> tuple[TokenLogprob, ...]:
+        """TokenLogprob of each token from the target's raw logits [>= n, V_t] at its position (row i: token i)."""
+        n = len(tokens)
+        if not self.request.logprobs or n == 0:
+            return ()
+        logp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, V_t]
+        ids = torch.tensor(tokens, dtype=torch.long, device=logp.device)  # [n]
+        chosen: list[float] = logp[torch.arange(n, device=logp.device), ids].tolist()  # [n]
+        top_n = min(self.request.top_logprobs, logp.shape[-1])
+        if top_n == 0:
+            return tuple(TokenLogprob(t, lp) for t, lp in zip(tokens, chosen, strict=True))
+        values, top_ids = logp.topk(top_n, dim=-1)  # [n, N], [n, N]
+        rows = zip(top_ids.tolist(), values.tolist(), strict=True)
+        return tuple(TokenLogprob(t, lp, tuple(Logprob(i, v) for i, v in zip(r_ids, r_vals, strict=True)))
+                     for t, lp, (r_ids, r_vals) in zip(tokens, chosen, rows, strict=True))

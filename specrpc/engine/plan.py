@@ -1,0 +1,164 @@
+"""What each decoding stream drafts this step: the session's suggestion, prompt lookup or the draft model, and how
+many tokens (k per stream from the policy, the batch's costs and the batch guard)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specrpc.engine.generation import Generation
+from specrpc.engine.policy import BatchCosts, BatchLoad
+from specrpc.engine.proposers import EMPTY, STEADY_CATCH_UP, DraftModelProposer, PromptLookupProposer, Proposal
+from specrpc.models import CausalLM
+
+MAX_SUGGESTION_TOKENS = 64
+"""Most tokens of the session's last suggestion verified in one step (it is a draft the editor already shows, so
+it is drafted whole rather than in the policy's k)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A stream's draft this step: a proposal in hand (suggestion, prompt lookup; EMPTY for a plain step), or
+    `draft_k` > 0 tokens for the draft model to draft."""
+
+    proposal: Proposal = EMPTY
+    draft_k: int = 0
+
+    @property
+    def k(self) -> int:
+        """Tokens this plan puts before the target."""
+        return self.draft_k or len(self.proposal)
+
+    @property
+    def source(self) -> str:
+        """The policy's key for what this plan drafts with."""
+        return "draft" if self.draft_k else self.proposal.estimate
+
+
+PLAIN = Plan()
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """What planning needs of the engine: the largest k, the draft model (None without one) and the proposers."""
+
+    max_k: int
+    draft: CausalLM | None
+    drafter: DraftModelProposer | None
+    lookup: PromptLookupProposer
+
+
+def draft_lag(drafting: Drafting, gen: Generation) -> int:
+    """Tokens of the stream's context the draft's cache has not seen."""
+    assert drafting.draft is not None
+    return len(gen.slot.tokens) - drafting.draft.length(gen.slot.index)
+
+
+def plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
+    """The session's last suggestion while it still matches, then prompt lookup when allowed (free to draft), else
+    the draft model's k; PLAIN for plain decoding. `load`: the rest of a batched step (None: the stream is alone,
+    and its policy judges its own steps)."""
+    suggestion = gen.request.suggestion
+    if suggestion is not None and drafting.max_k > 0:
+        asked = gen.request.num_draft_tokens  # a request's own k bounds it; the policy's and `fixed` do not
+        cap = MAX_SUGGESTION_TOKENS if asked is None else asked
+        k = max(0, min(cap, gen.room()))
+        found = suggestion.propose(gen.slot.tokens, gen.slot.index, k, gen.params, gen.generator) if k else EMPTY
+        if found.token_ids:
+            return Plan(found)
+    guard_off = load is not None and load.k_limit == 0
+    if gen.fixed_k is None and load is None and gen.slot.policy.plain_due():
+        return PLAIN  # a measured plain step now and then (`AdaptivePolicy.plain_due`)
+    if gen.fixed_k is None and guard_off:
+        return PLAIN  # the batch guard has the policy's drafts off at this width, prompt lookup's too (`_k`)
+    if gen.proposer in ("lookup", "combined"):
+        found = _lookup(drafting, gen, load)
+        if gen.proposer == "lookup" or (found.token_ids and not _draft_pays_more(drafting, gen, found, load)):
+            return Plan(found)
+    if drafting.drafter is None or not _catch_up_pays(drafting, gen):
+        return PLAIN
+    k = _k(drafting, gen, "draft", load)
+    return Plan(draft_k=k) if k > 0 else PLAIN
+
+
+def plan_batch(drafting: Drafting, costs: BatchCosts, gens: list[Generation], prefill_tokens: int,
+               limit: int | None, catch_up_budget: int) -> dict[int, Plan | Exception]:
+    """Each decoding stream's plan (by index into `gens`), k chosen with the rest of the batch in view (those planned
+    before it at their k, those after it as plain decoding; policy k at most `limit`, the guard's). The policy's
+    drafts catch up (beyond the steady `STEADY_CATCH_UP` tokens, after sitting out steps) within `catch_up_budget`
+    tokens in all, the first always, the others in later steps once earlier ones caught up: speculation coming back
+    at a wide batch does not stall every stream for whole prompts. A stream whose planning fails gets its
+    exception."""
+    tokens, committed, drafting_streams = prefill_tokens + len(gens), float(len(gens)), 0
+    catching_up = 0  # tokens the drafts planned so far must catch up on first
+    plans: dict[int, Plan | Exception] = {}
+    for i, gen in enumerate(gens):
+        tokens, committed = tokens - 1, committed - 1
+        try:
+            p = plan(drafting, gen, BatchLoad(costs, tokens, committed, drafting_streams, limit))
+        except Exception as exc:
+            plans[i] = exc
+            continue
+        if p.draft_k and gen.fixed_k is None and drafting.draft is not None:
+            lag = draft_lag(drafting, gen)  # what its draft must catch up on
+            if lag > STEADY_CATCH_UP:
+                if catching_up and catching_up + lag > catch_up_budget:
+                    p = PLAIN  # it drafts in a later step: this step's catch-up budget is spent
+                else:
+                    catching_up += lag
+        tokens += p.k + 1
+        committed += gen.slot.policy.expected(p.source, p.k)
+        drafting_streams += p.draft_k > 0
+        plans[i] = p
+    return plans
+
+
+def _k(drafting: Drafting, gen: Generation, source: str, load: BatchLoad | None) -> int:
+    """Draft tokens for `source` this step: the request's fixed k or the policy's, within the room left."""
+    if gen.fixed_k is not None:
+        k = gen.fixed_k
+    elif load is not None and load.k_limit == 0:
+        k = 0  # the batch guard: speculating at this batch width is slower in fact
+    else:
+        k = gen.slot.policy.choose(source, batch=load)
+        if load is not None and load.k_limit is not None:
+            k = min(k, load.k_limit)  # the guard is measuring what drafting costs at this width
+    return max(0, min(k, gen.room(), drafting.max_k))
+
+
+def _catch_up_pays(drafting: Drafting, gen: Generation) -> bool:
+    """Whether the policy's drafting is worth the draft's catch-up first (`AdaptivePolicy.catch_up_pays`): always
+    for a request's own k and within the steady-state catch-up. In a batched step too, by what drafting would save
+    alone (an upper bound: a batch gains less from it), so that a stream near its end does not catch its draft up on
+    a whole context when drafting comes back as the batch narrows."""
+    if gen.fixed_k is not None or drafting.draft is None:
+        return True
+    lag = draft_lag(drafting, gen)
+    return lag <= STEADY_CATCH_UP or gen.slot.policy.catch_up_pays(lag, gen.remaining)
+
+
+def _lookup(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Proposal:
+    """Prompt lookup's match, cut to the k the policy chooses for its kind (the match's n-gram size)."""
+    room = max(0, min(gen.room(), drafting.max_k if gen.fixed_k is None else gen.fixed_k))
+    found = drafting.lookup.propose(gen.slot.tokens, gen.slot.index, room, gen.params, gen.generator) if room else EMPTY
+    if not found.token_ids:
+        return EMPTY
+    k = min(_k(drafting, gen, found.estimate, load), len(found))
+    return found.first(k) if k else EMPTY
+
+
+def _draft_pays_more(drafting: Drafting, gen: Generation, found: Proposal, load: BatchLoad | None) -> bool:
+    """Whether the draft model's best k is expected to beat prompt lookup's `found` this step (combined): lookup
+    costs nothing to draft but a short or unlikely match commits little; the draft costs c per token."""
+    policy = gen.slot.policy
+    if drafting.drafter is None or (load is not None and load.k_limit == 0) or not _catch_up_pays(drafting, gen):
+        return False
+    if gen.fixed_k is None and policy.realized_speedup("draft") <= policy.min_speedup:
+        return False  # the draft is off in fact (its probes still come through `_k`)
+    cap = min(gen.room(), drafting.max_k if gen.fixed_k is None else gen.fixed_k)
+    if load is not None and load.k_limit is not None:
+        cap = min(cap, load.k_limit)
+    if gen.fixed_k is None:
+        draft = max(policy.speedups("draft", cap, batch=load)[1:], default=0.0)
+    else:
+        draft = policy.speedup(cap, "draft", batch=load)
+    return draft > policy.speedup(len(found), found.estimate, batch=load)

@@ -1,0 +1,18 @@
+"""How many tokens to draft, per stream and per batch width: the step costs (`costs`), k per stream from the
+measured α, c and V (`adaptive`), and the batch guard that turns the policy's speculation off at a width where it
+is not faster in fact (`guard`)."""
+
+from specrpc.engine.policy.adaptive import AcceptanceEstimate, AdaptivePolicy, BatchLoad, expected_tokens
+from specrpc.engine.policy.costs import BatchCosts, CostModel, host_kind
+from specrpc.engine.policy.guard import BatchGuard
+
+__all__ = [
+    "AcceptanceEstimate",
+    "AdaptivePolicy",
+    "BatchCosts",
+    "BatchGuard",
+    "BatchLoad",
+    "CostModel",
+    "expected_tokens",
+    "host_kind",
+]

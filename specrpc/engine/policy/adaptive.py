@@ -1,0 +1,227 @@
+"""How many tokens to draft per stream: maximise the expected speed-up S(k) (below), switch off at S ≤ 1.
+
+α (acceptance per draft token) is estimated per session from decayed counts; c, V(k) and the host times h are the
+`CostModel`'s: S(k) = E(α, k) (1 + h_plain) / (k·c + V(k) + h_source). Where a target step is short (int8 weights,
+a small model, a GPU) host time is a large part of a step, and a speculative step spends more of it than a plain
+one. A draft's catch-up on a prompt it has not seen costs once per request, and it is paid only where the request's
+remaining tokens are expected to save more (`catch_up_pays`). While speculation is off, a probe every `probe_every`
+steps re-measures α so that a session whose text became predictable comes back.
+
+The model can miss costs it does not see (a draft catching up after sitting out, a GPU stalling on a shape met for
+the first time, host work between kernels), so the policy also keeps the realized seconds per committed token of
+each proposer's whole steps and switches a proposer off when it is not faster than plain decoding in fact. While a
+proposer is off, what was measured before is stale: each probe restarts its realized rate from the probe's own step,
+so a proposer comes back at the first good probe once the stall is gone, and stays off while probes are slow.
+
+In a batched step (several streams in one target forward, `BatchLoad`), a stream's k is chosen for the whole batch's
+throughput: k maximises (others' expected tokens + E(α, k)) ÷ (batch time with this stream's k + 1 tokens + its
+draft steps). Alone, that is S(k); as the batch grows, the tokens a stream adds cost every stream's step while adding
+only its own E, so k shrinks and turns off when plain batched decoding is faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specrpc.engine.policy.costs import BatchCosts, CostModel, host_kind
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E = (1 − α^(k+1)) / (1 − α): tokens committed per verify step with k drafts (k + 1 at α = 1)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """What the other streams of this step bring: the tokens they put in the target forward, the tokens they are
+    expected to commit, and how many of them draft with the draft model."""
+
+    costs: BatchCosts
+    tokens: int
+    committed: float
+    drafting: int
+    k_limit: int | None = None  # the batch guard's cap on policy k at this width (0: drafting was slower there)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Decayed counts of accepted and rejected draft tokens: α = accepted / trials."""
+
+    accepted: float = 3.0
+    trials: float = 4.0
+    decay: float = 0.95
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Drafts are tested in order until the first rejection: `accepted` successes, one failure if any left."""
+        if proposed == 0:
+            return
+        trials = accepted + (1 if accepted < proposed else 0)
+        self.accepted = self.decay * self.accepted + accepted
+        self.trials = self.decay * self.trials + trials
+
+    @property
+    def alpha(self) -> float:
+        """Current estimate, clamped below 1 so E stays finite-looking."""
+        return min(0.999, self.accepted / max(self.trials, 1e-9))
+
+
+@dataclass
+class RealizedRate:
+    """Decayed seconds per committed token over whole steps (proposing, verifying, committing)."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    steps: int = 0
+    decay: float = 0.8
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """One step took `seconds` and committed `tokens`."""
+        self.seconds = self.decay * self.seconds + seconds
+        self.tokens = self.decay * self.tokens + tokens
+        self.steps += 1
+
+    @property
+    def per_token(self) -> float:
+        """Seconds per committed token (inf before any token)."""
+        return self.seconds / self.tokens if self.tokens > 0 else float("inf")
+
+
+def default_acceptance() -> dict[str, AcceptanceEstimate]:
+    """Optimistic priors, so a new session tries speculating: the draft at α 0.75; each kind of prompt lookup match
+    at 0.5 when first met (`AdaptivePolicy._alpha`)."""
+    return {"draft": AcceptanceEstimate()}
+
+
+@dataclass
+class AdaptivePolicy:
+    """Per-session choice of k for each proposer: argmax over k of S(k); 0 while S ≤ `min_speedup`, with periodic
+    probes to come back. Prompt lookup drafts for free (c = 0); the draft model costs c per token. Sources are the
+    proposals' `estimate` keys: "draft", and prompt lookup per n-gram size of its match ("lookup1".."lookup3")."""
+
+    max_k: int
+    costs: CostModel
+    acceptance: dict[str, AcceptanceEstimate] = field(default_factory=default_acceptance)
+    min_speedup: float = 1.05
+    probe_every: int = 16
+    probe_k: int = 2
+    min_realized_steps: int = 4  # whole steps of a proposer before its realized rate can switch it off
+    plain_every: int = 32  # speculative solo steps between two plain ones, which keep plain decoding's rate measured
+    realized: dict[str, RealizedRate] = field(default_factory=dict)  # per proposer, and "plain" for k = 0
+    _steps_off: dict[str, int] = field(default_factory=dict)
+    _probing: set[str] = field(default_factory=set)  # proposers whose next step is a probe
+    _since_plain: int = 0  # solo steps with drafts since the last plain one
+
+    def _alpha(self, source: str) -> AcceptanceEstimate:
+        """The estimate for `source`; a kind not seen yet starts from the draft's prior, or prompt lookup's."""
+        estimate = self.acceptance.get(source)
+        if estimate is None:
+            prior = AcceptanceEstimate() if source == "draft" else AcceptanceEstimate(accepted=1.0, trials=2.0)
+            estimate = self.acceptance[source] = prior
+        return estimate
+
+    def speedups(self, source: str, cap: int, batch: BatchLoad | None = None) -> list[float]:
+        """`speedup` for k = 0 .. cap, the terms every k shares computed once (a step weighs them all)."""
+        a = self._alpha(source).alpha
+        if batch is not None:
+            plain = self._batch_rate(0, source, a, batch)
+            return [1.0] + [self._batch_rate(k, source, a, batch) / plain for k in range(1, cap + 1)]
+        c, plain, host = self._solo_terms(source)
+        return [1.0] + [expected_tokens(a, k) * plain / (k * c + self.costs.v(k) + host) for k in range(1, cap + 1)]
+
+    def _solo_terms(self, source: str) -> tuple[float, float, float]:
+        """What a solo step's S(k) takes besides α and V(k): c (0 for prompt lookup, free to draft), 1 + the plain
+        step's host time and the source's host time, in target steps."""
+        c = self.costs.c if source == "draft" else 0.0
+        return c, 1.0 + self.costs.host("plain"), self.costs.host(host_kind(source))
+
+    def speedup(self, k: int, source: str = "draft", alpha: float | None = None, batch: BatchLoad | None = None
+                ) -> float:
+        """Expected speed-up over target-only decoding with k drafts from `source`; in a batch (`batch`), of the
+        whole batch's tokens per second over this stream decoding plainly in it."""
+        a = self._alpha(source).alpha if alpha is None else alpha
+        if k == 0:
+            return 1.0
+        if batch is not None:
+            return self._batch_rate(k, source, a, batch) / self._batch_rate(0, source, a, batch)
+        c, plain, host = self._solo_terms(source)
+        return expected_tokens(a, k) * plain / (k * c + self.costs.v(k) + host)
+
+    @staticmethod
+    def _batch_rate(k: int, source: str, alpha: float, batch: BatchLoad) -> float:
+        """Expected tokens per second of the whole batch with this stream drafting k from `source`."""
+        seconds = batch.costs.target(batch.tokens + k + 1)
+        if source == "draft" and k:
+            seconds += k * batch.costs.draft(batch.drafting + 1)
+        return (batch.committed + expected_tokens(alpha, k)) / seconds
+
+    def catch_up_pays(self, lag: int, remaining: int) -> bool:
+        """Whether drafting is worth a catch-up of the draft on `lag` tokens it has not seen (a new prompt, turns it
+        sat out) with at most `remaining` tokens left to generate: the time the draft's best k is expected to save
+        over them against the catch-up's (`CostModel.draft_prefill_s`). A short request on a long new prompt, or a
+        draft that barely pays, is better decoded without it (prompt lookup needs no catch-up)."""
+        best = max(self.speedups("draft", self.max_k)[1:], default=1.0)
+        if best <= 1.0:
+            return False
+        plain_step_s = self.costs.target_step_s * (1.0 + self.costs.host("plain"))
+        return remaining * plain_step_s * (1.0 - 1.0 / best) > lag * self.costs.draft_prefill_s
+
+    def expected(self, source: str, k: int) -> float:
+        """Tokens a step with k drafts from `source` is expected to commit."""
+        return expected_tokens(self._alpha(source).alpha, k) if k else 1.0
+
+    def choose(self, source: str = "draft", load: int = 1, batch: BatchLoad | None = None) -> int:
+        """k for the next step with `source`. `load` = streams sharing the device: the probe rate drops with it
+        (probes cost every stream). `batch`: the step is shared with other streams (see the module docstring);
+        the realized-rate guard judges only solo steps, whose times are this stream's own."""
+        if self.max_k == 0:
+            return 0
+        speedups = self.speedups(source, self.max_k, batch)
+        best_k = max(range(self.max_k + 1), key=speedups.__getitem__)  # the first of equal maxima
+        realized = self.realized_speedup(source) if batch is None else float("inf")
+        if speedups[best_k] <= self.min_speedup or realized <= self.min_speedup:
+            off = self._steps_off.get(source, 0) + 1
+            if off >= self.probe_every * max(1, load):
+                self._steps_off[source] = 0
+                self._probing.add(source)
+                return min(self.probe_k, self.max_k)
+            self._steps_off[source] = off
+            self._probing.discard(source)
+            return 0
+        self._steps_off[source] = 0
+        self._probing.discard(source)
+        return best_k
+
+    def observe(self, source: str, proposed: int, accepted: int) -> None:
+        """Record a verify step's outcome for the proposer that drafted."""
+        self._alpha(source).observe(proposed, accepted)
+
+    def observe_step(self, source: str, seconds: float, tokens: int, catch_up_s: float = 0.0) -> None:
+        """A whole step with `source`'s drafts ("plain": none) took `seconds` and committed `tokens`, `catch_up_s` of
+        it a draft catching up on tokens, which is left out: it is the price of the steps that did not run the draft
+        (plain ones, prompt lookup's, a probe's sitting out), paid once, not what drafting costs from here on. A
+        probe's step alone decides the rate (counted as judged: `min_realized_steps` - 1 earlier steps, with no
+        weight)."""
+        seconds -= catch_up_s
+        self._since_plain = 0 if source == "plain" else self._since_plain + 1
+        if source in self._probing:
+            self._probing.discard(source)
+            self.realized[source] = RealizedRate(steps=self.min_realized_steps - 1)
+        self.realized.setdefault(source, RealizedRate()).observe(seconds, tokens)
+
+    def plain_due(self) -> bool:
+        """Whether the next solo step should decode plainly: one step in `plain_every` + 1 while speculating, so
+        that the realized-rate guard compares each proposer with plain decoding as measured now, not with the
+        start-up calibration (which a noisy start, or costs the model does not see, can leave far off)."""
+        return self.max_k > 0 and self._since_plain >= self.plain_every
+
+    def realized_speedup(self, source: str) -> float:
+        """Measured speed-up of `source`'s steps over plain decoding (over one calibrated target step while no
+        plain step was measured, which flatters plain decoding); inf until `min_realized_steps` steps were seen."""
+        rate = self.realized.get(source)
+        if rate is None or rate.steps < self.min_realized_steps:
+            return float("inf")
+        plain = self.realized.get("plain")
+        plain_s = plain.per_token if plain is not None else self.costs.target_step_s
+        return plain_s / rate.per_token

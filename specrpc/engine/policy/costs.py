@@ -1,0 +1,149 @@
+"""What steps cost, relative and in seconds: the figures the policy's speed-up model S(k) is made of.
+
+c (one draft step ÷ one target step) and V(k) (verifying k+1 tokens ÷ one target step) start from the device
+calibration and are refined online from measured step times (`CostModel`, per session). Each step also spends host
+time around its forwards (choosing k, verifying, committing), measured online per kind of step (plain, drafted,
+looked up) as h. A draft that has not seen the prompt must first catch up on it, at `draft_prefill_s` a token.
+A batched step's time is a function of the batch's total tokens (`BatchCosts`, shared by every stream: the device is
+one), calibrated at start-up over a few batch widths and refined from every batched step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+def host_kind(source: str) -> str:
+    """The kind of step whose host time a source's steps share: the draft's, or prompt lookup's (every n-gram
+    size)."""
+    return "lookup" if source.startswith("lookup") else source
+
+
+@dataclass
+class CostModel:
+    """Step costs relative to one single-token target forward (seconds). Online, each cost is the median of its
+    last `window` measurements (an EMA of them, from the calibrated value, until `min_window` are in): a median
+    settles where the measurements lie and one stall (a page fault, another process's burst) does not move it,
+    where an EMA keeps wandering with every sample."""
+
+    target_step_s: float = 1e-3
+    draft_step_s: float = 1e-4
+    verify_s: dict[int, float] = field(default_factory=dict)
+    decay: float = 0.9
+    window: int = 15
+    min_window: int = 5
+    host_s: dict[str, float] = field(default_factory=dict)  # per kind of step ("plain", a source): host seconds
+    draft_prefill_s: float = 0.0  # seconds per token of a draft catching up on what it has not seen (a new prompt)
+    _recent: dict[str, deque[float]] = field(default_factory=dict, repr=False, compare=False)
+
+    def _ema(self, old: float, new: float) -> float:
+        return self.decay * old + (1.0 - self.decay) * new
+
+    def _refine(self, key: str, old: float | None, seconds: float) -> float:
+        """The cost `key` after measuring `seconds`."""
+        recent = self._recent.setdefault(key, deque(maxlen=self.window))
+        recent.append(seconds)
+        if len(recent) >= self.min_window:
+            return statistics.median(recent)
+        return seconds if old is None else self._ema(old, seconds)
+
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        """A target forward over `tokens` positions (1 = plain decode, k+1 = verify) took `seconds`."""
+        value = self._refine(f"v{tokens}", self.verify_s.get(tokens), seconds)
+        self.verify_s[tokens] = value
+        if tokens == 1:
+            self.target_step_s = value
+
+    def observe_draft(self, seconds_per_token: float) -> None:
+        """One draft decode step took `seconds_per_token`."""
+        self.draft_step_s = self._refine("draft", self.draft_step_s, seconds_per_token)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A draft caught up on `tokens` tokens in `seconds`."""
+        self.draft_prefill_s = self._refine("catch_up", self.draft_prefill_s, seconds / max(1, tokens))
+
+    def observe_host(self, kind: str, seconds: float) -> None:
+        """A whole step of `kind` ("plain", or the source that drafted) spent `seconds` outside the model forwards:
+        choosing k, verifying, committing, handing tokens over."""
+        self.host_s[kind] = self._refine(f"host:{kind}", self.host_s.get(kind), max(0.0, seconds))
+
+    def host(self, kind: str) -> float:
+        """Host time of a step of `kind` ÷ target step cost (0 until measured)."""
+        return self.host_s.get(kind, 0.0) / self.target_step_s
+
+    @property
+    def c(self) -> float:
+        """Draft step cost ÷ target step cost."""
+        return self.draft_step_s / self.target_step_s
+
+    def v(self, k: int) -> float:
+        """Verify cost of k+1 positions ÷ target step cost (interpolated when not yet measured)."""
+        if k + 1 in self.verify_s:
+            return self.verify_s[k + 1] / self.target_step_s
+        known = sorted(self.verify_s)
+        if not known:
+            return 1.0
+        below = max((n for n in known if n <= k + 1), default=known[0])
+        above = min((n for n in known if n >= k + 1), default=known[-1])
+        if below == above:
+            per_extra = (self.verify_s[below] / self.target_step_s - 1.0) / max(1, below - 1)
+            return 1.0 + per_extra * k
+        w = (k + 1 - below) / (above - below)
+        return ((1 - w) * self.verify_s[below] + w * self.verify_s[above]) / self.target_step_s
+
+    def copy(self) -> CostModel:
+        """An independent copy (per-session refinement of the shared calibration)."""
+        return CostModel(self.target_step_s, self.draft_step_s, dict(self.verify_s), self.decay, self.window,
+                         self.min_window, dict(self.host_s), self.draft_prefill_s,
+                         {key: deque(values, maxlen=self.window) for key, values in self._recent.items()})
+
+
+def _interpolate(table: dict[int, float], x: int) -> float:
+    """table (size → seconds) at x: linear between measured sizes, the smallest one's below them, extended along
+    the last two (never downwards) above them; never below a nanosecond."""
+    measured = table.get(x)
+    if measured is not None:  # the common case (a width's sizes recur), without sorting a table of every size seen
+        return max(1e-9, measured)
+    known = sorted(table)
+    at = bisect.bisect_left(known, x)  # known[at - 1] < x < known[at]
+    if at == 0:
+        return max(1e-9, table[known[0]])
+    if at < len(known):
+        lo, hi = known[at - 1], known[at]
+        return max(1e-9, table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo))
+    last = table[known[-1]]
+    if len(known) == 1:
+        return max(1e-9, last * x / known[-1])
+    slope = max(0.0, (last - table[known[-2]]) / (known[-1] - known[-2]))
+    return max(1e-9, last + slope * (x - known[-1]))
+
+
+@dataclass
+class BatchCosts:
+    """Seconds of one batched target forward by its total tokens, and of one batched draft forward by its rows, as
+    EMAs of measured times (shared by every stream: the device is one)."""
+
+    target_s: dict[int, float] = field(default_factory=dict)
+    draft_s: dict[int, float] = field(default_factory=dict)
+    decay: float = 0.9
+
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        """A batched target forward over `tokens` tokens in all took `seconds`."""
+        old = self.target_s.get(tokens)
+        self.target_s[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        """A batched draft forward over `rows` streams (one token each) took `seconds`."""
+        old = self.draft_s.get(rows)
+        self.draft_s[rows] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def target(self, tokens: int) -> float:
+        """Seconds of a target forward over `tokens` tokens (1 ms per token before anything was measured)."""
+        return _interpolate(self.target_s, tokens) if self.target_s else 1e-3 * tokens
+
+    def draft(self, rows: int) -> float:
+        """Seconds of a draft forward over `rows` rows (0.1 ms per row before anything was measured)."""
+        return _interpolate(self.draft_s, rows) if self.draft_s else 1e-4 * rows

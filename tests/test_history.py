@@ -1,0 +1,81 @@
+"""specrpc/edges/history.py: histories trimmed by whole messages, the system prompt kept, the cut stable across a
+growing history, and the limits on messages and bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+
+import pytest
+
+from specrpc.config import Limits
+from specrpc.edges.history import Message, bounded, check_role, fit
+from specrpc.edges.validation import InvalidRequest
+
+
+def render(messages: Sequence[Message]) -> list[int]:
+    """A stand-in template: two tokens of markup per message, then one token per byte of its text."""
+    return [t for role, text in messages for t in [len(role), 0, *text.encode()]]
+
+
+def history(turns: int, text: str = "x" * 20) -> list[Message]:
+    out: list[Message] = [("system", "Be brief.")]
+    for i in range(turns):
+        out += [("user", f"{i}{text}"), ("assistant", f"reply {i}")]
+    return out
+
+
+def test_roles_are_system_user_assistant_and_tool() -> None:
+    for role in ("system", "user", "assistant", "tool"):
+        assert check_role(role, "turn.role") == role
+    with pytest.raises(InvalidRequest, match=r"turn.role 'bogus-role' .* system, user, assistant, tool"):
+        check_role("bogus-role", "turn.role")
+
+
+def test_a_history_that_fits_is_kept_whole() -> None:
+    messages = [*history(3), ("user", "next")]
+    assert fit(messages, render, 10_000) == (messages, render(messages))
+
+
+def test_trimming_drops_whole_messages_oldest_first_keeping_the_system_prompt_and_the_newest() -> None:
+    messages = [*history(40), ("tool", "sunny"), ("user", "next?")]
+    kept, ids = fit(messages, render, 300)
+    assert len(ids) <= 300 and ids == render(kept)
+    assert kept[0] == ("system", "Be brief.") and kept[1][0] == "user" and kept[-1] == ("user", "next?")
+    assert kept[1:] == messages[-(len(kept) - 1):]  # a suffix of the history: whole messages, none cut
+
+
+def test_the_cut_stays_put_for_several_turns_so_the_cached_prefix_survives() -> None:
+    firsts = []
+    for turns in range(10, 60):
+        kept, _ = fit([*history(turns), ("user", "now")], render, 400)
+        firsts.append(kept[1])
+    changes = sum(a != b for a, b in pairwise(firsts))
+    assert 0 < changes <= len(firsts) // 2
+
+
+def test_a_long_history_is_rendered_a_few_times_not_once_per_step() -> None:
+    calls = []
+
+    def counting(messages: Sequence[Message]) -> list[int]:
+        calls.append(len(messages))
+        return render(messages)
+
+    _, ids = fit([*history(200), ("user", "now")], counting, 300)
+    assert len(ids) <= 300 and len(calls) <= 4, calls
+
+
+def test_when_the_newest_message_alone_is_too_long_its_prompt_keeps_the_last_tokens() -> None:
+    messages = [*history(2), ("user", "y" * 500)]
+    kept, ids = fit(messages, render, 100)
+    assert kept == [messages[0], messages[-1]] and ids == render(kept)[-100:]
+
+
+def test_limits_on_messages_and_bytes() -> None:
+    messages = [*history(100), ("user", "now")]
+    kept = bounded(messages, Limits(max_history_messages=50), "turn.text")
+    assert len(kept) <= 50 and kept[0][0] == "system" and kept[1][0] == "user" and kept[-1] == messages[-1]
+    kept = bounded(messages, Limits(max_history_bytes=1024), "turn.text")
+    assert sum(len(t.encode()) for _, t in kept) <= 1024 and kept[-1] == messages[-1]
+    with pytest.raises(InvalidRequest, match=r"turn.text .* --max-history-bytes"):
+        bounded([*messages, ("user", "z" * 2000)], Limits(max_history_bytes=1024), "turn.text")
