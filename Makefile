@@ -50,9 +50,13 @@ $(TS_DEPS): $(TS)/package.json $(TS)/package-lock.json
 test-ts: install $(TS_DEPS)
 	cd $(TS) && npm test
 
+# Style and types, the architecture (import-linter's contracts in .importlinter, no import cycle), dead code.
 lint: install
 	$(BIN)/ruff check specrpc tests tools clients/python
 	$(BIN)/mypy specrpc
+	$(BIN)/lint-imports
+	$(BIN)/python tools/check_cycles.py
+	$(BIN)/vulture specrpc tools/vulture_whitelist.py --min-confidence 60 --exclude specrpc/v1
 	@[ -x .tools/node_modules/.bin/buf ] || npm install --prefix .tools --no-save --silent @bufbuild/buf@1
 	cd proto && ../.tools/node_modules/.bin/buf lint
 

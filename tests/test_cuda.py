@@ -16,8 +16,8 @@ from specrpc.config import EngineConfig
 from specrpc.engine.engine import Engine, Stall
 from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.sampling import SamplingParams
-from specrpc.models import load_model
-from specrpc.models.llama import LlamaLM, bucket_sizes
+from specrpc.models import load_model, padded_sizes
+from specrpc.models.llama import LlamaLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 ASSETS = Path(specrpc.__file__).parent / "assets"
@@ -28,7 +28,7 @@ def _pair(dtype: torch.dtype, graphs: bool) -> tuple[LlamaLM, LlamaLM]:
     """The shipped pair on CUDA; with `graphs` as the server loads it there (graphs, padded eager shapes, one-replay
     greedy draft loops)."""
     kw: dict[str, Any] = {"device": CUDA, "dtype": dtype, "num_slots": 2, "max_context": 400,
-                          "graph_tokens": 9 if graphs else 0, "buckets": bucket_sizes(37, 256) if graphs else ()}
+                          "graph_tokens": 9 if graphs else 0, "buckets": padded_sizes(9, 256) if graphs else ()}
     target = load_model(ASSETS / "target", **kw)
     draft = load_model(ASSETS / "draft", **kw, draft_loop_steps=7 if graphs else 0)
     assert isinstance(target, LlamaLM) and isinstance(draft, LlamaLM)

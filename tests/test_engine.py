@@ -22,7 +22,8 @@ from specrpc.engine.plan import plan
 from specrpc.engine.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
 from specrpc.engine.proposers import DraftRequest, lookup_kind
 from specrpc.engine.sampling import SamplingParams, logits_to_probs
-from specrpc.models import load_model, load_tokenizer, native_step
+from specrpc.models import load_model, load_tokenizer
+from specrpc.models.backends import native as native_step
 from specrpc.models.llama import LlamaLM
 from specrpc.serving.sessions import SessionRegistry
 

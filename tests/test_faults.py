@@ -53,7 +53,7 @@ async def assert_clean(server: Running, timeout: float = 10.0) -> None:
     """Nothing left held: slots, stream counts, the device thread's jobs, session locks and jobs; slot bookkeeping
     consistent (every slot free, held by a session, or both-not: busy)."""
     registry, service = server.runtime.registry, server.service
-    await wait_until(lambda: registry.in_use == 0 and not service.quota.open and service._streams == 0
+    await wait_until(lambda: registry.in_use == 0 and not service.quota.open and service.gateway.streams == 0
                      and server.runtime.scheduler.active == 0, timeout=timeout, what="slots, streams and jobs released")
     for session in registry.sessions.values():
         assert not session.lock.locked() and session.job is None, session.id

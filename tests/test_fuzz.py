@@ -318,7 +318,7 @@ async def settled(server: Running) -> None:
     service = server.service
     await wait_until(lambda: server.runtime.registry.in_use == 0 and not service.quota.open, timeout=10,
                      what="slots and stream quota released")
-    assert service._streams == 0
+    assert service.gateway.streams == 0
 
 
 async def still_healthy(server: Running, channel: grpc.aio.Channel) -> None:

@@ -32,10 +32,13 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import specrpc
-from specrpc.models import BatchRow, CausalLM, load_model, native_step
-from specrpc.models import llama as llama_mod
+from specrpc.models import BatchRow, CausalLM, load_model, padded_sizes
+from specrpc.models.backends import eager
+from specrpc.models.backends import native as native_step
+from specrpc.models.backends.eager import bucket_for, bucket_sizes
 from specrpc.models.hf_fallback import HFCausalLM
-from specrpc.models.llama import LlamaArgs, LlamaLM, bucket_for, bucket_sizes, rope_inv_freq
+from specrpc.models.llama import LlamaArgs, LlamaLM, LlamaWeights, forward, weights
+from specrpc.models.llama.rope import rope_inv_freq
 from specrpc.serving.runtime import checkpoint_info
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -186,12 +189,12 @@ def test_static_forward_matches_transformers(case: str, tmp_path: Path, monkeypa
     lm = load_model(path, device=CPU, dtype=F32, num_slots=2, max_context=CAPACITY)
     assert isinstance(lm, LlamaLM)
 
-    def static(w: llama_mod.LlamaWeights, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, start: int,
+    def static(w: LlamaWeights, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, start: int,
                num_logits: int, valid: int | None = None) -> torch.Tensor:
         assert valid in (None, ids.shape[0]), "no padding without buckets"
-        return llama_mod.llama_forward_static(w, k, v, ids, w.positions[start : start + ids.shape[0]], num_logits)
+        return forward.llama_forward_static(w, k, v, ids, w.positions[start : start + ids.shape[0]], num_logits)
 
-    monkeypatch.setattr(llama_mod, "llama_forward", static)
+    monkeypatch.setattr(eager, "llama_forward", static)
     check_against_reference(lm, model)
 
 
@@ -268,8 +271,8 @@ def test_int8_decode_serves_small_products_close_to_float32(tmp_path: Path, monk
     lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, int8_decode=True)
     assert isinstance(lm, LlamaLM) and lm.weights.head.q8 is not None and lm.weights.head.q8.dtype == torch.int8
     rows: list[int] = []
-    product = llama_mod._int8_product
-    monkeypatch.setattr(llama_mod, "_int8_product", lambda x, p: rows.append(x.shape[0]) or product(x, p))
+    product = weights._int8_product
+    monkeypatch.setattr(weights, "_int8_product", lambda x, p: rows.append(x.shape[0]) or product(x, p))
     ids = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(4))
     logits = torch.cat([lm.forward(ids[:9], 0, 0, num_logits=9), lm.forward(ids[9:10], 9, 0),
                         lm.forward(ids[10:], 10, 0, num_logits=4)])
@@ -287,13 +290,13 @@ def test_int8_weights_keep_no_float_copy_and_stay_close_to_float32(tmp_path: Pat
     lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, int8_weights=True)
     assert isinstance(lm, LlamaLM)
     assert lm.weights.head.wt is None and lm.weights.head.packed is None and lm.weights.head.q8 is not None
-    kernel, dequant = llama_mod._int8_product, llama_mod._dequantized_product
+    kernel, dequant = weights._int8_product, weights._dequantized_product
     rows: list[tuple[str, int]] = []
-    monkeypatch.setattr(llama_mod, "_int8_product", lambda x, p: rows.append(("int8", x.shape[0])) or kernel(x, p))
-    monkeypatch.setattr(llama_mod, "_dequantized_product",
+    monkeypatch.setattr(weights, "_int8_product", lambda x, p: rows.append(("int8", x.shape[0])) or kernel(x, p))
+    monkeypatch.setattr(weights, "_dequantized_product",
                         lambda x, p: rows.append(("dequant", x.shape[0])) or dequant(x, p))
-    monkeypatch.setattr(llama_mod, "DEQUANT_BLOCK", 7)  # several blocks even at this size
-    monkeypatch.setattr(llama_mod, "INT8_WEIGHT_ROWS", 8)
+    monkeypatch.setattr(weights, "DEQUANT_BLOCK", 7)  # several blocks even at this size
+    monkeypatch.setattr(weights, "INT8_WEIGHT_ROWS", 8)
     lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, int8_weights=True)
     ids = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(4))
     logits = torch.cat([lm.forward(ids[:9], 0, 0, num_logits=9), lm.forward(ids[9:10], 9, 0),
@@ -303,7 +306,7 @@ def test_int8_weights_keep_no_float_copy_and_stay_close_to_float32(tmp_path: Pat
     close(logits, ref, atol=0.05 * max(1.0, ref.abs().max().item()))  # int8 weights: close, not equal
 
 
-@pytest.mark.skipif(not llama_mod.bf16_available(CPU), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.skipif(not weights.bf16_available(CPU), reason="no oneDNN bf16 on this CPU")
 def test_bf16_weights_keep_only_bf16_and_stay_close_to_float32(tmp_path: Path) -> None:
     path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
     lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY, bf16_weights=True)
@@ -333,7 +336,7 @@ def test_decode_kernel_tuning_keeps_the_output(tmp_path: Path) -> None:
     ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(5))
     ref = reference(model, ids)
     for packed in (False, True):
-        lm.weights = llama_mod.with_packed_decode(lm.weights, packed)
+        lm.weights = weights.with_packed_decode(lm.weights, packed)
         assert lm.weights.head.packed_rows == (1 if packed else 2)
         lm.truncate(0, 0)
         lm.forward(ids[:9], 0, 0, num_logits=9)
@@ -366,6 +369,7 @@ def test_bucket_sizes_and_choice() -> None:
     assert bucket_sizes(37, 512) == (64, 128, 256, 512)
     assert bucket_sizes(1, 6) == (1, 2, 4, 6)
     assert bucket_sizes(600, 512) == ()
+    assert padded_sizes(9, 512) == (64, 128, 256, 512), "past what graphs of 9 tokens cover (4 pieces: 36 tokens)"
     sizes = (64, 128, 256, 512)
     assert bucket_for(37, sizes, room=1000) == 64
     assert bucket_for(64, sizes, room=1000) == 64
@@ -405,7 +409,7 @@ def test_greedy_draft_loop_equals_step_by_step_greedy(tmp_path: Path) -> None:
     lm.forward(prompt, 0, 1)
     w, cache = lm.weights, lm.cache
     with torch.inference_mode():
-        tokens = llama_mod.greedy_draft_static(w, cache.slot_k[1], cache.slot_v[1], torch.tensor(expected[:1]),
+        tokens = forward.greedy_draft_static(w, cache.slot_k[1], cache.slot_v[1], torch.tensor(expected[:1]),
                                                torch.tensor([10]), 5)
     assert tokens.tolist() == expected
 

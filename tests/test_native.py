@@ -12,7 +12,8 @@ from engine_helpers import requires_native
 
 from specrpc import native
 from specrpc.config import ASSETS
-from specrpc.models import load_model, native_step
+from specrpc.models import load_model
+from specrpc.models.backends import native as native_step
 from specrpc.models.llama import LlamaLM, bf16_available, int8_available
 
 

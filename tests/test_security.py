@@ -27,7 +27,8 @@ from service_helpers import CLIENT_WRITE_RACE, collect, first_tokens, long_reque
 from specrpc.config import Config, ServerConfig, build_config, parse_networks, validate
 from specrpc.edges import auth as auth_mod
 from specrpc.edges.auth import StreamQuota, TokenAuth, bearer_token, peer_host, read_tokens
-from specrpc.edges.server import HEALTH_NAME, SERVICE_NAME, Running, _credentials
+from specrpc.edges.grpc.health import HEALTH_NAME, SERVICE_NAME
+from specrpc.edges.server import Running, _credentials
 from specrpc.logs import configure
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc

@@ -117,4 +117,24 @@ def test_low_precision_weights_greedy_speculation_equals_target_only_at_that_pre
     tok = load_tokenizer(TARGET)
     for text in PROMPTS[:8]:
         prompt = tok(text).input_ids
-        assert generate(engine, prompt, 32, k) == generate(engine, prompt, 32, 0), text
+        spec, plain = generate(engine, prompt, 32, k), generate(engine, prompt, 32, 0)
+        if weights == "bf16":  # a verify's bf16 products may round apart from a one-token step's on some CPUs
+            assert_equal_but_at_a_near_tie(engine.target, prompt, spec, plain, text)
+        else:
+            assert spec == plain, text
+
+
+def assert_equal_but_at_a_near_tie(target: LlamaLM, prompt: list[int], a: list[int], b: list[int], text: str,
+                                   tolerance: float = 0.02) -> None:
+    """`a` and `b` are the same greedy sequence, or part where the target's two choices are a floating-point near-tie:
+    their logits within `tolerance` of the larger logit's size (bf16 keeps 8 bits of mantissa) at the first token
+    they differ in. Decoding after that point follows two different contexts, so only the first one is judged."""
+    if a == b:
+        return
+    j = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    ids = torch.tensor(prompt + a[:j], dtype=torch.long)  # [T]
+    target.truncate(0, 0)
+    logits = target.forward(ids, 0, 0, num_logits=1)[0]  # [V]
+    target.truncate(0, 0)
+    gap = abs(float(logits[a[j]] - logits[b[j]]))
+    assert gap <= tolerance * max(1.0, float(logits.abs().max())), f"{text!r}: tokens {a[j]} / {b[j]} at {j}, gap {gap}"

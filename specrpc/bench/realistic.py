@@ -30,8 +30,7 @@ from specrpc.config import EngineConfig
 from specrpc.engine.engine import Engine
 from specrpc.engine.policy import expected_tokens
 from specrpc.engine.sampling import SamplingParams
-from specrpc.models.cuda_graphs import CHUNKS
-from specrpc.models.llama import bucket_sizes
+from specrpc.models import padded_sizes
 from specrpc.models.random_weights import random_lm, write_checkpoint
 from specrpc.serving.runtime import resolve_device, resolve_dtype
 
@@ -48,7 +47,7 @@ def build_engine(pair: str, scale: int, device: torch.device, dtype: torch.dtype
     cuda = device.type == "cuda"  # as the server runs there: graphs, padded eager shapes, one-replay draft loops
     kw: dict[str, Any] = {"num_slots": 1, "max_context": capacity, "device": device, "dtype": dtype,
                           "graph_tokens": 9 if cuda else 0,
-                          "buckets": bucket_sizes(CHUNKS * 9 + 1, 512) if cuda else (),
+                          "buckets": padded_sizes(9, 512) if cuda else (),
                           "int8": weights == "int8", "bf16": weights == "bf16"}
     t0 = time.perf_counter()
     target = random_lm(config(target_name, scale), target_name, seed=seed, **kw)

@@ -9,44 +9,30 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from specrpc.config import Config
 from specrpc.edges.auth import TokenAuth
 from specrpc.edges.gateway import Gateway
+from specrpc.edges.grpc.health import (
+    HealthStatus,
+    add_generator,
+    add_health,
+    add_reflection,
+    set_health,
+)
 from specrpc.edges.grpc.service import GeneratorService
 from specrpc.edges.grpc.wire import DecodeGuard
 from specrpc.edges.http.api import HttpApi, HttpServer
 from specrpc.edges.metrics import Metrics
 from specrpc.serving.runtime import Runtime
-from specrpc.v1 import generator_pb2 as pb
-from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
 SWITCH_INTERVAL_S = 0.0002
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
-HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-
-
-class HealthStatus(Protocol):
-    """The part of grpc_health's asyncio HealthServicer used here (grpc-stubs does not describe `health.aio`)."""
-
-    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        """Status of `service` ('' is the whole server)."""
-
-    async def enter_graceful_shutdown(self) -> None:
-        """Every service NOT_SERVING from now on; later `set` calls are ignored."""
-
-
-def _health_servicer() -> HealthStatus:
-    servicer: HealthStatus = health.aio.HealthServicer()  # type: ignore[attr-defined]
-    return servicer
 
 
 @dataclass
@@ -67,7 +53,7 @@ class Running:
 
     async def set_serving(self, serving: bool) -> None:
         """Health status for the overall server and the Generator service."""
-        await _set_health(self.health, serving)
+        await set_health(self.health, serving)
 
     async def stop(self, grace_s: float) -> None:
         """Drain: NOT_SERVING, new generation calls UNAVAILABLE, in-flight streams get `grace_s` to finish; then
@@ -92,12 +78,6 @@ class Running:
 
 FLUSH_S = 0.25
 """Seconds between the last stream's end and the hard stop of a drain, for its final status to reach the wire."""
-
-
-async def _set_health(servicer: HealthStatus, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        await servicer.set(name, status)
 
 
 async def _janitor(runtime: Runtime, metrics: Metrics, period_s: float) -> None:
@@ -147,17 +127,16 @@ async def start_server(config: Config, runtime: Runtime | None = None,
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", 0),
     ])
-    health_servicer = _health_servicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await _set_health(health_servicer, False)
+    health_servicer = add_health(server)
+    await set_health(health_servicer, False)
     address = f"{s.host}:{s.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if s.reflection:
-        reflection.enable_server_reflection([SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME], server)
+        add_reflection(server)
     metrics = Metrics()
     gateway = Gateway(config, metrics)
     service = GeneratorService(config, metrics, gateway=gateway)
-    pb_grpc.add_GeneratorServicer_to_server(service, server)
+    add_generator(server, service)
     await server.start()
     http: HttpServer | None = None
     http_port = 0

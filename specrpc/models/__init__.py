@@ -1,61 +1,8 @@
-"""Models the engine runs: the CausalLM protocol and the loaders."""
-
-from __future__ import annotations
-
-from typing import Protocol, runtime_checkable
-
-import torch
+"""Models the engine runs: the CausalLM protocol, the loaders, and the padded sizes a CUDA-graphed model takes."""
 
 from specrpc.models.batch import BatchRow
-from specrpc.models.kv_cache import SlotLengths
+from specrpc.models.llama import padded_sizes
 from specrpc.models.loader import load_model, load_tokenizer
+from specrpc.models.protocol import CausalLM
 
-__all__ = ["BatchRow", "CausalLM", "load_model", "load_tokenizer"]
-
-
-@runtime_checkable
-class CausalLM(Protocol):
-    """A causal LM with `num_slots` preallocated KV slots; one thread drives it."""
-
-    name: str  # directory name
-    vocab_size: int  # embedding rows (may exceed the tokenizer's vocabulary: padded rows)
-    max_context: int  # positions per slot this instance was built for (KV capacity, verify reserve included)
-    num_slots: int
-    device: torch.device
-    dtype: torch.dtype
-    lean_forward: bool  # specrpc's own forward (CUDA graphs possible), not the transformers fallback
-
-    @property
-    def cache(self) -> SlotLengths:
-        """Owner of the per-slot lengths; `tensors()` lists the preallocated K/V tensors."""
-        ...
-
-    def forward(self, ids: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
-        """ids [T] int64 at positions start..start+T-1 of `slot`; writes their K/V into the slot; attends to the slot's
-        positions [0, start) plus the new tokens causally; sets the slot length to start+T; returns float32 logits
-        [num_logits, V] for the LAST num_logits positions (prefill asks 1, verify asks k+1). Needs
-        start <= length(slot) and start+T <= max_context (ValueError otherwise); start < length overwrites."""
-        ...
-
-    def forward_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
-        """Several slots in one call, each row as `forward` would run it alone (its own tokens at its own positions
-        of its own slot, each slot at most once) → per row float32 logits [num_logits, V]."""
-        ...
-
-    def truncate(self, slot: int, length: int) -> None:
-        """Rollback / prefix reuse: set the slot length (must be <= current)."""
-        ...
-
-    def length(self, slot: int) -> int:
-        """Valid positions in `slot`."""
-        ...
-
-    def copy_prefix(self, source: int, slot: int, length: int, start: int = 0) -> bool:
-        """Positions [start, length) of `source` into `slot` (start <= length(slot), length <= length(source)), which
-        then holds `length` positions; False where this model cannot copy between slots (the prompt is then
-        prefilled)."""
-        ...
-
-    def cache_bytes(self) -> int:
-        """Bytes of the preallocated K/V tensors."""
-        ...
+__all__ = ["BatchRow", "CausalLM", "load_model", "load_tokenizer", "padded_sizes"]

@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from specrpc.models.hf_fallback import HFCausalLM
 from specrpc.models.llama import LEAN_MODEL_TYPES, LlamaLM, UnsupportedModelError, bf16_available, int8_available
-
-if TYPE_CHECKING:
-    from specrpc.models import CausalLM
+from specrpc.models.protocol import CausalLM
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 // SiLU MLP, RoPE, GQA, optional biases, Qwen3's q/k norms, sliding windows) in float32, as one OpenMP parallel
 // region: the matrix products split their output rows across the threads, everything else runs between them without
 // leaving the region. Built and loaded by specrpc/native/__init__.py (ctypes; torch's own OpenMP runtime), called by
-// specrpc/models/native_step.py. Weights are packed in panels of 16 output rows ([N / 16, K, 16], `Weight`); each
+// specrpc/models/backends/native.py. Weights are packed in panels of 16 output rows ([N / 16, K, 16], `Weight`); each
 // panel is read from memory once per forward and multiplied into every token's outputs as a sum of outer products,
 // each output summed over the columns in order: a token's logits are bit for bit the same decoded alone or verified
 // among others, so greedy speculation through this step equals greedy decoding through it exactly.

@@ -15,9 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ORDERS = ("psm", "spm")
-"""Orders a model may be trained with: prefix-suffix-middle, suffix-prefix-middle."""
-
 LAYOUTS = ("auto", "psm", "spm", "typed_line")
 """Prompt layouts a request may ask for. `auto`: `spm` when the model was trained suffix-first, else `typed_line`.
 `psm`: the whole text before the cursor before the suffix (every keystroke re-prefills the suffix). `spm`: suffix

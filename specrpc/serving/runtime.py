@@ -23,9 +23,7 @@ from specrpc.engine.generation import GenerationRequest, GenerationStats
 from specrpc.engine.policy import CostModel
 from specrpc.engine.proposers import SuggestionProposer
 from specrpc.engine.sampling import SamplingParams
-from specrpc.models import CausalLM, load_model, load_tokenizer
-from specrpc.models.cuda_graphs import CHUNKS
-from specrpc.models.llama import bucket_sizes
+from specrpc.models import CausalLM, load_model, load_tokenizer, padded_sizes
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.openmp import release_workers
 from specrpc.prompts.fim import FimFormat, InfillInput, InfillPrompt, NoInfillSupport, load_format
@@ -158,7 +156,7 @@ class Runtime:
         # On CUDA, no shape is met first in a request: prefill chunks and catch-ups longer than the graphs cover are
         # padded to a few sizes run at load, and a greedy draft's k steps replay one captured loop.
         graphed = ec.cuda_graphs and self.device.type == "cuda"
-        buckets = bucket_sizes(CHUNKS * graph_tokens + 1, ec.prefill_chunk) if graphed else ()
+        buckets = padded_sizes(graph_tokens, ec.prefill_chunk) if graphed else ()
         self.target: CausalLM = load_model(ec.target, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
                                            max_context=capacity, lean=ec.lean, graph_tokens=graph_tokens,
                                            buckets=buckets, int8_weights=int8, bf16_weights=bf16,
@@ -413,13 +411,3 @@ class Runtime:
             job.cancel()
             if watcher is not None:
                 watcher.cancel()
-
-
-def summary_fields(done: Done) -> dict[str, object]:
-    """Log-friendly figures of a finished job."""
-    s = done.stats
-    return {
-        "finish": done.finish, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_prompt_tokens,
-        "completion_tokens": s.completion_tokens, "proposed": s.proposed, "accepted": s.accepted,
-        "verify_steps": s.verify_steps, "mean_accepted_length": round(s.mean_accepted_length, 3),
-    }

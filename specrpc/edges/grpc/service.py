@@ -190,10 +190,6 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     def quota(self, quota: StreamQuota) -> None:
         self.gateway.quota = quota
 
-    @property
-    def _streams(self) -> int:
-        return self.gateway.streams
-
     def _ended(self, rpc: str, client: str, end: StreamEnd, context: Context) -> None:
         """gRPC has ended a Generate/Infill/Converse call: uncount it and count its final status."""
         self.gateway.leave(client)

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from specrpc.models.llama import LlamaWeights, greedy_draft_static, llama_forward_static
+from specrpc.models.llama.forward import greedy_draft_static, llama_forward_static
+from specrpc.models.llama.weights import LlamaWeights
 
 CHUNKS = 4
 """Forwards of up to CHUNKS × max_tokens tokens that ask only the last logits replay graphs in pieces."""

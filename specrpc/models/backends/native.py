@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import torch
 
 from specrpc import native
 from specrpc.models.batch import BatchRow
-
-if TYPE_CHECKING:
-    from specrpc.models.kv_cache import KVCache
-    from specrpc.models.llama import Linear, LlamaWeights
+from specrpc.models.kv_cache import KVCache
+from specrpc.models.llama.weights import Linear, LlamaWeights
 
 
 def supported(w: LlamaWeights, device: torch.device, dtype: torch.dtype) -> str | None:

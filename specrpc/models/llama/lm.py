@@ -1,0 +1,285 @@
+"""`LlamaLM`: a Llama-family checkpoint's weights (`checkpoint`), its preallocated per-slot KV cache, and the backend
+each forward's shape takes: CUDA graphs (`backends.cuda_graphs`), the native C++ step (`backends.native`), or the
+eager torch forward (`backends.eager`), chosen and tuned at load."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specrpc.models.backends import cuda_graphs, eager, native
+from specrpc.models.batch import BatchRow, check_rows
+from specrpc.models.kv_cache import KVCache
+from specrpc.models.llama.checkpoint import load_llama_weights
+from specrpc.models.llama.config import LlamaArgs
+from specrpc.models.llama.weights import LlamaWeights, map_linears, with_int8_decode, with_packed_decode
+
+log = logging.getLogger(__name__)
+
+
+def padded_sizes(graph_tokens: int, largest: int) -> tuple[int, ...]:
+    """The `buckets` for a model whose forwards of up to `graph_tokens` tokens replay CUDA graphs: token counts past
+    what the graphs cover (in `cuda_graphs.CHUNKS` pieces) up to `largest` (a prefill chunk)."""
+    return eager.bucket_sizes(cuda_graphs.CHUNKS * graph_tokens + 1, largest)
+
+
+class LlamaLM:
+    """CausalLM over the lean Llama-family forward with a preallocated per-slot KV cache."""
+
+    lean_forward = True
+
+    def __init__(
+        self,
+        name: str,
+        weights: LlamaWeights,
+        *,
+        num_slots: int,
+        max_context: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        graph_tokens: int = 0,
+        buckets: tuple[int, ...] = (),
+        draft_loop_steps: int = 0,
+    ) -> None:
+        """`graph_tokens`, `draft_loop_steps` (CUDA only): forwards of up to that many tokens, and greedy draft loops
+        of up to that many forwards, replay CUDA graphs. `buckets`: eager forwards asking for their last logits are
+        padded to the smallest of these token counts that fits (each one run once here, so no count is met first
+        in a request)."""
+        a = weights.args
+        self.name = name
+        self.weights = weights
+        self.vocab_size = int(weights.embed.shape[0])
+        self.max_context = max_context
+        self.num_slots = num_slots
+        self.device = device
+        self.dtype = dtype
+        self.cache = KVCache(
+            num_layers=a.layers,
+            num_slots=num_slots,
+            kv_heads=a.kv_heads,
+            capacity=max_context,
+            head_dim=a.head_dim,
+            device=device,
+            dtype=dtype,
+        )
+        self.graphs: cuda_graphs.GraphedForward | None = None
+        self.native: native.NativeStep | None = None  # forwards of up to `native_rows` tokens, when `use_native` can
+        self.native_rows = 1
+        self.draft_loop: cuda_graphs.GraphedDraftLoop | None = None
+        self.buckets = buckets
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            if graph_tokens > 0:
+                self.graphs = cuda_graphs.GraphedForward(weights, self.cache.slot_k, self.cache.slot_v, graph_tokens)
+            if draft_loop_steps > 0:
+                self.draft_loop = cuda_graphs.GraphedDraftLoop(weights, self.cache.slot_k, self.cache.slot_v,
+                                                               draft_loop_steps)
+        for size in buckets:  # meet every padded shape once now (slot 0, left empty)
+            self.forward(torch.zeros(min(size, max_context), dtype=torch.long, device=device), 0, 0)
+            self.truncate(0, 0)
+        if self.graphs is not None or self.draft_loop is not None or buckets:
+            log.info("%s: CUDA graphs (%d forwards, %d draft loops) and %d padded sizes %s ready in %.2f s", name,
+                     len(self.graphs.graphs) if self.graphs else 0,
+                     len(self.draft_loop.graphs) if self.draft_loop else 0, len(buckets), list(buckets),
+                     time.perf_counter() - t0)
+
+    @classmethod
+    def load(
+        cls,
+        path: Path,
+        cfg: dict[str, Any],
+        *,
+        num_slots: int,
+        max_context: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        int8_decode: bool = False,
+        graph_tokens: int = 0,
+        buckets: tuple[int, ...] = (),
+        draft_loop_steps: int = 0,
+        int8_weights: bool = False,
+        bf16_weights: bool = False,
+        native_decode: bool = False,
+    ) -> LlamaLM:
+        """Build from a checkpoint directory and its parsed config.json; each slot holds `max_context` positions.
+        `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target).
+        `int8_weights`, `bf16_weights`: every projection and the head as int8 / bf16 alone, no float copy (CPU).
+        `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off). `native_decode`: forwards of
+        a few tokens through the native step where it can run them (`use_native`)."""
+        args = LlamaArgs.from_config(cfg)
+        weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype, int8=int8_weights,
+                                     bf16=bf16_weights)
+        if int8_decode and not (int8_weights or bf16_weights):
+            weights = with_int8_decode(weights)
+        lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
+                 graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
+        if native_decode and lm.use_native():
+            return lm
+        if weights.head.packed is not None and weights.head.q8 is None and not weights.head.bf16_only:
+            lm.tune_decode()
+        return lm
+
+    def use_native(self) -> bool:
+        """Run forwards of up to `native_rows` tokens through the native step (specrpc/native) if it supports this
+        model here; longer ones keep the oneDNN copy, so the float [K, N] copy is dropped where one exists. Returns
+        whether the native step is on (why not is logged)."""
+        why = native.supported(self.weights, self.device, self.dtype)
+        if why is not None:
+            log.info("%s: native decode off (%s)", self.name, why)
+            return False
+        self.native = native.NativeStep(self.weights, self.cache)
+        self.weights = map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
+                                    else dataclasses.replace(p, wt=None, packed_rows=1))
+        only_int8 = all(p.wt is None and p.packed is None for p in self.weights.linears())
+        # int8 weights alone (--weights int8): every decode and verify through the native step, so greedy speculation
+        # equals greedy decoding at int8 exactly (the torch int8 kernel rounds differently); else where it is faster
+        self.native_rows = native.MAX_TOKENS if only_int8 else self._native_rows()
+        log.info("%s: native decode on, up to %d tokens a forward", self.name, self.native_rows)
+        return True
+
+    def _native_rows(self, context: int = 32, repeats: int = 5) -> int:
+        """The most tokens a forward runs through the native step (a decode step, a verify, a draft's catch-up)
+        before the torch forward is faster (the native step reads each weight once for all its tokens but computes
+        their products one row at a time): measured here on slot 0 (left empty), native against torch forwards of
+        2, 3, … tokens, up to `MAX_TOKENS`; it stops at the first count where torch wins."""
+        most = native.MAX_TOKENS
+        context = min(context, self.max_context - most - 1)
+        if context < 1:
+            return 1
+        ids = (torch.arange(context + most, device=self.device) * 7919) % self.vocab_size  # [context + most]
+        self.forward(ids[:context], 0, 0)
+
+        def timed(count: int, native: bool) -> float:
+            times = []
+            for _ in range(repeats + 1):
+                self.truncate(0, context)
+                self.native_rows = most if native else 0
+                t0 = time.perf_counter()
+                self.forward(ids[context : context + count], context, 0, num_logits=count)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times[1:])
+
+        rows = 1
+        for count in range(2, most + 1):
+            if timed(count, True) >= timed(count, False):
+                break
+            rows = count
+        self.native_rows = rows
+        self.truncate(0, 0)
+        return rows
+
+    def tune_decode(self, context: int = 32, repeats: int = 5) -> bool:
+        """Time one-token steps through MKL's gemv and through oneDNN (alternating, after a warm-up of each) and
+        keep the faster (when oneDNN wins, the plain copy is dropped); returns whether oneDNN won. Uses slot 0, which
+        is left empty. Call once, at load."""
+        context = min(context, self.max_context - 1)  # a small cache still fits context + 1 positions
+        if context < 1:
+            return False
+        variants = [with_packed_decode(self.weights, on) for on in (False, True)]
+        ids = (torch.arange(context + 1, device=self.device) * 7919) % self.vocab_size  # [context + 1]
+        self.forward(ids[:context], 0, 0)
+        times: list[list[float]] = [[], []]
+        for i in range(2 * (repeats + 1)):
+            self.weights = variants[i % 2]
+            self.truncate(0, context)
+            t0 = time.perf_counter()
+            self.forward(ids[context:], context, 0)
+            if i >= 2:
+                times[i % 2].append(time.perf_counter() - t0)
+        packed = statistics.median(times[1]) < statistics.median(times[0])
+        self.weights = variants[int(packed)]
+        if packed:  # the plain copy would serve nothing: free it (half the weight memory)
+            self.weights = map_linears(self.weights, lambda p: dataclasses.replace(p, wt=None))
+        self.truncate(0, 0)
+        return packed
+
+    def forward(self, ids: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
+        """ids [T] at positions start..start+T-1 of `slot` → float32 logits [num_logits, V] of the last positions."""
+        count = ids.shape[0]
+        if not 1 <= num_logits <= count:
+            raise ValueError(f"num_logits must be in 1..{count}, got {num_logits}")
+        self.cache.begin_write(slot, start, count)
+        with torch.inference_mode():
+            if self.graphs is not None and self.graphs.covers(count, num_logits):
+                logits = self.graphs.forward(ids, start, slot, num_logits)
+            elif self.native is not None and count <= self.native_rows:
+                logits = self.native.run(ids, start, slot, num_logits)  # [num_logits, V]
+            elif self.native is not None and self.native.int8 and num_logits <= native.MAX_TOKENS:
+                # int8 prefill: native chunks take half the time of torch's products on dequantized weights, and
+                # compute as decoding does
+                logits = self.native.run_chunks(ids, start, slot, num_logits)  # [num_logits, V]
+            else:
+                logits = eager.run(self.weights, self.cache, ids, start, slot, num_logits, self.buckets)
+        self.cache.commit(slot, start + count)
+        return logits
+
+    def forward_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        """Several slots in one forward → per row float32 logits [num_logits, V]. One row takes `forward` (CUDA
+        graphs, padded sizes); more rows run natively where that step takes them, else eagerly, their tokens
+        concatenated for every matrix product."""
+        check_rows(rows)
+        if len(rows) == 1:
+            r = rows[0]
+            return [self.forward(r.ids, r.start, r.slot, r.num_logits)]
+        for r in rows:
+            self.cache.begin_write(r.slot, r.start, r.ids.shape[0])
+        with torch.inference_mode():
+            step = self.native
+            if step is not None and (sum(r.ids.shape[0] for r in rows) <= self.native_rows or (step.int8 and all(
+                    r.num_logits <= native.MAX_TOKENS for r in rows))):
+                logits = step.run_rows(rows)  # each row's tokens through the products they take alone
+            else:
+                logits = eager.run_rows(self.weights, self.cache, rows)  # [num_logits, V] per row
+        for r in rows:
+            self.cache.commit(r.slot, r.start + r.ids.shape[0])
+        return logits
+
+    def greedy_draft(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
+        """k greedy draft tokens [k] on the device: the argmax of `logits` [1, V] (the catch-up's) at `position` and
+        k-1 more, as one graph replay (CUDA) or one native call (CPU); None where neither runs them (draft step by
+        step)."""
+        if self.draft_loop is None or not 1 <= k - 1 <= self.draft_loop.max_steps:
+            first = logits[0].argmax().view(1)  # [1]
+            rest = self.feed_greedy(first, position, slot, k - 1) if k >= 2 else None  # [k - 1]
+            return None if rest is None else torch.cat([first, rest])
+        self.cache.begin_write(slot, position, k - 1)
+        with torch.inference_mode():
+            tokens = self.draft_loop.run(logits[0].argmax().view(1), position, slot, k - 1)  # [k]
+        self.cache.commit(slot, position + k - 1)
+        return tokens
+
+    def feed_greedy(self, ids: torch.Tensor, start: int, slot: int, k: int) -> torch.Tensor | None:
+        """ids [F] at positions start.. of `slot`, then k greedy tokens [k] (the argmax after the feed, and k-1 more
+        one-token forwards), in one native call; None where the native step does not take it (draft otherwise)."""
+        if self.native is None or k < 1 or ids.shape[0] > self.native_rows:
+            return None
+        count = ids.shape[0] + k - 1
+        self.cache.begin_write(slot, start, count)
+        with torch.inference_mode():
+            tokens = self.native.greedy(ids, start, slot, k - 1)  # [k]
+        self.cache.commit(slot, start + count)
+        return tokens
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll `slot` back to `length` positions."""
+        self.cache.truncate(slot, length)
+
+    def length(self, slot: int) -> int:
+        """Valid positions in `slot`."""
+        return self.cache.length(slot)
+
+    def copy_prefix(self, source: int, slot: int, length: int, start: int = 0) -> bool:
+        """`slot` takes positions [start, length) of `source` (`KVCache.copy_prefix`)."""
+        self.cache.copy_prefix(source, slot, length, start)
+        return True
+
+    def cache_bytes(self) -> int:
+        """Bytes of the preallocated K/V tensors."""
+        return self.cache.nbytes()
+

@@ -1,0 +1,21 @@
+"""Names vulture (`make lint`'s dead-code check) cannot see used: called by grpc, starlette, uvicorn, tokenizers,
+transformers and torch, or fields read by position."""
+
+# ruff: noqa
+from specrpc.edges.auth import TokenAuth
+from specrpc.edges.grpc.service import GeneratorService
+from specrpc.edges.grpc.wire import DecodeGuard
+
+TokenAuth.intercept_service  # grpc.aio.ServerInterceptor
+DecodeGuard.intercept_service  # grpc.aio.ServerInterceptor
+GeneratorService.Converse  # the Generator servicer's RPC
+_.fim_default_layout  # a ModelInfo protobuf field
+_.lifespan  # uvicorn.Config
+_.should_exit  # uvicorn.Server
+_.pre_tokenizer  # tokenizers.Tokenizer
+_.decoder  # tokenizers.Tokenizer
+_.generation_config  # transformers model
+_.allow_tf32  # torch.backends
+_._layers  # keeps the native step's tensors alive while C++ holds their pointers
+_._keep  # the same
+_.bonus  # VerifyResult field
