@@ -148,9 +148,10 @@ def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -
     ids = torch.tensor([(i * 7919) % 4000 for i in range(30)])
     step.run(ids[:16], 0, 0)
     seen = []
-    for mode in native.PREFETCH.values():
+    for mode in native.PREFETCH:
         for ahead in (0, 512, 4096):
-            step.model.stream, step.model.prefetch_ahead = mode, ahead
+            step.prefetch_one = step.prefetch_many = mode
+            step.model.prefetch_ahead = ahead
             seen.append((step.run(ids[16:17], 16, 0), step.run(ids[16:21], 16, 0, num_logits=5)))
     for one, five in seen[1:]:
         assert torch.equal(one, seen[0][0]) and torch.equal(five, seen[0][1])

@@ -86,15 +86,14 @@ class Model(ctypes.Structure):
     """decode.cpp's Model."""
 
     _fields_ = ([(name, ctypes.c_int64) for name in ("d", "hq", "hkv", "dh", "ffn", "vocab", "layers", "slots",
-                                                     "capacity", "max_tokens", "stream")]
+                                                     "capacity", "max_tokens", "prefetch")]
                 + [("eps", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("embed", "norm", "head", "head_scale", "cos", "sin")]
                 + [("layer", ctypes.POINTER(Layer))]
                 + [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "x", "h", "qkv", "att", "up", "scores",
                                                         "xq", "xs", "xsum")]
                 + [("kq", ctypes.c_int64), ("prefetch_ahead", ctypes.c_int64)])
-    # `stream` is decode.cpp's `prefetch` (a `PREFETCH` mode; named for what its modes 0 and 1 were before there were
-    # three), `prefetch_ahead` the bytes ahead a prefetch asks for (0: decode.cpp's default, 2048)
+    # `prefetch`: a `PREFETCH` mode; `prefetch_ahead`: the bytes ahead of the column read that a prefetch asks for
 
 
 PREFETCH = {"none": 0, "non-temporal": 1, "temporal": 2}
