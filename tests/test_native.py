@@ -4,7 +4,9 @@ is no library and the torch forward serves every step."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,3 +157,82 @@ def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -
             seen.append((step.run(ids[16:17], 16, 0), step.run(ids[16:21], 16, 0, num_logits=5)))
     for one, five in seen[1:]:
         assert torch.equal(one, seen[0][0]) and torch.equal(five, seen[0][1])
+
+
+STALL_S = 0.02
+"""An injected stall: far above any tiny model's forward here, so a path that pays it on every call loses to the others
+however noisy the machine (each is measured in interleaved rounds, by median)."""
+
+
+def tiny_llama(path: Path) -> Path:
+    """A small random Llama checkpoint at `path` (a forward well under a millisecond)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("stalled", list(native.PREFETCH))
+def test_a_stalled_prefetch_mode_is_never_chosen(stalled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever prefetch mode is slowed by an injected stall (every native call in it sleeps) is chosen at neither
+    shape calibrated, one token nor a verify."""
+    requires_native()
+    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
+                    max_context=64, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    step = lm.native
+    fast_row = step._row
+
+    def row(*args: object) -> int:
+        if step.model.prefetch == native.PREFETCH[stalled]:
+            time.sleep(STALL_S)
+        return int(fast_row(*args))
+
+    monkeypatch.setattr(step, "_row", row)
+    table = step.calibrate_prefetch()
+    assert set(table) == {1, native_step.VERIFY_TOKENS}
+    assert step.prefetch_one != stalled and step.prefetch_many != stalled, table
+
+
+def test_a_stalled_native_step_serves_no_forward_not_even_one_token(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native step slowed by an injected stall: the start-up choice measures it against torch at one token too,
+    so torch serves every forward (native_rows 0), a one-token step included."""
+    requires_native()
+    calls = []
+    fast_run = native_step.NativeStep.run
+
+    def run(self: native_step.NativeStep, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        time.sleep(STALL_S)
+        return fast_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(native_step.NativeStep, "run", run)
+    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
+                    max_context=64, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native_rows == 0
+    calls.clear()
+    lm.forward(torch.tensor([1, 2, 3]), 0, 0)
+    lm.forward(torch.tensor([4]), 3, 0)
+    assert calls == [], "torch serves every forward"
+
+
+def test_a_stalled_torch_forward_is_chosen_at_no_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch forward slowed by an injected stall: the native step serves every count it can take, 1 to
+    MAX_TOKENS."""
+    from specrpc.models.backends import eager
+
+    requires_native()
+    fast_run = eager.run
+
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        time.sleep(STALL_S)
+        return fast_run(*args, **kwargs)
+
+    monkeypatch.setattr(eager, "run", run)
+    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
+                    max_context=64, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native_rows == native_step.MAX_TOKENS
