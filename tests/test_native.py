@@ -161,7 +161,15 @@ def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -
 
 STALL_S = 0.02
 """An injected stall: far above any tiny model's forward here, so a path that pays it on every call loses to the others
-however noisy the machine (each is measured in interleaved rounds, by median)."""
+however noisy the machine (each is measured in interleaved rounds)."""
+
+
+def stall() -> None:
+    """`STALL_S` of busy work, as a slow path spends it: a sleep would hand the CPU to a neighbour and come back with
+    the scheduler's favour, so that the forward after it ran less often preempted than the path it is compared with."""
+    end = time.perf_counter() + STALL_S
+    while time.perf_counter() < end:
+        pass
 
 
 def tiny_llama(path: Path) -> Path:
@@ -188,7 +196,7 @@ def test_a_stalled_prefetch_mode_is_never_chosen(stalled: str, tmp_path: Path, m
 
     def row(*args: object) -> int:
         if step.model.prefetch == native.PREFETCH[stalled]:
-            time.sleep(STALL_S)
+            stall()
         return int(fast_row(*args))
 
     monkeypatch.setattr(step, "_row", row)
@@ -207,7 +215,7 @@ def test_a_stalled_native_step_serves_no_forward_not_even_one_token(tmp_path: Pa
 
     def run(self: native_step.NativeStep, *args: Any, **kwargs: Any) -> torch.Tensor:
         calls.append(args[0].shape[0])
-        time.sleep(STALL_S)
+        stall()
         return fast_run(self, *args, **kwargs)
 
     monkeypatch.setattr(native_step.NativeStep, "run", run)
@@ -229,7 +237,7 @@ def test_a_stalled_torch_forward_is_chosen_at_no_count(tmp_path: Path, monkeypat
     fast_run = eager.run
 
     def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-        time.sleep(STALL_S)
+        stall()
         return fast_run(*args, **kwargs)
 
     monkeypatch.setattr(eager, "run", run)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from specrpc import native
-from specrpc.models.backends.timing import interleaved_medians
+from specrpc.models.backends.timing import interleaved_times
 from specrpc.models.batch import BatchRow
 from specrpc.models.kv_cache import KVCache
 from specrpc.models.llama.weights import Linear, LlamaWeights
@@ -157,10 +157,10 @@ class NativeStep:
 
     def calibrate_prefetch(self, slot: int = 0, context: int = 32, repeats: int = 9) -> dict[int, dict[str, float]]:
         """Time every prefetch mode (`native.PREFETCH`) on this model at one token (a decode step) and at
-        `VERIFY_TOKENS` (a verify), interleaved with medians (`interleaved_medians`), and keep the fastest at each
+        `VERIFY_TOKENS` (a verify), interleaved (`interleaved_times`, lower quartiles), and keep the fastest at each
         (`prefetch_one`, `prefetch_many`): whether to read the weights past the caches depends on the CPU's
         last-level cache and the model, and no byte count knows both. Writes K/V at positions below context +
-        `VERIFY_TOKENS` of `slot`, which the caller holds empty. Returns the median seconds per shape and mode (empty
+        `VERIFY_TOKENS` of `slot`, which the caller holds empty. Returns those seconds per shape and mode (empty
         where the cache has no room to measure, the guess kept)."""
         context = min(context, self.model.capacity - VERIFY_TOKENS)
         if context < 1:
@@ -176,7 +176,7 @@ class NativeStep:
                     self.run(ids[context : context + count], context, slot, count)
                 return run
 
-            times = interleaved_medians([step(mode) for mode in modes], repeats)
+            times = interleaved_times([step(mode) for mode in modes], repeats)
             table[count] = dict(zip(modes, times, strict=True))
         self.prefetch_one = min(table[1], key=table[1].__getitem__)
         self.prefetch_many = min(table[VERIFY_TOKENS], key=table[VERIFY_TOKENS].__getitem__)

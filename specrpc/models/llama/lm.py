@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from specrpc.models.backends import cuda_graphs, eager, native
-from specrpc.models.backends.timing import interleaved_medians
+from specrpc.models.backends.timing import interleaved_times
 from specrpc.models.batch import BatchRow, check_rows
 from specrpc.models.kv_cache import KVCache
 from specrpc.models.llama.checkpoint import load_llama_weights
@@ -147,8 +147,8 @@ class LlamaLM:
         step = self.native = native.NativeStep(self.weights, self.cache)
         table = step.calibrate_prefetch()
         if table:
-            log.info("%s: native prefetch %s at 1 token, %s at %d (medians ms: %s)", self.name, step.prefetch_one,
-                     step.prefetch_many, native.VERIFY_TOKENS, "; ".join(
+            log.info("%s: native prefetch %s at 1 token, %s at %d (ms, lower quartiles: %s)", self.name,
+                     step.prefetch_one, step.prefetch_many, native.VERIFY_TOKENS, "; ".join(
                          f"{count}: " + ", ".join(f"{mode} {t * 1e3:.2f}" for mode, t in times.items())
                          for count, times in table.items()))
         if all(p.wt is None and p.packed is None for p in self.weights.linears()):
@@ -173,11 +173,11 @@ class LlamaLM:
                      ) -> tuple[int, dict[int, float]]:
         """The most tokens a forward runs through the native step (a decode step, a verify, a draft's catch-up)
         before the torch forward is as fast (the native step reads each weight once for all its tokens but computes
-        their products one row at a time), and the ratios measured (native / torch median time by token count):
-        native against torch forwards of 1, 2, … tokens up to `MAX_TOKENS`, interleaved (`interleaved_medians`,
+        their products one row at a time), and the ratios measured (native / torch time by token count):
+        native against torch forwards of 1, 2, … tokens up to `MAX_TOKENS`, interleaved (`interleaved_times`,
         more rounds at one token, the shape most forwards have), on slot 0 (left empty); it stops at the first count
-        where torch is not slower, so 0 where torch wins a one-token step. Without room in the cache to measure, 1
-        (unmeasured)."""
+        where torch is not slower twice in a row, so 0 where torch wins a one-token step. Without room in the cache
+        to measure, 1 (unmeasured)."""
         most = native.MAX_TOKENS
         context = min(context, self.max_context - most - 1)
         if context < 1:
@@ -196,9 +196,12 @@ class LlamaLM:
         rows = 0
         ratios: dict[int, float] = {}
         for count in range(1, most + 1):
-            on, off = interleaved_medians([forward(count, most), forward(count, 0)],
-                                          one_token_repeats if count == 1 else repeats)
-            ratios[count] = on / off
+            for _ in range(2):  # torch as fast: measured again before it ends the range, as a neighbour's burst can
+                on, off = interleaved_times([forward(count, most), forward(count, 0)],
+                                              one_token_repeats if count == 1 else repeats)
+                ratios[count] = on / off
+                if on < off:
+                    break
             if on >= off:
                 break
             rows = count
