@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,17 @@ def stall() -> None:
         pass
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Forwards on one thread while a stall test runs: on a shared 2-core machine a two-thread parallel region waits at
+    every barrier for a preempted partner (a tiny model's native step took 55 ms instead of 0.1), which would measure
+    the neighbours, not the choice under test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_llama(path: Path) -> Path:
     """A small random Llama checkpoint at `path` (a forward well under a millisecond)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -184,6 +196,7 @@ def tiny_llama(path: Path) -> Path:
 
 
 @pytest.mark.parametrize("stalled", list(native.PREFETCH))
+@pytest.mark.usefixtures("one_thread")
 def test_a_stalled_prefetch_mode_is_never_chosen(stalled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whichever prefetch mode is slowed by an injected stall (every native call in it sleeps) is chosen at neither
     shape calibrated, one token nor a verify."""
@@ -205,6 +218,7 @@ def test_a_stalled_prefetch_mode_is_never_chosen(stalled: str, tmp_path: Path, m
     assert step.prefetch_one != stalled and step.prefetch_many != stalled, table
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_a_stalled_native_step_serves_no_forward_not_even_one_token(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The native step slowed by an injected stall: the start-up choice measures it against torch at one token too,
@@ -228,6 +242,7 @@ def test_a_stalled_native_step_serves_no_forward_not_even_one_token(tmp_path: Pa
     assert calls == [], "torch serves every forward"
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_a_stalled_torch_forward_is_chosen_at_no_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch forward slowed by an injected stall: the native step serves every count it can take, 1 to
     MAX_TOKENS."""
