@@ -193,6 +193,8 @@ def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path]
     for guard in (False, True):
         calls.clear()
         slot = engine.new_slot(0)
+        for name in ("observe_target", "observe_host", "observe_draft"):  # the costs stay as given: verifying is free
+            monkeypatch.setattr(slot.policy.costs, name, lambda *args: None)
         if not guard:
             slot.policy.min_realized_steps = 10**9
         assert run(engine, prompt, 40, GREEDY, None, proposer="lookup", slot=slot) == plain
