@@ -63,6 +63,7 @@ def plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
         cap = MAX_SUGGESTION_TOKENS if asked is None else asked
         k = max(0, min(cap, gen.room()))
         found = suggestion.propose(gen.slot.tokens, gen.slot.index, k, gen.params, gen.generator) if k else EMPTY
+        found = allowed(gen, found)
         if found.token_ids:
             return Plan(found)
     guard_off = load is not None and load.k_limit == 0
@@ -78,6 +79,15 @@ def plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
         return PLAIN
     k = _k(drafting, gen, "draft", load)
     return Plan(draft_k=k) if k > 0 else PLAIN
+
+
+def allowed(gen: Generation, found: Proposal) -> Proposal:
+    """A point-mass draft (suggestion, prompt lookup) cut at its first token the stream's grammar forbids: such a
+    token could never be accepted, nor anything after it."""
+    if gen.constraint is None or not found.token_ids:
+        return found
+    n = gen.constraint.valid_prefix(found.token_ids)
+    return found.first(n) if n else EMPTY
 
 
 def plan_batch(drafting: Drafting, costs: BatchCosts, gens: list[Generation], prefill_tokens: int,
@@ -140,6 +150,7 @@ def _lookup(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Prop
     """Prompt lookup's match, cut to the k the policy chooses for its kind (the match's n-gram size)."""
     room = max(0, min(gen.room(), drafting.max_k if gen.fixed_k is None else gen.fixed_k))
     found = drafting.lookup.propose(gen.slot.tokens, gen.slot.index, room, gen.params, gen.generator) if room else EMPTY
+    found = allowed(gen, found)
     if not found.token_ids:
         return EMPTY
     k = min(_k(drafting, gen, found.estimate, load), len(found))
