@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
 
 import grpc
 import httpx2
 import jsonschema
 import openai
 import pytest
-import pytest_asyncio
 from service_helpers import Conversation, collect, text_of
 
-from specrpc.edges.server import Running
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -32,22 +29,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 SAMPLED = pb.SamplingParams(temperature=1.0, seed=7)
-
-
-def base_url(server: Running) -> str:
-    return f"http://127.0.0.1:{server.http_port}"
-
-
-@pytest_asyncio.fixture
-async def client(server: Running) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest_asyncio.fixture
-async def http(server: Running) -> AsyncIterator[httpx2.AsyncClient]:
-    async with httpx2.AsyncClient(base_url=base_url(server), timeout=60) as c:
-        yield c
 
 
 # ---- gRPC ------------------------------------------------------------------------------------------------------------
