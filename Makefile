@@ -70,6 +70,7 @@ bench: install
 # The long deep fuzz (tests/test_fuzz_deep.py; the suite runs 2,000): N requests over both edges, both models.
 N ?= 100000
 fuzz: install
+	$(BIN)/python -c 'from specrpc.training.lock import refuse_beside_training as r; r("make fuzz")'
 	SPECRPC_FUZZ_REQUESTS=$(N) $(BIN)/python -m pytest tests/test_fuzz_deep.py -x -q -s -p no:cacheprovider $(PYTEST_ARGS)
 
 # The mixed-traffic soak on both edges (tools/soak.py): HOURS of editor, voice, chat, completion and hostile clients

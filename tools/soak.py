@@ -43,6 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from specrpc.training.lock import refuse_beside_training  # noqa: E402
 from specrpc.v1 import generator_pb2 as pb  # noqa: E402
 from specrpc.v1 import generator_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -504,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--server-arg", action="append", default=[], help="extra `specrpc serve` argument")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
+    refuse_beside_training("the soak")
     if bool(args.target) != bool(args.http_target) or args.duration <= 0 or args.window_s <= 0:
         parser.error("--target and --http-target go together; --duration and --window-s must be positive")
     report = asyncio.run(run(args))

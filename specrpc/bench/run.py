@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specrpc.bench.common import percentile
+from specrpc.bench.common import pair_line, percentile
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs
 from specrpc.bench.workloads import Case, build_cases
@@ -354,7 +354,7 @@ def point_figures(results: list[list[Run]], wall: float, streams: int, runtime: 
 
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown tables."""
-    lines = [f"Machine: {results['machine']}  ", f"Command: `{results['command']}`  ",
+    lines = [f"Machine: {results['machine']}  ", f"{results['pair']}  ", f"Command: `{results['command']}`  ",
              f"Cases: {results['cases']} ({results['workload_names']}), sampling {results['params']}", ""]
     lines += ["| contender | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p99 ms | tokens/s | speed-up | "
               "acceptance / α | mean accepted len | mean k | efficiency | identical |",
@@ -636,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
                    f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.dtype}"
                    + (f", {args.weights} weights" if args.weights != "dtype" else ""),
+        "pair": pair_line(args.target, args.draft),
         "command": "specrpc bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cases": len(cases), "workload_names": args.workloads, "params": asdict(params),
         "costs": {"c": engine.costs.c, "V": {k: engine.costs.v(k) for k in range(max(ks) + 1)}},

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from specrpc.bench.common import free_port
+from specrpc.bench.common import free_port, pair_line
 from specrpc.bench.keystrokes import wait_serving
 from specrpc.bench.workloads import Case
 from specrpc.v1 import generator_pb2 as pb
@@ -102,7 +102,8 @@ def run(cases: list[Case], starts: int, target: str, draft: str, threads: int, d
     spread = {name: {"min": min(s["median_tokens_per_s"][name] for s in out),
                      "median": statistics.median(s["median_tokens_per_s"][name] for s in out),
                      "max": max(s["median_tokens_per_s"][name] for s in out)} for name in MODES}
-    return {"starts": out, "spread": spread, "cases": len(cases), "threads": threads or "default", "dtype": dtype,
+    return {"starts": out, "spread": spread, "pair": pair_line(target, draft), "cases": len(cases),
+            "threads": threads or "default", "dtype": dtype,
             "weights": weights}
 
 
@@ -128,14 +129,16 @@ def compare(cases: list[Case], rounds: int, other: str, target: str, draft: str,
                           "ratio": ratios})
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{name} {ratios[name]:.3f}×" for name in MODES),
               file=sys.stderr, flush=True)
-    return {"rounds": per_round, "identical_tokens": identical, "other": other, "cases": len(cases),
+    return {"rounds": per_round, "identical_tokens": identical, "other": other, "pair": pair_line(target, draft),
+            "cases": len(cases),
             "median_ratio": {name: statistics.median(r["ratio"][name] for r in per_round) for name in MODES},
             "threads": threads or "default", "dtype": dtype, "weights": weights}
 
 
 def compare_markdown(results: dict[str, Any]) -> str:
     """Per round and the medians, as Markdown."""
-    lines = [f"This checkout against `{results['other']}`: {len(results['rounds'])} rounds of one server start "
+    lines = [results["pair"], "",
+             f"This checkout against `{results['other']}`: {len(results['rounds'])} rounds of one server start "
              f"each, {results['cases']} prompts per start (greedy; median per-request decode tokens/s through gRPC; "
              f"threads {results['threads']}, dtype {results['dtype']}, weights {results['weights']}). Identical "
              f"tokens: {'yes' if results['identical_tokens'] else 'NO'}.", "",
@@ -151,7 +154,8 @@ def compare_markdown(results: dict[str, Any]) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     """Per start and the spread, as Markdown."""
-    lines = [f"Spread over {len(results['starts'])} server starts ({results['cases']} prompts each, greedy, "
+    lines = [results["pair"], "",
+             f"Spread over {len(results['starts'])} server starts ({results['cases']} prompts each, greedy, "
              f"threads {results['threads']}, dtype {results['dtype']}, weights {results['weights']}; median "
              "per-request decode tokens/s through gRPC):", "",
              "| start | adaptive | k = 0 | adaptive ÷ k = 0 |", "| --- | --- | --- | --- |"]
