@@ -102,6 +102,29 @@ def test_top_p_minimal_nucleus(top_p: float, kept: list[int]) -> None:
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize(("min_p", "temperature", "kept"),
+                         [(0.3, 1.0, [1, 2]), (0.2, 1.0, [0, 1, 2, 3]), (0.6, 1.0, [1]), (0.3, 0.5, [1])])
+def test_min_p_keeps_tokens_within_a_fraction_of_the_best_after_temperature(min_p: float, temperature: float,
+                                                                            kept: list[int]) -> None:
+    """Probabilities 0.125, 0.5, 0.25, 0.125: min_p 0.3 keeps ≥ 0.15 (tokens 1, 2); at temperature 0.5 the
+    tempered probabilities are 1/22, 16/22, 4/22, 1/22 and 0.3 × 16/22 drops token 2 too."""
+    base = torch.tensor([0.125, 0.5, 0.25, 0.125])  # [V]
+    got = logits_to_probs(base.log(), SamplingParams(temperature=temperature, min_p=min_p))  # [V]
+    tempered = base ** (1 / temperature)  # [V]
+    expected = torch.zeros(4)
+    expected[kept] = tempered[kept] / tempered[kept].sum()
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(min_p=0.9, min_keep=3), SamplingParams(top_p=0.1, min_keep=3),
+                                    SamplingParams(top_k=1, min_keep=3)], ids=["min_p", "top_p", "top_k"])
+def test_min_keep_keeps_that_many_tokens_whatever_filters(params: SamplingParams) -> None:
+    base = torch.tensor([0.1, 0.5, 0.25, 0.15])  # [V]
+    got = logits_to_probs(base.log(), params)  # [V]
+    expected = torch.tensor([0.0, 0.5, 0.25, 0.15]) / 0.9
+    torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("top_p", [0.0, 1.0])
 def test_top_p_off(top_p: float) -> None:
     logits = _logits(3, 16)  # [3, V]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specrpc.engine.constraint import Constraint, Grammar
+from specrpc.engine.logits_transform import Cursor, LogitsTransform
 from specrpc.engine.policy import AdaptivePolicy
 from specrpc.engine.proposers import Proposal, Proposer
 from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, mask_logits, sample
@@ -130,6 +131,8 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
         self.proposer = proposer
         self.constraint: Constraint | None = request.grammar.start() if request.grammar is not None else None
+        self.transform = (LogitsTransform(request.sampling, request.stop_token_ids, len(request.prompt_ids))
+                          if request.sampling.transformed else None)
         self.fixed_k = fixed_k
         self.capacity = capacity
         self.finish: str | None = None
@@ -182,6 +185,8 @@ class Generation:
             self.finish = FINISH_LENGTH
             return StepResult([], 0, 0, self.finish)
         chosen = logits if self.constraint is None else mask_logits(logits, self.constraint.allowed())  # [1, V]
+        if self.transform is not None:
+            chosen = self.transform.along(chosen, self.slot.tokens, [])  # [1, V]
         if self.params.greedy:
             token = int(chosen[0].argmax())
         else:
@@ -192,12 +197,19 @@ class Generation:
         """The tokens the target scores for `proposal`: the last committed token and the k drafts."""
         return [self.slot.tokens[-1], *proposal.token_ids]
 
-    def masked(self, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor:
-        """A verify's target logits [k+1, V] with what the grammar forbids at each position along the draft at
-        -inf (unchanged without a constraint)."""
-        if self.constraint is None:
-            return logits
-        return mask_logits(logits, self.constraint.masks(proposal.token_ids))  # [k+1, V]
+    def shaped(self, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+        """A verify's target logits [k+1, V] as the request samples from them at each position along the draft:
+        what the grammar forbids at -inf, then the logits transform with that position's counts (unchanged
+        without either)."""
+        if self.constraint is not None:
+            logits = mask_logits(logits, self.constraint.masks(proposal.token_ids))  # [k+1, V]
+        if self.transform is not None:
+            logits = self.transform.along(logits, self.slot.tokens, proposal.token_ids)  # [k+1, V]
+        return logits
+
+    def cursor(self, vocab: int, device: torch.device) -> Cursor | None:
+        """The logits transform for drafting after the committed context (None without one)."""
+        return None if self.transform is None else self.transform.cursor(self.slot.tokens, vocab, device)
 
     def commit(self, tokens: list[int], accepted: int, proposed: int, logits: torch.Tensor) -> StepResult:
         """Append tokens, cut at a stop token, the end of the grammar or the length limit. `logits`

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from specrpc.engine.constraint import Constraint
+from specrpc.engine.logits_transform import Cursor, LogitsTransform
 from specrpc.engine.sampling import SamplingParams, logits_to_probs, mask_logits, sample
 from specrpc.models import BatchRow, CausalLM
 
@@ -86,14 +87,18 @@ class DraftRequest:
     params: SamplingParams
     generator: torch.Generator | None
     constraint: Constraint | None = None
+    transform: LogitsTransform | None = None
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-          constraint: Constraint | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One draft token [1] from logits [1, V] under the grammar's mask (which then takes it), and its
-    distribution [V] (None when greedy: verify ignores draft probabilities then)."""
+          constraint: Constraint | None, cursor: Cursor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token [1] from logits [1, V] under the grammar's mask (which then takes it) and the logits
+    transform at this position (which then counts it), and its distribution [V] (None when greedy: verify ignores
+    draft probabilities then)."""
     if constraint is not None:
         logits = mask_logits(logits, constraint.allowed())  # [1, V]
+    if cursor is not None:
+        logits = cursor.apply(logits)  # [1, V]
     if params.greedy:
         token, probs = logits[0].argmax().view(1), None  # [1]
     else:
@@ -101,6 +106,8 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
         token, probs = sample(p, generator), p[0]  # [1], [V]
     if constraint is not None:
         constraint.advance(int(token))
+    if cursor is not None:
+        cursor.advance(token)
     return token, probs
 
 
@@ -115,16 +122,18 @@ class DraftModelProposer:
 
     def propose(
         self, tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None,
-        constraint: Constraint | None = None,
+        constraint: Constraint | None = None, transform: LogitsTransform | None = None,
     ) -> Proposal:
         """Catch the draft cache up to `tokens` (chunked: it may hold only a prefix), then sample k tokens (under
-        `constraint`'s mask, its matcher advancing through them and rewound after: fewer when the grammar ends)."""
+        `constraint`'s mask, its matcher advancing through them and rewound after: fewer when the grammar ends;
+        and under `transform` at each position)."""
         if k == 0:
             return EMPTY
         start = self.model.length(slot)
         t0 = time.perf_counter()
         steady = len(tokens) - start <= STEADY_CATCH_UP
-        fused = self._feed_greedy(tokens, start, slot, k) if params.greedy and constraint is None else None
+        plain = params.greedy and constraint is None and transform is None  # the fused greedy paths may serve
+        fused = self._feed_greedy(tokens, start, slot, k) if plain else None
         if fused is not None:  # the catch-up and the k drafts in one call: k forwards, the first over the catch-up
             ids: list[int] = fused.tolist()  # [k]
             # a catch-up of a few more tokens (after a prompt lookup step, or a plain one) is a few more rows in the
@@ -138,11 +147,12 @@ class DraftModelProposer:
             catch_up_s = time.perf_counter() - t0
             t0 += catch_up_s
         position = len(tokens)
-        looped = self._greedy_loop(logits, position, slot, k) if params.greedy and constraint is None else None
+        looped = self._greedy_loop(logits, position, slot, k) if plain else None
         drafted: list[torch.Tensor] = [] if looped is None else [looped]
         rows: list[torch.Tensor] = []
+        cursor = None if transform is None else transform.cursor(tokens, logits.shape[-1], logits.device)
         for i in range(k if looped is None else 0):  # tokens stay on the device: on a GPU the steps queue unsynced
-            token, probs = _draw(logits, params, generator, constraint)  # a grammar syncs each token to the host
+            token, probs = _draw(logits, params, generator, constraint, cursor)  # a grammar syncs each token
             drafted.append(token)
             if probs is not None:
                 rows.append(probs)
@@ -189,12 +199,14 @@ class DraftModelProposer:
         drafted: list[list[torch.Tensor]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         ks = [r.k for r in requests]  # each stream's k, cut where its grammar ends
+        cursors = [None if r.transform is None else r.transform.cursor(r.tokens, out.shape[-1], out.device)
+                   for r, out in zip(requests, logits, strict=True)]
         for i in range(max(ks)):
             active = [j for j, k in enumerate(ks) if k > i]
             step: list[BatchRow] = []
             for j, row_logits in zip(active, logits, strict=True):
                 r = requests[j]
-                token, p = _draw(row_logits, r.params, r.generator, r.constraint)
+                token, p = _draw(row_logits, r.params, r.generator, r.constraint, cursors[j])
                 if p is not None:
                     probs[j].append(p)
                 drafted[j].append(token)
