@@ -54,6 +54,7 @@ class Limits:
     max_extra_files: int = 32
     max_streams_per_client: int = 16
     max_temperature: float = 100.0
+    max_choices: int = 8
     max_history_messages: int = 256
     max_history_bytes: int = 1024 * 1024
 
@@ -133,6 +134,7 @@ HELP: dict[str, str] = {
     "max_streams_per_client": "most concurrent Generate/Infill/Converse streams per client (its bearer token with "
                               "--auth-tokens-file, else its address); 0: unlimited",
     "max_temperature": "largest temperature accepted",
+    "max_choices": "most choices (OpenAI `n`) one HTTP request may ask for; each runs in its own KV slot",
     "max_history_messages": "most messages a conversation keeps (a Converse session's history, an HTTP chat's "
                             "messages): past it the oldest after the system prompt are dropped, eight at a time",
     "max_history_bytes": "most bytes of message text a conversation keeps: past it the oldest messages after the "
@@ -257,6 +259,7 @@ def validate(config: Config) -> None:
          "--max-prompt-tokens, --max-stop-strings, --max-stop-chars, --max-extra-files and "
          "--max-streams-per-client must be >= 0"),
         (config.limits.max_temperature >= 0, "--max-temperature must be >= 0"),
+        (config.limits.max_choices >= 1, "--max-choices must be >= 1"),
         (config.limits.max_history_messages >= 2, "--max-history-messages must be >= 2 (a system prompt and a turn)"),
         (config.limits.max_history_bytes >= 1024, "--max-history-bytes must be >= 1024"),
     ]

@@ -4,8 +4,10 @@ per-client stream quota, counted across both protocols) and running one generati
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import AsyncGenerator, Iterable
+from dataclasses import replace
 
 import structlog
 import torch
@@ -127,6 +129,46 @@ class Gateway:
                     self.metrics.inter_token.observe((event.at - last) / len(event.token_ids))
                 last = event.at
             yield event
+
+    async def stream_choices(self, prompt: list[int], params: DecodeParams, n: int, session_id: str, rpc: str,
+                             cancel: asyncio.Event) -> AsyncGenerator[tuple[int, Chunk | Done]]:
+        """`n` independent choices of one prompt, each event with its choice's index: the prompt is prefilled once
+        (a prefill-only generation, in the session's slot when one is named), then the choices run together, each
+        in a slot of its own that copies the prompt's KV prefix from there. Choice i samples with seed + i when a
+        seed is given. Yields the prefill's Done first as index -1 (its figures: the prompt computed once)."""
+        prefill = replace(params, prefill_only=True, constraint=None, logprobs=False, top_logprobs=0, n_indent=0,
+                          max_time_ms=0)
+        async for event in self.stream(prompt, prefill, session_id, rpc, cancel):
+            if isinstance(event, Done):
+                yield -1, event
+        queue: asyncio.Queue[tuple[int, Chunk | Done] | BaseException] = asyncio.Queue()
+
+        async def run(i: int) -> None:
+            seed = params.sampling.seed
+            sampling = params.sampling if seed is None else replace(params.sampling, seed=(seed + i) % 2**63)
+            try:
+                async for event in self.stream(prompt, replace(params, sampling=sampling), "", rpc, cancel):
+                    queue.put_nowait((i, event))
+            except Exception as exc:
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(run(i)) for i in range(n)]
+        try:
+            for _ in range(n):
+                while True:
+                    item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if isinstance(item[1], Done):
+                        break
+        finally:
+            cancel.set()  # whatever ended this early ends every choice
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def _account(self, rpc: str, session_id: str, done: Done) -> None:
         """Counters, the TTFT histogram and one log line for a finished generation."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -24,6 +24,15 @@ SESSION_HEADER = "x-session-id"  # request metadata / HTTP header that load bala
 MIN_TEMPERATURE = 0.01
 """A positive temperature below this samples at this one, as vLLM's floor: float32 logits divided by 1e-40 overflow
 to inf and the softmax to NaN. Editors send tiny values to mean "almost greedy"; 0 is greedy."""
+
+MAX_PENALTY = 2.0
+"""Presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY], as OpenAI documents them."""
+MAX_REPETITION_PENALTY = 10.0
+"""Largest repetition penalty (llama.cpp's repeat_penalty; 1 = off): a seen token's logit divided by it."""
+MAX_LOGIT_BIAS = 100.0
+"""logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI documents them."""
+MAX_BIASED_TOKENS = 1024
+"""Most tokens one request's logit_bias may name."""
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +60,72 @@ def sampling_params(limits: Limits, temperature: float, top_p: float, top_k: int
         raise InvalidRequest(f"{prefix}top_k must be >= 0 (0 = off); got {k}")
     off = p == 0 or float32(p) == 1.0  # the probabilities are float32: a mass of 1 - 1e-9 is a mass of 1
     return SamplingParams(temperature=float(t), top_p=1.0 if off else float(p), top_k=int(k), seed=seed)
+
+
+@dataclass(frozen=True)
+class Controls:
+    """The sampling controls beyond temperature, top-k and top-p, as an edge read them (unchecked); defaults: off."""
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 0  # 0: the generated tokens; N: the context's last N tokens; -1: the whole context
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_keep: int = 0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+def sampling_controls(params: DecodeParams, controls: Controls, vocab: int, prefix: str = "",
+                      names: Mapping[str, str] | None = None) -> DecodeParams:
+    """`params` with the controls, checked: penalties in [-2, 2] (OpenAI's range; the repetition penalty in
+    (0, 10]), logit_bias values in [-100, 100] on token ids of the vocabulary, min_p in [0, 1], min_tokens at most
+    the request's token budget, stop token ids in the vocabulary. `prefix` and `names` spell the fields as the
+    edge does (e.g. repetition_penalty → repeat_penalty over llama.cpp's routes)."""
+    spelled = dict(names or {})
+    c, lim = controls, MAX_PENALTY
+
+    def name(field: str) -> str:
+        return prefix + spelled.get(field, field)
+
+    for field, value in (("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)):
+        if not math.isfinite(value) or not -lim <= value <= lim:
+            raise InvalidRequest(f"{name(field)} must be in [-{lim:g}, {lim:g}] (0 = off); got {value}")
+    r = c.repetition_penalty
+    if not math.isfinite(r) or not 0 < r <= MAX_REPETITION_PENALTY:
+        raise InvalidRequest(f"{name('repetition_penalty')} must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off); "
+                             f"got {r}")
+    if c.penalty_last_n < -1:
+        raise InvalidRequest(f"{name('penalty_last_n')} must be >= -1 (-1 = the whole context); "
+                             f"got {c.penalty_last_n}")
+    if len(c.logit_bias) > MAX_BIASED_TOKENS:
+        raise InvalidRequest(f"{name('logit_bias')}: at most {MAX_BIASED_TOKENS} tokens; got {len(c.logit_bias)}")
+    for token, bias in c.logit_bias:
+        if not 0 <= token < vocab:
+            raise InvalidRequest(f"{name('logit_bias')}: token id {token} is not in the vocabulary (0..{vocab - 1})")
+        if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"{name('logit_bias')}[{token}] must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}]; got {bias}")
+    if len({t for t, _ in c.logit_bias}) != len(c.logit_bias):
+        raise InvalidRequest(f"{name('logit_bias')} names a token twice; give each token once")
+    if not math.isfinite(c.min_p) or not 0 <= c.min_p <= 1:
+        raise InvalidRequest(f"{name('min_p')} must be in [0, 1] (0 = off); got {c.min_p}")
+    if c.min_keep < 0:
+        raise InvalidRequest(f"{name('min_keep')} must be >= 0; got {c.min_keep}")
+    if not 0 <= c.min_tokens <= params.max_new_tokens:
+        raise InvalidRequest(f"{name('min_tokens')} must be in [0, {params.max_new_tokens}] (at most the reply's "
+                             f"token budget); got {c.min_tokens}")
+    for i, token in enumerate(c.stop_token_ids):
+        if not 0 <= token < vocab:
+            raise InvalidRequest(f"{name('stop')}[{i}]: token id {token} is not in the vocabulary (0..{vocab - 1})")
+    sampling = replace(params.sampling, repetition_penalty=float(r), presence_penalty=float(c.presence_penalty),
+                       frequency_penalty=float(c.frequency_penalty), penalty_last_n=int(c.penalty_last_n),
+                       logit_bias=tuple((int(t), float(b)) for t, b in c.logit_bias if b != 0),
+                       min_p=float(c.min_p), min_keep=int(min(c.min_keep, vocab)), min_tokens=int(c.min_tokens),
+                       ignore_eos=bool(c.ignore_eos))
+    return replace(params, sampling=sampling, stop_token_ids=params.stop_token_ids | frozenset(c.stop_token_ids))
 
 
 def float32(x: float) -> float:

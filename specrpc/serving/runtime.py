@@ -385,6 +385,9 @@ class Runtime:
         has let go of it. Setting `cancel` (or closing the iterator) stops the generation before its next step.
         `on_done` gets the final Done even when the consumer has gone (client cancel), for accounting."""
         arrival = time.perf_counter()
+        if params.constraint is not None and (params.sampling.min_tokens or params.sampling.ignore_eos):
+            raise InvalidConstraint("a constraint decides where the reply ends: min_tokens and ignore_eos cannot "
+                                    "apply with one; leave them unset, or drop the constraint")
         grammar = await self.compile(params.constraint) if params.constraint is not None else None
         try:
             lease = await self.registry.acquire(session_id, prompt)

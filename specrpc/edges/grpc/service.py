@@ -235,8 +235,20 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                                      f"PROPOSER_DRAFT_MODEL, PROPOSER_PROMPT_LOOKUP or PROPOSER_COMBINED")
             proposer = PROPOSERS[speculation.proposer]
         proposers = self.runtime.engine.proposers if proposer is not None else ()
-        return validation.decode_params(self.config, proposers, max_new_tokens, self._sampling(sampling), stop,
-                                        num_draft, proposer)
+        params = validation.decode_params(self.config, proposers, max_new_tokens, self._sampling(sampling), stop,
+                                          num_draft, proposer)
+        if sampling is None:
+            return params
+        return validation.sampling_controls(params, self._controls(sampling), self.runtime.vocab_size, "sampling.")
+
+    @staticmethod
+    def _controls(msg: pb.SamplingParams) -> validation.Controls:
+        """The sampling controls of `msg` (a repetition penalty of 0 is unset: off)."""
+        return validation.Controls(
+            repetition_penalty=msg.repetition_penalty or 1.0, presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty, penalty_last_n=msg.penalty_last_n,
+            logit_bias=tuple(sorted(msg.logit_bias.items())), min_p=msg.min_p, min_keep=msg.min_keep,
+            min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos)
 
     @staticmethod
     def _constraint(msg: pb.Constraint, name: str = "constraint") -> ConstraintSpec | None:
@@ -352,7 +364,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             request.max_new_tokens, request.sampling if request.HasField("sampling") else None, list(request.stop),
             request.speculation if request.HasField("speculation") else None))
         fim = self.runtime.infill_prompt(self._infill_input(request), request.truncate, params.max_new_tokens)
-        params = replace(params, stop_token_ids=fim.stop_ids)
+        params = replace(params, stop_token_ids=params.stop_token_ids | fim.stop_ids)
         async for response in self._generate_responses(fim.ids, params, session_id, "Infill", context, fim):
             yield response
 

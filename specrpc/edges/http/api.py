@@ -37,7 +37,7 @@ from specrpc.edges import validation as validation
 from specrpc.edges.auth import TokenAuth, bearer_token
 from specrpc.edges.conversation import chat_prompt, reply_stops
 from specrpc.edges.gateway import Gateway, NotReady, ShuttingDown
-from specrpc.edges.http.replies import LlamaReply, OpenAIReply, Reply
+from specrpc.edges.http.replies import ChoicesReply, LlamaReply, OpenAIReply, Reply
 from specrpc.edges.http.wire import (
     INTERNAL,
     NOT_FOUND,
@@ -104,28 +104,44 @@ class Sampling:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    controls: validation.Controls = field(default_factory=validation.Controls)
+    n: int = 1  # choices
 
 
-def decode(api: HttpApi, s: Sampling, max_tokens_name: str, extra_stops: Sequence[str] = ()) -> DecodeParams:
+def decode(api: HttpApi, s: Sampling, max_tokens_name: str, extra_stops: Sequence[str] = (),
+           names: dict[str, str] | None = None) -> DecodeParams:
     """Checked DecodeParams (validation.py: the same checks and limits as gRPC)."""
     sampling = validation.sampling_params(api.config.limits, s.temperature, s.top_p, s.top_k, s.seed, prefix="")
-    return validation.decode_params(api.config, (), s.max_tokens, sampling, [*s.stop, *extra_stops],
-                                    max_tokens_name=max_tokens_name)
+    params = validation.decode_params(api.config, (), s.max_tokens, sampling, [*s.stop, *extra_stops],
+                                      max_tokens_name=max_tokens_name)
+    return validation.sampling_controls(params, s.controls, api.gateway.runtime.vocab_size, names=names)
 
 
-def openai_sampling(body: Body, max_tokens_default: int, limit: int) -> tuple[Sampling, str]:
-    """OpenAI's sampling fields (temperature and top_p default to 1, as OpenAI's do) and the budget's field name."""
+LLAMA_SAMPLING_NAMES = {"repetition_penalty": "repeat_penalty", "penalty_last_n": "repeat_last_n"}
+"""How llama.cpp spells the sampling controls, for error messages."""
+
+
+def openai_sampling(body: Body, max_tokens_default: int, limit: int, max_choices: int) -> tuple[Sampling, str]:
+    """OpenAI's sampling fields (temperature and top_p default to 1, as OpenAI's do; `n` up to --max-choices;
+    vLLM's repetition_penalty, min_p, min_tokens and ignore_eos too) and the budget's field name."""
     name = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
-    for key in ("n", "best_of"):
-        if body.has(key) and body.integer(key, 1, -(2**63), 2**63) != 1:
-            raise bad(key, f"{key} must be 1 (one choice per request); send several requests for more")
+    n = body.integer("n", 1, 1, max_choices) if body.has("n") else 1
+    if body.has("best_of") and body.integer("best_of", 1, -(2**63), 2**63) != n:
+        raise bad("best_of", "best_of must equal n (each choice is returned; none is picked by log-probability)")
     seed = body.integer("seed", 0, -(2**63), 2**64 - 1) if body.has("seed") else None
+    controls = validation.Controls(
+        presence_penalty=body.number("presence_penalty", 0.0), frequency_penalty=body.number("frequency_penalty", 0.0),
+        repetition_penalty=body.number("repetition_penalty", 1.0), logit_bias=body.bias(),
+        min_p=body.number("min_p", 0.0), min_tokens=body.integer("min_tokens", 0, 0, 2**31 - 1),
+        ignore_eos=body.flag("ignore_eos"), stop_token_ids=body.stop_token_ids())
     return Sampling(
         max_tokens=body.integer(name, max_tokens_default, 1, limit) if body.has(name) else max_tokens_default,
         temperature=body.number("temperature", 1.0),
         top_p=body.number("top_p", 1.0),
         seed=None if seed is None else seed % 2**63,
-        stop=body.stops(),
+        stop=body.stops(token_ids=True),
+        controls=controls,
+        n=n,
     ), name
 
 
@@ -280,7 +296,7 @@ class HttpApi:
         if not messages:
             raise bad("messages", "messages must be a non-empty list of {role, content}")
         sampling, budget = openai_sampling(body, self.config.limits.default_max_new_tokens,
-                                           self.config.limits.max_new_tokens)
+                                           self.config.limits.max_new_tokens, self.config.limits.max_choices)
         options = openai_editor_options(body, chat=True)
         prompt = chat_prompt(self.gateway, messages)
         params = apply_editor_options(decode(self, sampling, budget, reply_stops(self.gateway.runtime)), options)
@@ -288,7 +304,7 @@ class HttpApi:
         stream, usage = stream_flags(body)
         rt = self.gateway.runtime
         reply = OpenAIReply(chat=True, model=rt.target_info.name, include_usage=usage, text=rt.token_text)
-        return self._generation(request, "ChatCompletions", prompt, params, session, reply, stream)
+        return self._generation(request, "ChatCompletions", prompt, params, session, reply, stream, sampling.n)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.config.limits.max_message_bytes)
@@ -301,19 +317,20 @@ class HttpApi:
             text = prompt_field
         else:
             raise bad("prompt", "prompt must be a string (or a list of one string)")
-        sampling, budget = openai_sampling(body, 16, self.config.limits.max_new_tokens)  # OpenAI's default: 16
+        sampling, budget = openai_sampling(body, 16, self.config.limits.max_new_tokens,  # OpenAI's default: 16
+                                           self.config.limits.max_choices)
         options = openai_editor_options(body, chat=False)
         params = replace(apply_editor_options(decode(self, sampling, budget), options),
                          constraint=response_format(body))
         if body.has("suffix"):  # fill-in-the-middle, as gRPC Infill: the model family's template
             fim = rt.infill_prompt(InfillInput(prefix=text, suffix=body.text("suffix")))
-            ids, params = fim.ids, replace(params, stop_token_ids=fim.stop_ids)
+            ids, params = fim.ids, replace(params, stop_token_ids=params.stop_token_ids | fim.stop_ids)
         else:
             ids = validation.fit_prompt(rt.encode(text), rt.context_limit, self.config.limits, truncate=False,
                                         too_long="send a shorter prompt", empty="set prompt")
         stream, usage = stream_flags(body)
         reply = OpenAIReply(chat=False, model=rt.target_info.name, include_usage=usage, text=rt.token_text)
-        return self._generation(request, "Completions", ids, params, session, reply, stream)
+        return self._generation(request, "Completions", ids, params, session, reply, stream, sampling.n)
 
     # ---- llama.cpp -------------------------------------------------------------------------------------------------
 
@@ -334,7 +351,7 @@ class HttpApi:
                              typed_line=body.text("prompt"))
         fim = rt.infill_prompt(infill, truncate=True, max_new_tokens=params.max_new_tokens)
         reply.prompt_ids, reply.truncated = len(fim.ids), fim.trimmed != Trimmed()
-        params = replace(params, stop_token_ids=fim.stop_ids)
+        params = replace(params, stop_token_ids=params.stop_token_ids | fim.stop_ids)
         return self._generation(request, "LlamaInfill", fim.ids, params, session, reply, body.flag("stream"))
 
     async def llama_completion(self, request: Request) -> Response:
@@ -356,6 +373,14 @@ class HttpApi:
             raise bad("n_predict", f"n_predict must be <= {limits.max_new_tokens} (server --max-new-tokens); "
                                    f"got {n_predict}")
         seed = body.integer("seed", -1, -1, 2**64 - 1)
+        last_n = body.integer("repeat_last_n", 64, -1, 2**31 - 1)  # llama.cpp's default window: 64 tokens
+        penalties = last_n != 0  # llama.cpp: a window of 0 turns the penalties off
+        controls = validation.Controls(
+            repetition_penalty=body.number("repeat_penalty", 1.0) if penalties else 1.0,
+            presence_penalty=body.number("presence_penalty", 0.0) if penalties else 0.0,
+            frequency_penalty=body.number("frequency_penalty", 0.0) if penalties else 0.0,
+            penalty_last_n=last_n, min_p=body.number("min_p", 0.0), min_keep=body.integer("min_keep", 0, 0, 2**31 - 1),
+            ignore_eos=body.flag("ignore_eos"))
         sampling = Sampling(
             max_tokens=max(n_predict, 0),  # -1: the server default
             temperature=body.number("temperature", 0.8),  # llama.cpp's defaults
@@ -363,17 +388,21 @@ class HttpApi:
             top_k=body.integer("top_k", 40, 0, 2**31 - 1),
             seed=None if seed in (-1, 0xFFFFFFFF) else seed % 2**63,
             stop=body.stops(),
+            controls=controls,
         )
         n_probs = body.integer("n_probs", 0, 0, 2**31 - 1)
         options = EditorOptions(n_indent=body.integer("n_indent", 0, 0, 2**31 - 1),
                                 max_time_ms=body.integer("t_max_predict_ms", 0, 0, 2**31 - 1),
                                 prefill_only=n_predict == 0, logprobs=n_probs > 0, top_logprobs=n_probs)
-        params = replace(apply_editor_options(decode(self, sampling, "n_predict"), options, LLAMA_NAMES),
-                         constraint=llama_constraint(body))
+        params = replace(apply_editor_options(decode(self, sampling, "n_predict", names=LLAMA_SAMPLING_NAMES), options,
+                                              LLAMA_NAMES), constraint=llama_constraint(body))
         fields = [str(f) for f in body.items("response_fields")]
         settings = {"n_predict": n_predict, "temperature": sampling.temperature, "top_k": sampling.top_k,
                     "top_p": sampling.top_p, "seed": sampling.seed, "n_indent": options.n_indent,
-                    "t_max_predict_ms": options.max_time_ms, "stop": sampling.stop}
+                    "t_max_predict_ms": options.max_time_ms, "stop": sampling.stop,
+                    "repeat_penalty": controls.repetition_penalty, "repeat_last_n": last_n,
+                    "presence_penalty": controls.presence_penalty, "frequency_penalty": controls.frequency_penalty,
+                    "min_p": controls.min_p, "min_keep": controls.min_keep, "ignore_eos": controls.ignore_eos}
         reply = LlamaReply(model=self.gateway.runtime.target_info.name, fields=fields,
                            prefill_only=options.prefill_only, settings=settings, prompt_ids=0,
                            text=self.gateway.runtime.token_text)
@@ -382,9 +411,11 @@ class HttpApi:
     # ---- running a generation ------------------------------------------------------------------------------------
 
     def _generation(self, request: Request, rpc: str, prompt: list[int], params: DecodeParams, session: str,
-                    reply: Reply, stream: bool) -> GenerationResponse:
+                    reply: Reply, stream: bool, n: int = 1) -> GenerationResponse:
+        """The response running the generation (`n` choices of an OpenAI reply when n > 1)."""
+        choices = ChoicesReply.of(reply, n) if n > 1 and isinstance(reply, OpenAIReply) else None
         client = self.gateway.admit(peer_of(request.scope), request.headers.items())
-        return GenerationResponse(self.gateway, rpc, client, prompt, params, session, reply, stream)
+        return GenerationResponse(self.gateway, rpc, client, prompt, params, session, reply, stream, choices)
 
 
 def stream_flags(body: Body) -> tuple[bool, bool]:

@@ -3,6 +3,7 @@ llama.cpp's /completion and /infill objects (with `response_fields` flattened as
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -77,9 +78,10 @@ class OpenAIReply(Reply):
     created: int = field(default_factory=lambda: int(time.time()))
     logprobs: list[TokenLogprob] = field(default_factory=list)  # every token's, when asked for (whole replies)
     offset: int = 0  # characters streamed so far (completions' text_offset)
+    index: int = 0  # the choice (OpenAI `n`)
     done_marker = True
 
-    def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+    def envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         return {"id": prefix + self.id, "object": kind, "created": self.created, "model": self.model,
@@ -92,38 +94,93 @@ class OpenAIReply(Reply):
             return {"content": [openai_logprob(lp, self.text) for lp in lps]}
         return completion_logprobs(lps, self.text, offset)
 
-    def _choice(self, text: str | None, finish: str | None, stream: bool, role: bool = False,
+    def choice(self, text: str | None, finish: str | None, stream: bool, role: bool = False,
                 lps: Sequence[TokenLogprob] = (), offset: int = 0) -> dict[str, Any]:
         logprobs = self._logprobs(lps, offset)
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            return {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if stream:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._envelope([self._choice("", None, True, role=True)], True)] if self.chat else []
+        return [self.envelope([self.choice("", None, True, role=True)], True)] if self.chat else []
 
     def chunk(self, text: str, chunk: Chunk) -> list[dict[str, Any]]:
         self.logprobs += chunk.logprobs
         offset, self.offset = self.offset, self.offset + len(text)
         if not text and not chunk.logprobs:
             return []
-        return [self._envelope([self._choice(text, None, True, lps=chunk.logprobs, offset=offset)], True)]
+        return [self.envelope([self.choice(text, None, True, lps=chunk.logprobs, offset=offset)], True)]
 
     def end(self, done: Done, text: str, stream: bool) -> list[dict[str, Any]]:
         finish = OPENAI_FINISH.get(done.finish, done.finish)
         if not stream:
-            choice = self._choice(text, finish, False, lps=self.logprobs)
-            return [{**self._envelope([choice], False), "usage": usage(done)}]
-        events = [self._envelope([self._choice(None if self.chat else "", finish, True)], True)]
+            choice = self.choice(text, finish, False, lps=self.logprobs)
+            return [{**self.envelope([choice], False), "usage": usage(done)}]
+        events = [self.envelope([self.choice(None if self.chat else "", finish, True)], True)]
         if self.include_usage:
-            events.append({**self._envelope([], True), "usage": usage(done)})
+            events.append({**self.envelope([], True), "usage": usage(done)})
         return events
+
+
+@dataclass
+class ChoicesReply:
+    """OpenAI's reply with `n` choices: one OpenAIReply per choice (one id), the whole reply's usage counting the
+    prompt once, with the cached tokens its one prefill found, and each choice's own (`choice_cached_tokens`:
+    the prompt's KV prefix each choice copied rather than computed)."""
+
+    replies: list[OpenAIReply]
+    prefill: Done | None = None
+    dones: dict[int, Done] = field(default_factory=dict)
+    texts: dict[int, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, reply: OpenAIReply, n: int) -> ChoicesReply:
+        return cls([dataclasses.replace(reply, index=i, logprobs=[], offset=0) for i in range(n)])
+
+    def start(self) -> list[dict[str, Any]]:
+        return [event for reply in self.replies for event in reply.start()]
+
+    def chunk(self, index: int, text: str, chunk: Chunk) -> list[dict[str, Any]]:
+        self.texts.setdefault(index, []).append(text)
+        return self.replies[index].chunk(text, chunk)
+
+    def end(self, index: int, done: Done, stream: bool) -> list[dict[str, Any]]:
+        """A choice's final streamed event (with `stream`), or nothing until `whole`."""
+        self.dones[index] = done
+        if not stream:
+            return []
+        reply = self.replies[index]
+        finish = OPENAI_FINISH.get(done.finish, done.finish)
+        return [reply.envelope([reply.choice(None if reply.chat else "", finish, True)], True)]
+
+    def whole(self, stream: bool) -> list[dict[str, Any]]:
+        """After every choice: the usage event (streamed, when asked for) or the whole reply."""
+        first = self.replies[0]
+        dones = [self.dones[i] for i in range(len(self.replies))]
+        total = usage_of(self.prefill, dones)
+        if stream:
+            return [{**first.envelope([], True), "usage": total}] if first.include_usage else []
+        choices = []
+        for i, reply in enumerate(self.replies):
+            finish = OPENAI_FINISH.get(dones[i].finish, dones[i].finish)
+            choices.append(reply.choice("".join(self.texts.get(i, [])), finish, False, lps=reply.logprobs))
+        return [{**first.envelope(choices, False), "usage": total}]
+
+
+def usage_of(prefill: Done | None, dones: Sequence[Done]) -> dict[str, Any]:
+    """Usage of `n` choices of one prompt: the prompt counted once, as its one prefill (`prefill`) computed it."""
+    prompt = dones[0].stats.prompt_tokens
+    cached = prefill.stats.cached_prompt_tokens if prefill is not None else 0
+    completion = sum(d.stats.completion_tokens for d in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "choice_cached_tokens": [d.stats.cached_prompt_tokens for d in dones]}
 
 
 def usage(done: Done) -> dict[str, Any]:

@@ -21,12 +21,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specrpc.edges.auth import TooManyStreams
 from specrpc.edges.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
-from specrpc.edges.http.replies import Reply
+from specrpc.edges.http.replies import ChoicesReply, Reply
 from specrpc.edges.validation import InvalidRequest
 from specrpc.engine.constraint import InvalidConstraint
 from specrpc.prompts.fim import NoInfillSupport, PromptTooLong
 from specrpc.serving.runtime import DecodeParams
-from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk
+from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk, Done
 from specrpc.serving.sessions import SlotsExhausted, UnknownSession
 
 log = structlog.get_logger(__name__)
@@ -170,15 +170,47 @@ class Body:
             raise bad(self.name(key), f"{self.name(key)} must be a list; got {type(value).__name__}")
         return value
 
-    def stops(self, key: str = "stop") -> list[str]:
-        """`stop`: a string or a list of strings."""
+    def stops(self, key: str = "stop", token_ids: bool = False) -> list[str]:
+        """`stop`: a string or a list of strings (with `token_ids`, a list of integers is the stop token ids,
+        `stop_token_ids`, and gives no strings)."""
         value = self.data.get(key)
         if value is None:
             return []
         items = [value] if isinstance(value, str) else value
+        if token_ids and isinstance(items, list) and items and all(is_integer(s) for s in items):
+            return []
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise bad(key, f"{key} must be a string or a list of strings")
+            more = " or a list of token ids (integers)" if token_ids else ""
+            raise bad(key, f"{key} must be a string or a list of strings{more}")
         return items
+
+    def stop_token_ids(self, key: str = "stop") -> tuple[int, ...]:
+        """`stop` given as a list of integers: token ids that end the reply (as vLLM's stop_token_ids)."""
+        value = self.data.get(key)
+        if isinstance(value, list) and value and all(is_integer(s) for s in value):
+            return tuple(int(s) for s in value)
+        return ()
+
+    def bias(self, key: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+        """OpenAI's `logit_bias`: an object from token ids (as strings) to numbers."""
+        value = self.data.get(key)
+        if value is None:
+            return ()
+        if not isinstance(value, dict):
+            raise bad(key, f"{key} must be an object mapping token ids to biases in [-100, 100]")
+        out: list[tuple[int, float]] = []
+        for token, bias in value.items():
+            if len(token) > 20 or not token.strip().lstrip("-").isdigit():
+                raise bad(key, f"{key}: {token[:32]!r} is not a token id (an integer)")
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+                raise bad(key, f"{key}[{token[:32]}] must be a number in [-100, 100]; got {bias!r}"[:200])
+            out.append((int(token), float(bias)))
+        return tuple(out)
+
+
+def is_integer(value: Any) -> bool:
+    """A JSON integer (not a boolean)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 async def read_json(request: Request, limit: int) -> Body:
@@ -209,8 +241,10 @@ class GenerationResponse(Response):
     `data: {"error": …}` event. The admitted stream is released and the request counted when it ends."""
 
     def __init__(self, gateway: Gateway, rpc: str, client: str, prompt: list[int], params: DecodeParams,
-                 session: str, reply: Reply, stream: bool) -> None:
+                 session: str, reply: Reply, stream: bool, choices: ChoicesReply | None = None) -> None:
+        """`choices`: several choices of the prompt (OpenAI `n` > 1), answered by it instead of `reply`."""
         super().__init__(status_code=200)
+        self.choices = choices
         self.gateway = gateway
         self.rpc = rpc
         self.client = client
@@ -235,6 +269,8 @@ class GenerationResponse(Response):
 
     async def _answer(self, send: Send, gone: asyncio.Event) -> str:
         """Stream or collect the generation; returns the final status as a gRPC code name."""
+        if self.choices is not None:
+            return await self._answer_choices(self.choices, send, gone)
         events = self.gateway.stream(self.prompt, self.params, self.session, self.rpc, gone)
         text: list[str] = []
         try:
@@ -253,19 +289,56 @@ class GenerationResponse(Response):
                     await send({"type": "http.response.body", "body": json.dumps(final[0]).encode()})
                 return "CANCELLED" if event.finish == FINISH_CANCELLED and gone.is_set() else "OK"
         except Exception as exc:
-            kind = kind_of(exc)
-            if kind is INTERNAL:
-                log.exception("unhandled error", rpc=self.rpc, protocol=PROTOCOL)
-            message = str(exc) if kind is not INTERNAL else "internal error; see the server log"
-            if self.opened:
-                await self._events(send, [error_body(kind, message)], last=True)
-            else:
-                await self._start(send, kind.status, JSON_TYPE)
-                await send({"type": "http.response.body", "body": json.dumps(error_body(kind, message)).encode()})
-            return kind.grpc_code
+            return await self._failed(send, exc)
         finally:
             await events.aclose()
         return "CANCELLED"  # unreachable: a generation ends with Done or raises
+
+    async def _answer_choices(self, choices: ChoicesReply, send: Send, gone: asyncio.Event) -> str:
+        """`_answer` for several choices: their events as they come, each with its index; the usage (or the whole
+        reply) once every choice has ended."""
+        events = self.gateway.stream_choices(self.prompt, self.params, len(choices.replies), self.session, self.rpc,
+                                             gone)
+        cancelled = False
+        try:
+            async for index, event in events:
+                if index < 0:
+                    assert isinstance(event, Done)
+                    choices.prefill = event
+                    continue
+                if isinstance(event, Chunk):
+                    pieces = choices.chunk(index, event.text, event)
+                    if self.stream and pieces:
+                        await self._events(send, await self._open(send) + pieces)
+                    continue
+                cancelled |= event.finish == FINISH_CANCELLED
+                pieces = choices.end(index, event, self.stream)
+                if self.stream and pieces:
+                    await self._events(send, await self._open(send) + pieces)
+            final = choices.whole(self.stream)
+            if self.stream:
+                await self._events(send, await self._open(send) + final, last=True)
+            else:
+                await self._start(send, 200, JSON_TYPE)
+                await send({"type": "http.response.body", "body": json.dumps(final[0]).encode()})
+            return "CANCELLED" if cancelled and gone.is_set() else "OK"
+        except Exception as exc:
+            return await self._failed(send, exc)
+        finally:
+            await events.aclose()
+
+    async def _failed(self, send: Send, exc: Exception) -> str:
+        """Answer `exc`: an error object before the stream opened, else a last error event; its gRPC code name."""
+        kind = kind_of(exc)
+        if kind is INTERNAL:
+            log.exception("unhandled error", rpc=self.rpc, protocol=PROTOCOL)
+        message = str(exc) if kind is not INTERNAL else "internal error; see the server log"
+        if self.opened:
+            await self._events(send, [error_body(kind, message)], last=True)
+        else:
+            await self._start(send, kind.status, JSON_TYPE)
+            await send({"type": "http.response.body", "body": json.dumps(error_body(kind, message)).encode()})
+        return kind.grpc_code
 
     async def _open(self, send: Send) -> list[dict[str, Any]]:
         """Start the event stream once; returns the reply's opening events the first time."""
