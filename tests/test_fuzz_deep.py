@@ -121,6 +121,13 @@ def sampling(r: random.Random) -> pb.SamplingParams | None:
                             top_k=r.choice([0, 0, 5, 40]))
     if maybe(r, 0.3):
         msg.seed = r.randint(0, 2**32)
+    if maybe(r, 0.3):  # the controls the logits transform applies, at valid values
+        msg.repetition_penalty = r.choice([0.0, 1.0, 1.3, 0.8])
+        msg.presence_penalty, msg.frequency_penalty = r.choice([0, 0.5, -2, 2]), r.choice([0, 1.0, -0.5])
+        msg.penalty_last_n = r.choice([0, 1, 8, -1])
+        msg.logit_bias.update({r.randrange(0, 64): r.choice([-100.0, 5.0, 100.0]) for _ in range(r.randint(0, 3))})
+        msg.min_p, msg.min_keep = r.choice([0.0, 0.05, 1.0]), r.choice([0, 1, 3])
+        msg.min_tokens, msg.ignore_eos = r.choice([0, 0, 1]), maybe(r, 0.2)
     return msg
 
 
@@ -242,6 +249,11 @@ def openai_fields(r: random.Random, body: dict[str, Any], chat: bool) -> None:
         body["stream"] = True
         if maybe(r):
             body["stream_options"] = {"include_usage": maybe(r)}
+    for key, values in (("presence_penalty", [0, 1.5, -2]), ("frequency_penalty", [0.5, 2]), ("min_p", [0.1, 1]),
+                        ("logit_bias", [{"5": 10}, {"11": -100, "12": 100}]), ("n", [1, 2]),
+                        ("stop", [[13], [5, 7]]), ("repetition_penalty", [1.2]), ("min_tokens", [1])):
+        if maybe(r, 0.1):
+            body[key] = r.choice(values)
     if maybe(r, 0.2):
         body["logprobs"] = True if chat else r.randint(0, 3)
         if chat and maybe(r):
@@ -253,7 +265,10 @@ def llama_fields(r: random.Random, body: dict[str, Any]) -> None:
     for key, values in (("temperature", [0, 0.8]), ("top_k", [0, 40]), ("top_p", [0.95, 1.0]), ("seed", [-1, 3]),
                         ("n_indent", [0, 4]), ("t_max_predict_ms", [0, 250]), ("cache_prompt", [True]),
                         ("n_probs", [0, 2]), ("stop", [["\n\n"]]), ("samplers", [["top_k", "temperature"]]),
-                        ("response_fields", [["content", "timings/prompt_n", "tokens_cached"]])):
+                        ("response_fields", [["content", "timings/prompt_n", "tokens_cached"]]),
+                        ("repeat_penalty", [1.0, 1.1, 1.5]), ("repeat_last_n", [0, 64, -1]),
+                        ("presence_penalty", [0.5]), ("frequency_penalty", [0.2]), ("min_p", [0.05]),
+                        ("min_keep", [0, 2]), ("ignore_eos", [True, False])):
         if maybe(r, 0.3):
             body[key] = r.choice(values)
     if body["n_predict"] == 0:  # prefill only: the generation fields do not apply
@@ -293,6 +308,14 @@ PROTO_MUTATIONS: dict[str, Callable[[Any, random.Random, Target], None]] = {
                                                                                  2**32 - 1])),
     "stops": lambda m, r, t: m.stop.extend(["x" * (t.limits.max_stop_chars + 1)] * r.randint(1, 2)
                                            + ["."] * t.limits.max_stop_strings),
+    "controls": lambda m, r, t: r.choice([
+        lambda: m.sampling.__setattr__(r.choice(["presence_penalty", "frequency_penalty", "min_p",
+                                                 "repetition_penalty"]), r.choice([*BAD_FLOATS, -3.0, 2.5])),
+        lambda: m.sampling.logit_bias.update({r.choice([t.vocab, 2**32 - 1, 0]): r.choice([*BAD_FLOATS, 1e4])}),
+        lambda: m.sampling.logit_bias.update({i: 1.0 for i in range(2000)}),
+        lambda: m.sampling.__setattr__("penalty_last_n", r.choice([-2, -(2**31)])),
+        lambda: m.sampling.__setattr__("min_tokens", r.choice([2**32 - 1, t.limits.max_new_tokens + 1])),
+        lambda: m.sampling.__setattr__("min_keep", 2**32 - 1)])(),
     "num_draft": lambda m, r, t: m.speculation.__setattr__("num_draft_tokens", r.choice([2**31, 2**32 - 1])),
     "proposer": lambda m, r, t: m.speculation.__setattr__("proposer", r.choice([-1, 7, 99])),
     "session": lambda m, r, t: m.__setattr__("session_id", r.choice(["x" * 300, "bad\nid", "\x00"])),
@@ -316,7 +339,14 @@ INFILL_MUTATIONS: dict[str, Callable[[Any, random.Random, Target], None]] = {
 CONVERSE_MUTATIONS = ["role", "no_start", "second_start", "empty_action", "rewind_other", "rewind_first",
                       "system_huge", "turn_sampling"]
 HTTP_MUTATIONS = ["drop_required", "wrong_type", "bad_number", "unknown_field_only", "garbage", "not_object",
-                  "wrong_method", "content_type", "bad_role", "n", "header_mismatch", "unknown_path"]
+                  "wrong_method", "content_type", "bad_role", "n", "header_mismatch", "bad_control", "unknown_path"]
+HOSTILE_CONTROLS: list[tuple[str, Any]] = [
+    ("presence_penalty", 2.5), ("frequency_penalty", -1e30), ("min_p", -0.1), ("min_p", "0.1"), ("min_keep", -4),
+    ("repetition_penalty", 0), ("repeat_penalty", -1), ("repeat_last_n", -7), ("ignore_eos", "yes"),
+    ("logit_bias", {"x": 1}), ("logit_bias", {"1" * 5000: 1}), ("logit_bias", {"3": float("inf")}),
+    ("logit_bias", {"-1": 1}), ("logit_bias", {str(i): 1 for i in range(3000)}), ("logit_bias", [[1, 2]]),
+    ("stop", [2**40]), ("stop", [1, "x"]), ("stop", [True]), ("min_tokens", 10**9), ("n", 0), ("best_of", 9)]
+"""Values of the sampling controls an HTTP mutation sends (each refused with a 400 naming the field)."""
 
 
 def mutate_proto(msg: Any, r: random.Random, t: Target) -> str:
@@ -380,7 +410,10 @@ def mutate_http(case: Case, r: random.Random) -> str:
         else:
             body["stream"] = "yes"
     elif name == "n":
-        body["n" if case.kind.startswith("/v1/") else "n_probs"] = r.choice([2, -1, 10**6])
+        body["n" if case.kind.startswith("/v1/") else "n_probs"] = r.choice([2, 0, -1, 10**6])
+    elif name == "bad_control":
+        key, value = r.choice(HOSTILE_CONTROLS)
+        body[key] = value
     elif name == "header_mismatch":
         body["user"] = "someone"
         case.session = case.session or "header-session"

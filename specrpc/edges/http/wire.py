@@ -132,6 +132,11 @@ class Body:
             return default
         if not isinstance(value, str):
             raise bad(self.name(key), f"{self.name(key)} must be a string; got {type(value).__name__}")
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800", or its raw bytes): no tokenizer takes it
+                raise bad(self.name(key), f"{self.name(key)} is not valid Unicode text (a lone surrogate)") from None
         return value
 
     def flag(self, key: str, default: bool = False) -> bool:
