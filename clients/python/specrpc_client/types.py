@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast
 
@@ -62,9 +62,22 @@ class Sampling:
     top_p: float = 0.0
     top_k: int = 0
     seed: int | None = None
+    repetition_penalty: float = 0.0  # 0 or 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 0  # 0: the generated tokens; n: the context's last n; -1: all of it
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    min_keep: int = 0
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def to_proto(self) -> pb.SamplingParams:
-        msg = pb.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        msg = pb.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                                frequency_penalty=self.frequency_penalty, penalty_last_n=self.penalty_last_n,
+                                logit_bias=dict(self.logit_bias), min_p=self.min_p, min_keep=self.min_keep,
+                                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
         if self.seed is not None:
             msg.seed = self.seed
         return msg
