@@ -186,7 +186,11 @@ def chat_tools(body: Body) -> tuple[tuple[Tool, ...], ToolChoice, bool]:
         parameters = fn.data.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise bad(fn.name("parameters"), f"{fn.name('parameters')} must be a JSON Schema object")
-        tools.append(Tool(fn.text("name"), fn.text("description"), json.dumps(parameters), fn.flag("strict")))
+        try:
+            schema = json.dumps(parameters)
+        except (RecursionError, ValueError):
+            raise bad(fn.name("parameters"), f"{fn.name('parameters')} is nested too deeply to read") from None
+        tools.append(Tool(fn.text("name"), fn.text("description"), schema, fn.flag("strict")))
     choice = ToolChoice("auto" if tools else "none")
     if body.has("tool_choice"):
         value = body.data["tool_choice"]
