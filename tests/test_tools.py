@@ -31,6 +31,7 @@ from specrpc.prompts.tools import (
     ToolCall,
     ToolCallParser,
     ToolChoice,
+    call_schema,
     tool_grammar,
 )
 from specrpc.v1 import generator_pb2 as pb
@@ -49,7 +50,8 @@ WEATHER = {
 TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
         "additionalProperties": False}
 TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+    {"type": "function",
+     "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
@@ -312,3 +314,10 @@ async def test_converse_refuses_bad_tools(stub: pb_grpc.GeneratorStub) -> None:
         await conversation.start(tools=[pb.Tool(name="f", parameters_json="[]")])
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "start.tools[0].function.parameters" in (caught.value.details() or "")
+
+
+def test_a_recursive_schema_keeps_its_definitions() -> None:
+    """`$defs` move to the call's root, where the parameters' `#/$defs/…` references find them."""
+    tool = Tool("f", "", json.dumps(HOSTILE["recursive ref"]))
+    schema = call_schema(tool)
+    assert schema["$defs"] == HOSTILE["recursive ref"]["$defs"] and "$defs" not in schema["properties"]["arguments"]

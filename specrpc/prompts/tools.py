@@ -172,12 +172,16 @@ def lark_string(text: str) -> str:
 
 def call_schema(tool: Tool) -> dict[str, Any]:
     """The JSON Schema of one call's object: the function's name, then its arguments (llguidance keeps the order of
-    `properties`, so the name is written first and a stream can announce the call before its arguments)."""
+    `properties`, so the name is written first and a stream can announce the call before its arguments). The
+    parameters' `$defs` and `definitions` move to the root, where their `#/$defs/…` references point."""
+    parameters = json.loads(tool.parameters)
+    hoisted = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": json.loads(tool.parameters)},
+        "properties": {"name": {"const": tool.name}, "arguments": parameters},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        **hoisted,
         "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, "lenient": not tool.strict},
     }
 
