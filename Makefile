@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 # in the environment, use `make install TORCH=` (keep it) or `TORCH=torch==X.Y.Z+cuNNN` with your index.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# Pipecat's own environment for tests/test_pipecat.py: pipecat-ai pins protobuf < 7, the gRPC toolchain needs >= 7.
+PIPECAT := .venv-pipecat
+PIPECAT_STAMP := $(PIPECAT)/.installed
 STUBS := specrpc/v1/generator_pb2.py
 PROTOS := $(wildcard proto/specrpc/v1/*.proto)
 ARGS ?=
@@ -26,11 +29,16 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt setup.py clients/python/p
 	$(BIN)/python -m specrpc.native
 	touch $(STAMP)
 
+$(PIPECAT_STAMP): tests/pipecat/requirements.txt tests/pipecat/constraints.txt
+	$(PYTHON) -m venv $(PIPECAT)
+	$(PIPECAT)/bin/pip install -q -c tests/pipecat/constraints.txt -r tests/pipecat/requirements.txt
+	touch $(PIPECAT_STAMP)
+
 $(STUBS): $(STAMP) $(PROTOS) tools/gen_proto.py
 	$(BIN)/python tools/gen_proto.py
 	$(BIN)/python clients/python/gen_stubs.py
 
-install: $(STAMP) $(STUBS)
+install: $(STAMP) $(STUBS) $(PIPECAT_STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py

@@ -15,6 +15,7 @@ import httpx2
 import openai
 import pytest
 import pytest_asyncio
+import torch
 from service_helpers import base_url
 from transformers import PreTrainedTokenizerBase
 
@@ -175,3 +176,53 @@ async def http(server: Running) -> AsyncIterator[httpx2.AsyncClient]:
     """A plain HTTP client on the in-process server's HTTP edge."""
     async with httpx2.AsyncClient(base_url=base_url(server), timeout=60) as c:
         yield c
+
+
+QWEN_TEMPLATE = Path(__file__).parent / "data" / "qwen2.5-instruct-chat-template.json"
+"""Qwen2.5-Instruct's published chat template (with tools: Hermes `<tool_call>` tags)."""
+
+
+def write_qwen_tool_checkpoint(path: Path, shipped_tokenizer: Path) -> Path:
+    """A small random-weight Qwen2 checkpoint whose tokenizer is the shipped pair's with Qwen's chat tokens added
+    (`<|im_start|>`, `<|im_end|>` special; `<tool_call>`, `</tool_call>` plain text tokens, as in Qwen2.5) and whose
+    tokenizer_config brings Qwen2.5's chat template. Random weights write noise, which is what a grammar must turn
+    into valid calls."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from specrpc.models.random_weights import write_checkpoint
+
+    tok = Tokenizer.from_file(str(shipped_tokenizer / "tokenizer.json"))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    vocab = -(-tok.get_vocab_size() // 64) * 64
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": vocab,
+           "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+           "tie_word_embeddings": True, "initializer_range": 0.02, "hidden_act": "silu",
+           "eos_token_id": tok.token_to_id("<|im_end|>"), "bos_token_id": None}
+    write_checkpoint(cfg, path, seed=32, dtype=torch.float32)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",  # type: ignore[no-untyped-call]
+                            pad_token="<|endoftext|>").save_pretrained(str(path))
+    config_file = path / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config["chat_template"] = json.loads(QWEN_TEMPLATE.read_text())["chat_template"]
+    config_file.write_text(json.dumps(tokenizer_config, indent=1))
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]}))
+    return path
+
+
+@pytest_asyncio.fixture(scope="session")
+async def tool_server(server: Running, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
+    """A server on a random-weight Qwen2 checkpoint with Qwen2.5's chat template (write_qwen_tool_checkpoint), the
+    same checkpoint as its draft, so speculation accepts several tokens a step and a call streams in pieces."""
+    path = write_qwen_tool_checkpoint(tmp_path_factory.mktemp("qwen-tools") / "model",
+                                      Path(server.runtime.config.engine.target))
+    base = test_config()
+    config = replace(base, engine=replace(base.engine, target=str(path), draft=str(path), max_sessions=2,
+                                          max_context=1024),
+                     server=replace(base.server, metrics_port=0), limits=replace(base.limits, max_new_tokens=512))
+    running = await start_server(config)
+    yield running
+    await running.stop(0.5)

@@ -153,6 +153,14 @@ class Conversation:
         await self.send(turn=pb.Turn(text=text, **fields))  # type: ignore[arg-type]
         return await self.reply()
 
+    async def turn_events(self, text: str, **fields: object) -> list[pb.ConverseResponse]:
+        """Every event of one turn's reply, its summary last (tool-call events included)."""
+        await self.send(turn=pb.Turn(text=text, **fields))  # type: ignore[arg-type]
+        events = [await self.read()]
+        while events[-1].WhichOneof("event") != "summary":
+            events.append(await self.read())
+        return events
+
     async def close(self) -> None:
         """Half-close and read to the end (OK status)."""
         await self.call.done_writing()

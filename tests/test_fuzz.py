@@ -224,7 +224,25 @@ MESSAGES = mostly(
     st.one_of(JSON_ANY, st.lists(st.dictionaries(st.sampled_from(["role", "content", "name"]), JSON_ANY),
                                  max_size=3)),
 )
+SCHEMAS = st.one_of(
+    st.just({"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}),
+    st.recursive(st.just({"type": "string"}), lambda inner: st.fixed_dictionaries(
+        {"type": st.just("object"), "properties": st.dictionaries(st.sampled_from(["a", "b"]), inner, max_size=2)}),
+        max_leaves=6),
+    st.fixed_dictionaries({"enum": st.lists(SHORT_TEXT, max_size=50)}),
+    st.fixed_dictionaries({"type": st.just("string"), "pattern": SHORT_TEXT}),
+    JSON_ANY)
+TOOLS = mostly(st.lists(st.fixed_dictionaries({"type": mostly(st.just("function"), JSON_ANY), "function": mostly(
+    st.fixed_dictionaries({"name": mostly(st.sampled_from(["f", "get_weather"]), SHORT_TEXT), "parameters": SCHEMAS}),
+    JSON_ANY)}), max_size=3), JSON_ANY)
+TOOL_CHOICES = st.one_of(st.sampled_from(["auto", "none", "required"]), st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "x"])})}),
+    JSON_ANY)
+RESPONSE_FORMATS = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+                             st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
+                                                    st.fixed_dictionaries({"schema": SCHEMAS})}), JSON_ANY)
 OPENAI_FIELDS = {
+    "tools": TOOLS, "tool_choice": TOOL_CHOICES, "parallel_tool_calls": JSON_ANY, "response_format": RESPONSE_FORMATS,
     "max_tokens": mostly(st.integers(1, 6), JSON_ANY), "temperature": TEMPERATURE, "top_p": TOP_P,
     "seed": mostly(st.integers(0, 2**32), JSON_ANY), "stop": mostly(STOPS, JSON_ANY), "stream": st.booleans(),
     "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()}), JSON_ANY),

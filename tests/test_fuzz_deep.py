@@ -207,6 +207,10 @@ def build_conversation(r: random.Random, t: Target, session: str) -> list[tuple[
     start = pb.SessionStart(session_id=session, phrase_mode=maybe(r))
     if maybe(r, 0.4):
         start.system = "You are terse."
+    if maybe(r, 0.2):
+        start.tools.extend(pb.Tool(name=f["function"]["name"], parameters_json=json.dumps(f["function"]["parameters"]))
+                           for f in FUZZ_TOOLS)
+        start.tool_choice.mode = r.choice(list(pb.ToolChoiceMode.values()))
     common(start, r, 4, t.draft)
     script: list[tuple[str, Any]] = [("start", start)]
     for _ in range(r.randint(1, 4)):
@@ -237,6 +241,62 @@ def chat_messages(r: random.Random) -> list[dict[str, Any]]:
         content = [{"type": "text", "text": content}]
     messages.append({"role": "user", "content": content})
     return messages
+
+
+FUZZ_TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def tool_fields(r: random.Random, body: dict[str, Any]) -> None:
+    """Valid `tools` (with a choice and parallel_tool_calls) or `response_format` on a chat request."""
+    if maybe(r, 0.25):
+        body["tools"] = FUZZ_TOOLS[:r.randint(1, 2)]
+        if maybe(r, 0.7):
+            body["tool_choice"] = r.choice(["auto", "none", "required",
+                                            {"type": "function", "function": {"name": "get_weather"}}])
+        if maybe(r, 0.3):
+            body["parallel_tool_calls"] = maybe(r)
+    elif maybe(r, 0.15):
+        body["response_format"] = r.choice([{"type": "text"}, {"type": "json_object"}, {
+            "type": "json_schema", "json_schema": {"name": "n", "strict": maybe(r), "schema": FUZZ_TOOLS[0][
+                "function"]["parameters"]}}])
+
+
+def hostile_schema(r: random.Random) -> Any:
+    """A schema that is deeply nested, enormous, self-referring, malformed or not a schema at all."""
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(r.choice([50, 300])):
+        deep = {"type": "object", "properties": {"a": deep}}
+    return r.choice([
+        deep, {"enum": list(range(r.choice([1000, 20_000])))},
+        {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}}}},
+        {"type": "string", "pattern": r.choice(["(unclosed", "[z-a]", "\\"])}, {"type": "strange"},
+        {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}},
+        [], "x", None, 5, {"$ref": "http://example.invalid/schema"},
+    ])
+
+
+TOOL_MUTATIONS: list[Callable[[dict[str, Any], random.Random], None]] = [
+    lambda b, r: b.__setitem__("tools", [{"type": "function", "function": {"name": "f",
+                                                                            "parameters": hostile_schema(r)}}]),
+    lambda b, r: b.__setitem__("tools", r.choice([[{"type": "function", "function": {"name": r.choice(
+        ["", "a b", "x" * 65, "ünï"])}}], [FUZZ_TOOLS[0]] * 2, "tools", [None], [{"type": "retrieval"}], 7])),
+    lambda b, r: b.update(tools=FUZZ_TOOLS, tool_choice=r.choice(
+        ["sometimes", {"type": "function", "function": {"name": "missing"}}, {"type": "function"}, 3, []])),
+    lambda b, r: b.update(tool_choice=r.choice(["required", {"type": "function", "function": {"name": "f"}}])),
+    lambda b, r: b.update(tools=FUZZ_TOOLS, tool_choice="required", parallel_tool_calls=r.choice(["yes", 1, {}])),
+    lambda b, r: b.__setitem__("response_format", r.choice([
+        {"type": "json_schema", "json_schema": {"schema": hostile_schema(r)}}, {"type": "xml"}, "json",
+        {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": "{}"}}])),
+    lambda b, r: b.update(tools=FUZZ_TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+    lambda b, r: b["messages"].insert(-1, r.choice([
+        {"role": "assistant", "content": None, "tool_calls": r.choice([[{"id": "c", "function": {
+            "name": "get_weather", "arguments": r.choice(["{", "[]", "null", '{"city": 1}'])}}], "calls", [7]])},
+        {"role": "tool", "tool_call_id": r.choice(["", "nope", 7]), "content": r.choice(["{}", None, 3])}])),
+]
 
 
 def openai_fields(r: random.Random, body: dict[str, Any], chat: bool) -> None:
@@ -282,6 +342,7 @@ def build_http(r: random.Random, t: Target, path: str) -> dict[str, Any]:
     if path == "/v1/chat/completions":
         body = {"messages": chat_messages(r)}
         openai_fields(r, body, chat=True)
+        tool_fields(r, body)
     elif path == "/v1/completions":
         body = {"prompt": code(r) if maybe(r) else [code(r)]}
         if t.layouts and maybe(r, 0.3):
@@ -337,9 +398,10 @@ INFILL_MUTATIONS: dict[str, Callable[[Any, random.Random, Target], None]] = {
     "no_truncate": lambda m, r, t: (m.__setattr__("truncate", False), m.__setattr__("prefix", "y = 2\n" * 2000)),
 }
 CONVERSE_MUTATIONS = ["role", "no_start", "second_start", "empty_action", "rewind_other", "rewind_first",
-                      "system_huge", "turn_sampling"]
+                      "system_huge", "turn_sampling", "tools"]
 HTTP_MUTATIONS = ["drop_required", "wrong_type", "bad_number", "unknown_field_only", "garbage", "not_object",
-                  "wrong_method", "content_type", "bad_role", "n", "header_mismatch", "bad_control", "unknown_path"]
+                  "wrong_method", "content_type", "bad_role", "n", "header_mismatch", "bad_control", "unknown_path",
+                  "tools"]
 HOSTILE_CONTROLS: list[tuple[str, Any]] = [
     ("presence_penalty", 2.5), ("frequency_penalty", -1e30), ("min_p", -0.1), ("min_p", "0.1"), ("min_keep", -4),
     ("repetition_penalty", 0), ("repeat_penalty", -1), ("repeat_last_n", -7), ("ignore_eos", "yes"),
@@ -377,6 +439,13 @@ def mutate_conversation(script: list[tuple[str, Any]], r: random.Random, t: Targ
         script.insert(1, ("rewind", pb.Rewind(spoken_chars=3)))
     elif name == "system_huge":
         script[0][1].system = "s" * 2_000_000
+    elif name == "tools":
+        schema = hostile_schema(r)
+        tool = pb.Tool(name=r.choice(["f", "", "bad name"]), parameters_json=json.dumps(schema)[:400_000])
+        turn = script[r.choice(turns)][1]
+        r.choice([lambda: turn.tools.append(tool), lambda: turn.tool_choice.__setattr__("function", "missing"),
+                  lambda: turn.tool_choice.__setattr__("mode", pb.TOOL_CHOICE_MODE_REQUIRED),
+                  lambda: (turn.tools.append(tool), turn.constraint.__setattr__("json_object", True))])()
     else:
         script[r.choice(turns)][1].sampling.CopyFrom(pb.SamplingParams(temperature=float("nan")))
     return name
@@ -414,6 +483,11 @@ def mutate_http(case: Case, r: random.Random) -> str:
     elif name == "bad_control":
         key, value = r.choice(HOSTILE_CONTROLS)
         body[key] = value
+    elif name == "tools":
+        if "messages" in body:
+            r.choice(TOOL_MUTATIONS)(body, r)
+        else:
+            body["json_schema" if case.kind in ("/completion", "/infill") else "response_format"] = hostile_schema(r)
     elif name == "header_mismatch":
         body["user"] = "someone"
         case.session = case.session or "header-session"

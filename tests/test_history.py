@@ -15,13 +15,13 @@ from specrpc.edges.validation import InvalidRequest
 
 def render(messages: Sequence[Message]) -> list[int]:
     """A stand-in template: two tokens of markup per message, then one token per byte of its text."""
-    return [t for role, text in messages for t in [len(role), 0, *text.encode()]]
+    return [t for m in messages for t in [len(m.role), 0, *m.text.encode()]]
 
 
 def history(turns: int, text: str = "x" * 20) -> list[Message]:
-    out: list[Message] = [("system", "Be brief.")]
+    out: list[Message] = [Message("system", "Be brief.")]
     for i in range(turns):
-        out += [("user", f"{i}{text}"), ("assistant", f"reply {i}")]
+        out += [Message("user", f"{i}{text}"), Message("assistant", f"reply {i}")]
     return out
 
 
@@ -33,22 +33,22 @@ def test_roles_are_system_user_assistant_and_tool() -> None:
 
 
 def test_a_history_that_fits_is_kept_whole() -> None:
-    messages = [*history(3), ("user", "next")]
+    messages = [*history(3), Message("user", "next")]
     assert fit(messages, render, 10_000) == (messages, render(messages))
 
 
 def test_trimming_drops_whole_messages_oldest_first_keeping_the_system_prompt_and_the_newest() -> None:
-    messages = [*history(40), ("tool", "sunny"), ("user", "next?")]
+    messages = [*history(40), Message("tool", "sunny"), Message("user", "next?")]
     kept, ids = fit(messages, render, 300)
     assert len(ids) <= 300 and ids == render(kept)
-    assert kept[0] == ("system", "Be brief.") and kept[1][0] == "user" and kept[-1] == ("user", "next?")
+    assert kept[0] == Message("system", "Be brief.") and kept[1][0] == "user" and kept[-1] == Message("user", "next?")
     assert kept[1:] == messages[-(len(kept) - 1):]  # a suffix of the history: whole messages, none cut
 
 
 def test_the_cut_stays_put_for_several_turns_so_the_cached_prefix_survives() -> None:
     firsts = []
     for turns in range(10, 60):
-        kept, _ = fit([*history(turns), ("user", "now")], render, 400)
+        kept, _ = fit([*history(turns), Message("user", "now")], render, 400)
         firsts.append(kept[1])
     changes = sum(a != b for a, b in pairwise(firsts))
     assert 0 < changes <= len(firsts) // 2
@@ -61,21 +61,21 @@ def test_a_long_history_is_rendered_a_few_times_not_once_per_step() -> None:
         calls.append(len(messages))
         return render(messages)
 
-    _, ids = fit([*history(200), ("user", "now")], counting, 300)
+    _, ids = fit([*history(200), Message("user", "now")], counting, 300)
     assert len(ids) <= 300 and len(calls) <= 4, calls
 
 
 def test_when_the_newest_message_alone_is_too_long_its_prompt_keeps_the_last_tokens() -> None:
-    messages = [*history(2), ("user", "y" * 500)]
+    messages = [*history(2), Message("user", "y" * 500)]
     kept, ids = fit(messages, render, 100)
     assert kept == [messages[0], messages[-1]] and ids == render(kept)[-100:]
 
 
 def test_limits_on_messages_and_bytes() -> None:
-    messages = [*history(100), ("user", "now")]
+    messages = [*history(100), Message("user", "now")]
     kept = bounded(messages, Limits(max_history_messages=50), "turn.text")
     assert len(kept) <= 50 and kept[0][0] == "system" and kept[1][0] == "user" and kept[-1] == messages[-1]
     kept = bounded(messages, Limits(max_history_bytes=1024), "turn.text")
-    assert sum(len(t.encode()) for _, t in kept) <= 1024 and kept[-1] == messages[-1]
+    assert sum(m.size for m in kept) <= 1024 and kept[-1] == messages[-1]
     with pytest.raises(InvalidRequest, match=r"turn.text .* --max-history-bytes"):
-        bounded([*messages, ("user", "z" * 2000)], Limits(max_history_bytes=1024), "turn.text")
+        bounded([*messages, Message("user", "z" * 2000)], Limits(max_history_bytes=1024), "turn.text")

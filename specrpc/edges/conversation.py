@@ -5,15 +5,27 @@ barge-in, rewind to what was spoken, phrase events for TTS). gRPC Converse and t
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specrpc.edges.gateway import Gateway
 from specrpc.edges.history import Message, bounded, check_role, fit
 from specrpc.edges.validation import InvalidRequest, prompt_room
 from specrpc.prompts.text import PhraseSegmenter
+from specrpc.prompts.tools import (
+    CallEnded,
+    TextPart,
+    Tool,
+    ToolCall,
+    ToolCallParser,
+    ToolChoice,
+    ToolFormat,
+    detect_format,
+    tools_prompt,
+)
 from specrpc.serving.runtime import DecodeParams, Runtime
 from specrpc.serving.scheduler import Chunk, Done
 
@@ -27,19 +39,73 @@ def has_template(runtime: Runtime) -> bool:
     return bool(getattr(runtime.tokenizer, "chat_template", None))
 
 
-def render(runtime: Runtime, messages: Sequence[Message], generation_prompt: bool) -> list[int]:
-    """Prompt ids of a history: the tokenizer's chat template when it has one; else one `Role: text` line per
-    message, a reply following `Assistant:` exactly as generated (its leading space included), so each turn's prompt
-    extends the previous prompt and reply token for token and the session's KV cache is reused. An empty history (a
-    conversation started without a system prompt) is the empty prompt: templates refuse to render one."""
+def tool_format(runtime: Runtime) -> ToolFormat:
+    """How the model writes tool calls, from its chat template (prompts/tools.py)."""
+    template = getattr(runtime.tokenizer, "chat_template", None)
+    return detect_format(template if isinstance(template, str) else None, runtime.tokenizer.get_added_vocab())
+
+
+def template_message(m: Message) -> dict[str, Any]:
+    """A message as chat templates read it (OpenAI's shape; a call's arguments as an object, which templates
+    render with `tojson`, when they parse)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": arguments_value(c.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def arguments_value(arguments: str) -> Any:
+    """A call's arguments parsed (the text itself when it is not JSON)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def without_tools(messages: Sequence[Message], tools: Sequence[Tool], fmt: ToolFormat, templated: bool
+                  ) -> list[Message]:
+    """A history for a renderer that does not speak of tools (PLAIN format): the functions described in the system
+    prompt, calls written into the assistant's text, results as `<tool_response>` messages (from the user where a
+    template renders the roles, as the `tool` role there is often refused)."""
+    out = [Message(m.role, "".join([m.text, *(("\n" if m.text or i else "") + fmt.write(c)
+                                              for i, c in enumerate(m.tool_calls))]))
+           if m.tool_calls else m for m in messages]
+    out = [Message("user" if templated else "tool", f"<tool_response>\n{m.text}\n</tool_response>")
+           if m.role == "tool" else m for m in out]
+    if tools:
+        described = tools_prompt(tools, fmt)
+        if out and out[0].role == "system":
+            out[0] = Message("system", f"{out[0].text}\n\n{described}")
+        else:
+            out.insert(0, Message("system", described))
+    return out
+
+
+def render(runtime: Runtime, messages: Sequence[Message], generation_prompt: bool, tools: Sequence[Tool] = ()
+           ) -> list[int]:
+    """Prompt ids of a history: the tokenizer's chat template when it has one (given the `tools` when it renders
+    them); else one `Role: text` line per message, a reply following `Assistant:` exactly as generated (its leading
+    space included), so each turn's prompt extends the previous prompt and reply token for token and the session's
+    KV cache is reused. An empty history (a conversation started without a system prompt) is the empty prompt:
+    templates refuse to render one. Tools, calls and results reach a renderer that does not speak of them as
+    `without_tools` writes them."""
     if not messages:
         return []
     tok = runtime.tokenizer
-    if has_template(runtime):
+    templated = has_template(runtime)
+    fmt = tool_format(runtime)
+    if not fmt.native and (tools or any(m.tool_calls or m.role == "tool" for m in messages)):
+        messages = without_tools(messages, tools, fmt, templated)
+    if templated:
         from jinja2.exceptions import TemplateError, TemplateSyntaxError  # transformers needs jinja2 for templates
 
         try:
-            out: Any = tok.apply_chat_template([{"role": r, "content": t} for r, t in messages],
+            out: Any = tok.apply_chat_template([template_message(m) for m in messages],
+                                               tools=[t.openai() for t in tools] if tools and fmt.native else None,
                                                add_generation_prompt=generation_prompt, tokenize=True)
         except TemplateSyntaxError:
             raise  # the model's template is broken: not the client's to fix
@@ -48,8 +114,8 @@ def render(runtime: Runtime, messages: Sequence[Message], generation_prompt: boo
                                  f"order") from None
         ids = out if isinstance(out, list) else out["input_ids"]
         return [int(i) for i in ids]
-    text = "".join(f"Assistant:{t}\n" if r == "assistant" else f"{ROLE_NAMES.get(r, r.capitalize())}: {t}\n"
-                   for r, t in messages)
+    text = "".join(f"Assistant:{m.text}\n" if m.role == "assistant" else
+                   f"{ROLE_NAMES.get(m.role, m.role.capitalize())}: {m.text}\n" for m in messages)
     if generation_prompt:
         text += "Assistant:"
     return runtime.encode(text)
@@ -60,19 +126,20 @@ def reply_stops(runtime: Runtime) -> tuple[str, ...]:
     return () if has_template(runtime) else (PLAIN_USER_STOP,)
 
 
-def chat_prompt(gateway: Gateway, messages: Sequence[Message]) -> list[int]:
+def chat_prompt(gateway: Gateway, messages: Sequence[Message], tools: Sequence[Tool] = ()) -> list[int]:
     """The prompt of a whole history given at once (the HTTP chat endpoint), its oldest messages dropped when it is
     too long (history.py: the system prompt stays)."""
-    for i, (role, _text) in enumerate(messages):
-        check_role(role, f"messages[{i}].role")
-    return turn_prompt(gateway, messages, f"messages[{len(messages) - 1}].content")[1]
+    for i, m in enumerate(messages):
+        check_role(m.role, f"messages[{i}].role")
+    return turn_prompt(gateway, messages, f"messages[{len(messages) - 1}].content", tools)[1]
 
 
-def turn_prompt(gateway: Gateway, messages: Sequence[Message], newest: str) -> tuple[list[Message], list[int]]:
+def turn_prompt(gateway: Gateway, messages: Sequence[Message], newest: str, tools: Sequence[Tool] = ()
+                ) -> tuple[list[Message], list[int]]:
     """The messages kept (within the history limits and the prompt's room) and their prompt, ending with the
     assistant's cue. `newest` names the newest message's field in errors."""
     rt = gateway.runtime
-    kept, ids = fit(bounded(messages, gateway.limits, newest), lambda m: render(rt, m, True),
+    kept, ids = fit(bounded(messages, gateway.limits, newest), lambda m: render(rt, m, True, tools),
                     prompt_room(rt.context_limit, gateway.limits))
     if not ids:
         raise InvalidRequest("the chat template renders these messages as an empty prompt; send a message with text")
@@ -102,13 +169,22 @@ class Phrase:
 
 
 @dataclass(frozen=True)
+class ToolCalled:
+    """The reply has written a complete tool call (its `index`-th)."""
+
+    index: int
+    call: ToolCall
+
+
+@dataclass(frozen=True)
 class TurnDone:
-    """A reply has ended (finished, cancelled or stopped)."""
+    """A reply has ended (finished, cancelled or stopped); `reply_text` is its text outside tool calls."""
 
     turn_index: int
     done: Done
     time_to_first_phrase_ms: float
     reply_text: str
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,7 +196,18 @@ class Rewound:
     history_tokens: int
 
 
-Event = Started | Chunk | Phrase | TurnDone | Rewound
+Event = Started | Chunk | Phrase | ToolCalled | TurnDone | Rewound
+
+
+@dataclass(frozen=True)
+class TurnInput:
+    """A new message for a Converse turn: who speaks, the text, and for a tool's result the call it answers."""
+
+    role: str
+    text: str
+    tool_call_id: str = ""
+    tools: tuple[Tool, ...] = field(default=())
+    choice: ToolChoice | None = None  # None: the session's
 
 
 class Conversation:
@@ -139,6 +226,9 @@ class Conversation:
         self.turn_index = 0
         self.last_reply = ""
         self.abandoned = False
+        self.tools: tuple[Tool, ...] = ()
+        self.choice = ToolChoice("none")
+        self.parallel = True  # whether a reply may make several calls
 
     def require_started(self, action: str) -> None:
         """Every action but `start` needs the session open."""
@@ -150,8 +240,10 @@ class Conversation:
         self.abandoned = True
         self.turn_cancel.set()
 
-    async def start(self, wanted: str, system: str, phrase_mode: bool) -> None:
-        """Open (or resume) session `wanted` ('' assigns one); `system` starts a new history."""
+    async def start(self, wanted: str, system: str, phrase_mode: bool, tools: Sequence[Tool] = (),
+                    choice: ToolChoice | None = None) -> None:
+        """Open (or resume) session `wanted` ('' assigns one); `system` starts a new history. `tools` (checked by the
+        edge) are the functions this stream's replies may call, as `choice` says (default: auto with tools)."""
         await self.runtime.registry.wait_for_release(wanted)
         if self.session_id:
             raise InvalidRequest("start: this Converse stream already has a session; open a new stream for another")
@@ -164,24 +256,32 @@ class Conversation:
         session = registry.open(wanted)
         self.session_id = session.id
         self.phrase_mode = phrase_mode
+        self.tools = tuple(tools)
+        self.choice = choice or ToolChoice("auto" if tools else "none")
         state = session.conversation
         if resumed and state is not None:
             messages, self.turn_index, self.last_reply = state
-            self.messages = list(messages)
+            self.messages = [Message(*m) for m in messages]
         elif system:
-            self.messages = [("system", system)]
-        self.out.put_nowait(Started(session.id, resumed, len(render(self.runtime, self.messages, False))))
+            self.messages = [Message("system", system)]
+        self.out.put_nowait(Started(session.id, resumed, len(render(self.runtime, self.messages, False,
+                                                                    self.tools))))
 
-    async def turn(self, role: str, text: str, params: DecodeParams) -> None:
+    async def turn(self, message: TurnInput, params: DecodeParams) -> None:
         """Start a reply to a new message (the reply in flight is cancelled first). `params` come from the edge,
-        their stops including `reply_stops`."""
+        their stops including `reply_stops` and their constraint the tools' grammar (`turn_tools`)."""
         self.require_started("turn")
-        role = check_role(role or "user", "turn.role")
+        message = replace(message, role=check_role(message.role or "user", "turn.role"))
         await self.wait_turn(cancel=True)
         if self.abandoned:
             return
         self.turn_cancel = asyncio.Event()
-        self.turn_task = asyncio.create_task(self._run_turn(role, text, params, self.turn_cancel))
+        self.turn_task = asyncio.create_task(self._run_turn(message, params, self.turn_cancel))
+
+    def turn_tools(self, message: TurnInput) -> tuple[tuple[Tool, ...], ToolChoice]:
+        """The tools a turn's reply may call and how: the turn's own, else the stream's."""
+        tools = message.tools or self.tools
+        return tools, message.choice or (self.choice if not message.tools else ToolChoice("auto"))
 
     def cancel(self) -> None:
         """Barge-in: stop the reply in flight (it ends with its TurnDone, finish `cancelled`)."""
@@ -195,14 +295,15 @@ class Conversation:
             raise InvalidRequest(f"rewind.session_id is {session_id!r}, but this stream's session is "
                                  f"{self.session_id!r}; leave it empty or send this session's id")
         await self.wait_turn(cancel=True)
-        if not self.messages or self.messages[-1][0] != "assistant":
+        if not self.messages or self.messages[-1].role != "assistant":
             raise InvalidRequest("rewind: nothing to rewind, there is no reply in this session yet")
         kept = self.last_reply[:spoken_chars]
-        self.messages[-1] = ("assistant", kept)
+        self.messages[-1] = self.messages[-1]._replace(text=kept)
         self.last_reply = kept
         self._save()
         kept_tokens = len(self.runtime.encode_plain(kept)) if kept else 0
-        await self.out.put(Rewound(len(kept), kept_tokens, len(render(self.runtime, self.messages, False))))
+        await self.out.put(Rewound(len(kept), kept_tokens, len(render(self.runtime, self.messages, False,
+                                                                      self.tools))))
 
     async def finish(self) -> None:
         """No more actions: let the reply in flight end, then end the event stream."""
@@ -227,43 +328,63 @@ class Conversation:
         if session is not None:
             session.conversation = (list(self.messages), self.turn_index, self.last_reply)
 
-    async def _run_turn(self, role: str, text: str, params: DecodeParams, cancel: asyncio.Event) -> None:
+    async def _run_turn(self, message: TurnInput, params: DecodeParams, cancel: asyncio.Event) -> None:
         try:
-            await self._turn(role, text, params, cancel)
+            await self._turn(message, params, cancel)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             await self.out.put(exc)
 
-    async def _turn(self, role: str, text: str, params: DecodeParams, cancel: asyncio.Event) -> None:
+    async def _turn(self, message: TurnInput, params: DecodeParams, cancel: asyncio.Event) -> None:
         # the history changes only once its prompt is rendered: a turn the template refuses leaves it as it was
-        self.messages, prompt = turn_prompt(self.gateway, [*self.messages, (role, text)], "turn.text")
+        tools, choice = self.turn_tools(message)
+        newest = Message(message.role, message.text, tool_call_id=message.tool_call_id)
+        self.messages, prompt = turn_prompt(self.gateway, [*self.messages, newest], "turn.text", tools)
         started = time.perf_counter()
         segmenter = PhraseSegmenter() if self.phrase_mode else None
+        parser = ToolCallParser(tool_format(self.runtime)) if tools and choice.mode != "none" else None
         reply: list[str] = []
         first_phrase = 0.0
         offset = 0
         done: Done | None = None
         async for event in self.gateway.stream(prompt, params, self.session_id, "Converse", cancel):
             if isinstance(event, Chunk):
-                reply.append(event.text)
+                text = event.text
+                if parser is not None:  # the calls' text goes out as ToolCalled events, not as reply text
+                    parts = parser.feed(event.text)
+                    text = "".join(p.text for p in parts if isinstance(p, TextPart))
+                    event = replace(event, text=text)
+                reply.append(text)
                 await self.out.put(event)
-                for phrase in segmenter.feed(event.text) if segmenter else []:
+                for part in parts if parser is not None else []:
+                    if isinstance(part, CallEnded):
+                        await self.out.put(ToolCalled(part.index, part.call))
+                for phrase in segmenter.feed(text) if segmenter else []:
                     first_phrase = first_phrase or (time.perf_counter() - started) * 1e3
                     await self.out.put(self._phrase(phrase, offset, started))
                     offset += len(phrase)
             else:
                 done = event
+        held = "".join(p.text for p in parser.finish() if isinstance(p, TextPart)) if parser is not None else ""
+        if held:  # text the parser held as a possible call marker, which the reply ended without
+            reply.append(held)
+            await self.out.put(Chunk(held, [], 0, time.perf_counter()))
         if segmenter is not None:
+            for phrase in segmenter.feed(held):
+                first_phrase = first_phrase or (time.perf_counter() - started) * 1e3
+                await self.out.put(self._phrase(phrase, offset, started))
+                offset += len(phrase)
             rest = segmenter.flush()
             if rest:
                 first_phrase = first_phrase or (time.perf_counter() - started) * 1e3
                 await self.out.put(self._phrase(rest, offset, started))
         reply_text = "".join(reply)
-        self.messages.append(("assistant", reply_text))
+        calls = tuple(parser.calls) if parser is not None else ()
+        self.messages.append(Message("assistant", reply_text, calls))
         self.last_reply = reply_text
         if done is not None:
-            await self.out.put(TurnDone(self.turn_index, done, first_phrase, reply_text))
+            await self.out.put(TurnDone(self.turn_index, done, first_phrase, reply_text, calls))
         self.turn_index += 1
         self._save()
 

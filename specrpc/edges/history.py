@@ -8,15 +8,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import accumulate
+from typing import NamedTuple
 
 from specrpc.config import Limits
 from specrpc.edges.validation import InvalidRequest
+from specrpc.prompts.tools import ToolCall
 
 ROLES = ("system", "user", "assistant", "tool")
 STEP = 8
 """Messages dropped at a time (four turns): a trim makes room for several turns before the next one."""
 
-Message = tuple[str, str]  # (role, text)
+
+
+class Message(NamedTuple):
+    """One message of a history: its role and text; an assistant's tool calls, or the call a tool's result answers."""
+
+    role: str
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+
+    @property
+    def size(self) -> int:
+        """Bytes the history limits count: the text and the calls' names and arguments."""
+        return len(self.text.encode()) + sum(len(c.name) + len(c.arguments.encode()) for c in self.tool_calls)
+
 Render = Callable[[Sequence[Message]], list[int]]  # messages → prompt ids
 
 
@@ -32,8 +48,8 @@ class Trim:
 
     def __init__(self, messages: Sequence[Message]) -> None:
         self.messages = list(messages)
-        self.head = 1 if messages and messages[0][0] == "system" else 0
-        sizes = [len(text.encode()) for _role, text in reversed(messages)]
+        self.head = 1 if messages and messages[0].role == "system" else 0
+        sizes = [m.size for m in reversed(messages)]
         self.tail_bytes = [*reversed(list(accumulate(sizes, initial=0)))]  # [len + 1] text bytes from message i on
 
     def start(self, n: int) -> int:
@@ -41,7 +57,7 @@ class Trim:
         at a user message, as the templates that make roles alternate (Mistral's, Gemma's) require."""
         last = len(self.messages) - 1
         i = min(self.head + n, max(last, self.head))
-        while i < last and self.messages[i][0] != "user":
+        while i < last and self.messages[i].role != "user":
             i += 1
         return i
 

@@ -14,6 +14,7 @@ from specrpc.config import Config, Limits
 from specrpc.engine.constraint import MAX_GRAMMAR_BYTES, ConstraintKind, ConstraintSpec
 from specrpc.engine.generation import MAX_TOP_LOGPROBS
 from specrpc.engine.sampling import SamplingParams
+from specrpc.prompts.tools import InvalidTools, Tool, ToolChoice, ToolFormat, check_tools, tool_grammar
 from specrpc.serving.runtime import DecodeParams
 
 MAX_SESSION_ID = 128
@@ -177,6 +178,18 @@ def constraint(kind: ConstraintKind, text: str, strict: bool, name: str) -> Cons
     if len(text.encode()) > MAX_GRAMMAR_BYTES:
         raise InvalidRequest(f"{name} is {len(text.encode())} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
     return ConstraintSpec(kind, text, strict)
+
+
+def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt: ToolFormat,
+                    name: str = "tools") -> ConstraintSpec | None:
+    """The grammar a reply with tools must match (prompts/tools.py), after checking the declarations and the choice;
+    None for free text (no tools, or `none`). `name`: how the edge spells the tools field."""
+    try:
+        check_tools(tools, choice, name)
+    except InvalidTools as exc:
+        raise InvalidRequest(str(exc)) from None
+    grammar = tool_grammar(tools, choice, parallel, fmt)
+    return None if grammar is None else constraint("grammar", grammar, True, name)
 
 
 def session_id(value: str, name: str = "session_id", header: str = "", header_name: str = SESSION_HEADER) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from specrpc.engine.engine import Engine
 from specrpc.engine.generation import Slot
@@ -50,7 +51,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     job: Job | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    conversation: tuple[list[tuple[str, str]], int, str] | None = None
+    conversation: tuple[list[tuple[Any, ...]], int, str] | None = None  # the edges' messages, turns, last reply
     latest: int = 0  # ticket of the newest request on this session (cancel-previous also skips waiting ones)
     last_completion: LastCompletion | None = None  # what the editor shows now (proposers.SuggestionProposer)
 

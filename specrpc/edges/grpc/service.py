@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -16,7 +16,17 @@ import torch
 from specrpc.config import Config
 from specrpc.edges import validation as validation
 from specrpc.edges.auth import StreamQuota, TooManyStreams, metadata_values
-from specrpc.edges.conversation import Conversation, Event, Phrase, Started, TurnDone, reply_stops
+from specrpc.edges.conversation import (
+    Conversation,
+    Event,
+    Phrase,
+    Started,
+    ToolCalled,
+    TurnDone,
+    TurnInput,
+    reply_stops,
+    tool_format,
+)
 from specrpc.edges.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
 from specrpc.edges.grpc.wire import MalformedRequest
 from specrpc.edges.metrics import Metrics
@@ -26,6 +36,7 @@ from specrpc.engine.generation import FINISH_LENGTH, FINISH_STOP
 from specrpc.engine.sampling import SamplingParams
 from specrpc.prompts.fim import ExtraFile, InfillInput, InfillPrompt, NoInfillSupport, PromptTooLong
 from specrpc.prompts.text import FINISH_INDENT, FINISH_TIME_LIMIT
+from specrpc.prompts.tools import Tool, ToolCall, ToolChoice
 from specrpc.serving.runtime import CheckpointInfo, DecodeParams, Runtime
 from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk, Done
 from specrpc.serving.sessions import SlotsExhausted, UnknownSession
@@ -463,7 +474,12 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             wanted = validation.session_id(start.session_id, "start.session_id", header)
             self._decode_params(start.max_new_tokens, start.sampling if start.HasField("sampling") else None,
                                 list(start.stop), start.speculation if start.HasField("speculation") else None)
-            await conversation.start(wanted, start.system, start.phrase_mode)
+            tools = tool_list(start.tools)
+            choice = tool_choice(start.tool_choice, bool(tools)) if start.HasField("tool_choice") else None
+            conversation.parallel = start.parallel_tool_calls if start.HasField("parallel_tool_calls") else True
+            validation.tool_constraint(tools, choice or ToolChoice("auto" if tools else "none"),
+                                       conversation.parallel, tool_format(self.runtime), "start.tools")
+            await conversation.start(wanted, start.system, start.phrase_mode, tools, choice)
             return start
         elif kind == "turn":
             conversation.require_started(kind)
@@ -474,8 +490,17 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 d.speculation if d.HasField("speculation") else None)
             params = self._decode_params(turn.max_new_tokens or d.max_new_tokens, sampling,
                                          [*d.stop, *reply_stops(self.runtime)], speculation)
-            params = replace(params, constraint=self._constraint(turn.constraint, "turn.constraint"))
-            await conversation.turn(turn.role, turn.text, params)
+            tools = tool_list(turn.tools)
+            message = TurnInput(turn.role, turn.text, turn.tool_call_id, tools,
+                                tool_choice(turn.tool_choice, bool(tools or conversation.tools))
+                                if turn.HasField("tool_choice") else None)
+            calls = validation.tool_constraint(*conversation.turn_tools(message), conversation.parallel,
+                                               tool_format(self.runtime), "turn.tools" if tools else "start.tools")
+            constraint = self._constraint(turn.constraint, "turn.constraint")
+            if calls is not None and constraint is not None:
+                raise InvalidRequest("turn.constraint and tools (with a tool choice other than none) are exclusive: "
+                                     "send one, or set turn.tool_choice to TOOL_CHOICE_MODE_NONE")
+            await conversation.turn(message, replace(params, constraint=calls or constraint))
         elif kind == "cancel":
             conversation.cancel()
         elif kind == "rewind":
@@ -493,12 +518,38 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         if isinstance(event, Started):
             return pb.ConverseResponse(started=pb.SessionStarted(
                 session_id=event.session_id, resumed=event.resumed, history_tokens=event.history_tokens))
+        if isinstance(event, ToolCalled):
+            return pb.ConverseResponse(tool_call=tool_call_message(event.index, event.call))
         if isinstance(event, TurnDone):
             return pb.ConverseResponse(summary=pb.TurnSummary(
                 turn_index=event.turn_index, generation=self._summary(event.done, session_id),
-                time_to_first_phrase_ms=event.time_to_first_phrase_ms, reply_text=event.reply_text))
+                time_to_first_phrase_ms=event.time_to_first_phrase_ms, reply_text=event.reply_text,
+                tool_calls=[tool_call_message(i, c) for i, c in enumerate(event.tool_calls)]))
         return pb.ConverseResponse(rewound=pb.Rewound(kept_chars=event.kept_chars, kept_tokens=event.kept_tokens,
                                                       history_tokens=event.history_tokens))
+
+
+def tool_list(tools: Sequence[pb.Tool]) -> tuple[Tool, ...]:
+    """The declared functions (checked with the choice by validation.tool_constraint)."""
+    return tuple(Tool(t.name, t.description, t.parameters_json or '{"type": "object", "properties": {}}', t.strict)
+                 for t in tools)
+
+
+TOOL_CHOICE_MODES = {pb.TOOL_CHOICE_MODE_AUTO: "auto", pb.TOOL_CHOICE_MODE_NONE: "none",
+                     pb.TOOL_CHOICE_MODE_REQUIRED: "required"}
+
+
+def tool_choice(msg: pb.ToolChoice, have_tools: bool) -> ToolChoice:
+    """A ToolChoice message as the domain's (unspecified: auto with tools, none without)."""
+    if msg.function:
+        return ToolChoice("function", msg.function)
+    mode = TOOL_CHOICE_MODES.get(msg.mode, "auto" if have_tools else "none")
+    return ToolChoice(mode)  # type: ignore[arg-type]
+
+
+def tool_call_message(index: int, call: ToolCall) -> pb.ToolCall:
+    """A call as the wire's ToolCall."""
+    return pb.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments, index=index)
 
 
 def describe(info: CheckpointInfo) -> pb.ModelDescription:

@@ -35,8 +35,9 @@ from starlette.types import Scope
 from specrpc.config import Config
 from specrpc.edges import validation as validation
 from specrpc.edges.auth import TokenAuth, bearer_token
-from specrpc.edges.conversation import chat_prompt, reply_stops
+from specrpc.edges.conversation import chat_prompt, reply_stops, tool_format
 from specrpc.edges.gateway import Gateway, NotReady, ShuttingDown
+from specrpc.edges.history import Message
 from specrpc.edges.http.replies import ChoicesReply, LlamaReply, OpenAIReply, Reply
 from specrpc.edges.http.wire import (
     INTERNAL,
@@ -57,6 +58,7 @@ from specrpc.edges.http.wire import (
 from specrpc.edges.validation import SESSION_HEADER
 from specrpc.engine.constraint import ConstraintSpec
 from specrpc.prompts.fim import ExtraFile, InfillInput, Trimmed
+from specrpc.prompts.tools import Tool, ToolCall, ToolCallParser, ToolChoice
 from specrpc.serving.runtime import DecodeParams
 
 log = structlog.get_logger(__name__)
@@ -188,6 +190,54 @@ def llama_constraint(body: Body) -> ConstraintSpec | None:
     return None
 
 
+def chat_tools(body: Body) -> tuple[tuple[Tool, ...], ToolChoice, bool]:
+    """OpenAI's `tools` (functions), `tool_choice` (`auto`, `none`, `required` or `{"type": "function",
+    "function": {"name": …}}`; default auto with tools, none without) and `parallel_tool_calls` (default true)."""
+    tools = []
+    for i, item in enumerate(body.items("tools")):
+        tool = Body(item, f"tools[{i}]")
+        if tool.text("type", "function") != "function":
+            raise bad(tool.name("type"), f"{tool.name('type')} must be function")
+        fn = Body(tool.data.get("function"), tool.name("function"))
+        parameters = fn.data.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise bad(fn.name("parameters"), f"{fn.name('parameters')} must be a JSON Schema object")
+        try:
+            schema = json.dumps(parameters)
+        except (RecursionError, ValueError):
+            raise bad(fn.name("parameters"), f"{fn.name('parameters')} is nested too deeply to read") from None
+        tools.append(Tool(fn.text("name"), fn.text("description"), schema, fn.flag("strict")))
+    choice = ToolChoice("auto" if tools else "none")
+    if body.has("tool_choice"):
+        value = body.data["tool_choice"]
+        if value in ("auto", "none", "required"):
+            choice = ToolChoice(value)
+        elif isinstance(value, dict):
+            named = Body(value, "tool_choice")
+            if named.text("type", "function") != "function":
+                raise bad("tool_choice.type", "tool_choice.type must be function")
+            choice = ToolChoice("function", Body(named.data.get("function"), "tool_choice.function").text("name"))
+        else:
+            raise bad("tool_choice", 'tool_choice must be "auto", "none", "required" or {"type": "function", '
+                                     '"function": {"name": …}}')
+    return tuple(tools), choice, body.flag("parallel_tool_calls", True)
+
+
+def chat_message(message: Body) -> Message:
+    """One chat message: its role (`developer` read as system), text, an assistant's `tool_calls` and a tool
+    result's `tool_call_id`."""
+    role = message.text("role")
+    calls = []
+    for j, item in enumerate(message.items("tool_calls")):
+        call = Body(item, message.name(f"tool_calls[{j}]"))
+        fn = Body(call.data.get("function"), call.name("function"))
+        arguments = fn.data.get("arguments", "{}")
+        calls.append(ToolCall(call.text("id"), fn.text("name"),
+                              arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    return Message("system" if role == "developer" else role, message_text(message), tuple(calls),
+                   message.text("tool_call_id"))
+
+
 # ---- the application -----------------------------------------------------------------------------------------------
 
 
@@ -286,24 +336,28 @@ class HttpApi:
     async def chat(self, request: Request) -> Response:
         body = await read_json(request, self.config.limits.max_message_bytes)
         session = self._session(request, body, use_user=True)
-        messages: list[tuple[str, str]] = []
-        for i, item in enumerate(body.items("messages")):
-            message = Body(item, f"messages[{i}]")
-            role = message.text("role")
-            if role == "developer":
-                role = "system"
-            messages.append((role, message_text(message)))
+        messages = [chat_message(Body(item, f"messages[{i}]")) for i, item in enumerate(body.items("messages"))]
         if not messages:
             raise bad("messages", "messages must be a non-empty list of {role, content}")
         sampling, budget = openai_sampling(body, self.config.limits.default_max_new_tokens,
                                            self.config.limits.max_new_tokens, self.config.limits.max_choices)
         options = openai_editor_options(body, chat=True)
-        prompt = chat_prompt(self.gateway, messages)
-        params = apply_editor_options(decode(self, sampling, budget, reply_stops(self.gateway.runtime)), options)
-        params = replace(params, constraint=response_format(body))
-        stream, usage = stream_flags(body)
         rt = self.gateway.runtime
-        reply = OpenAIReply(chat=True, model=rt.target_info.name, include_usage=usage, text=rt.token_text)
+        tools, choice, parallel = chat_tools(body)
+        fmt = tool_format(rt)
+        calls = validation.tool_constraint(tools, choice, parallel, fmt)
+        if calls is not None and sampling.n > 1:
+            raise bad("n", "n above 1 with tools (tool_choice other than none) is not served: send n = 1, or "
+                           "set tool_choice to none")
+        if calls is not None and body.has("response_format") and response_format(body) is not None:
+            raise bad("response_format", "response_format and tools (with tool_choice other than none) are "
+                                         "exclusive: send one, or set tool_choice to none")
+        prompt = chat_prompt(self.gateway, messages, tools)
+        params = apply_editor_options(decode(self, sampling, budget, reply_stops(rt)), options)
+        params = replace(params, constraint=calls or response_format(body))
+        stream, usage = stream_flags(body)
+        reply = OpenAIReply(chat=True, model=rt.target_info.name, include_usage=usage, text=rt.token_text,
+                            tools=ToolCallParser(fmt) if calls is not None else None)
         return self._generation(request, "ChatCompletions", prompt, params, session, reply, stream, sampling.n)
 
     async def completions(self, request: Request) -> Response:

@@ -12,6 +12,7 @@ from typing import Any
 
 from specrpc.engine.generation import FINISH_LENGTH, FINISH_STOP, TokenLogprob
 from specrpc.prompts.text import FINISH_INDENT, FINISH_TIME_LIMIT
+from specrpc.prompts.tools import ArgumentsPart, CallStarted, ReplyPart, TextPart, ToolCallParser
 from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk, Done
 
 OPENAI_FINISH = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CANCELLED: "cancelled",
@@ -79,6 +80,8 @@ class OpenAIReply(Reply):
     logprobs: list[TokenLogprob] = field(default_factory=list)  # every token's, when asked for (whole replies)
     offset: int = 0  # characters streamed so far (completions' text_offset)
     index: int = 0  # the choice (OpenAI `n`)
+    tools: ToolCallParser | None = None  # reads tool calls out of the reply (chat with tools)
+    content: list[str] = field(default_factory=list)  # the reply's text outside tool calls (with tools)
     done_marker = True
 
     def envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
@@ -113,19 +116,63 @@ class OpenAIReply(Reply):
     def chunk(self, text: str, chunk: Chunk) -> list[dict[str, Any]]:
         self.logprobs += chunk.logprobs
         offset, self.offset = self.offset, self.offset + len(text)
+        if self.tools is not None:
+            return self._tool_deltas(self.tools.feed(text), chunk.logprobs)
         if not text and not chunk.logprobs:
             return []
         return [self.envelope([self.choice(text, None, True, lps=chunk.logprobs, offset=offset)], True)]
 
+    def _tool_deltas(self, parts: Sequence[ReplyPart], lps: Sequence[TokenLogprob] = ()) -> list[dict[str, Any]]:
+        """Chunks for parsed parts of a reply with tools, in OpenAI's shape: text as `content`; a call's first
+        delta with its index, id, type and name and empty arguments; then its arguments in fragments. A step's
+        log-probabilities go with its first chunk (or a chunk of their own when the step completed no part)."""
+        events = []
+        for part in parts:
+            delta: dict[str, Any]
+            if isinstance(part, TextPart):
+                self.content.append(part.text)
+                delta = {"content": part.text}
+            elif isinstance(part, CallStarted):
+                delta = {"tool_calls": [{"index": part.index, "id": part.id, "type": "function",
+                                         "function": {"name": part.name, "arguments": ""}}]}
+            elif isinstance(part, ArgumentsPart):
+                delta = {"tool_calls": [{"index": part.index, "function": {"arguments": part.text}}]}
+            else:
+                continue
+            choice = {"index": self.index, "delta": delta, "logprobs": self._logprobs(lps, 0), "finish_reason": None}
+            events.append(self.envelope([choice], True))
+            lps = ()
+        if lps:
+            events.append(self.envelope([self.choice(None, None, True, lps=lps)], True))
+        return events
+
     def end(self, done: Done, text: str, stream: bool) -> list[dict[str, Any]]:
         finish = OPENAI_FINISH.get(done.finish, done.finish)
+        held: list[dict[str, Any]] = []
+        if self.tools is not None:
+            held = self._tool_deltas(self.tools.finish())
+            if self.tools.calls and finish == "stop":
+                finish = "tool_calls"
         if not stream:
             choice = self.choice(text, finish, False, lps=self.logprobs)
+            if self.tools is not None:
+                choice["message"] = self._tool_message()
             return [{**self.envelope([choice], False), "usage": usage(done)}]
-        events = [self.envelope([self.choice(None if self.chat else "", finish, True)], True)]
+        events = [*held, self.envelope([self.choice(None if self.chat else "", finish, True)], True)]
         if self.include_usage:
             events.append({**self.envelope([], True), "usage": usage(done)})
         return events
+
+    def _tool_message(self) -> dict[str, Any]:
+        """The whole reply's message with tools: its text (null when it only calls), and its calls."""
+        assert self.tools is not None
+        content = "".join(self.content)
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if self.tools.calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in self.tools.calls]
+        return message
 
 
 @dataclass

@@ -1,0 +1,323 @@
+"""Tool calls (prompts/tools.py and both edges): the streaming parser, the grammars, histories with calls and results
+through Qwen2.5's chat template, the official openai SDK streaming calls from a random-weight Qwen2 checkpoint
+(`tool_server`), the plain format on the shipped pair, gRPC Converse tool declarations and events, bad and hostile
+declarations refused with 400 / INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any
+
+import grpc
+import httpx2
+import jsonschema
+import openai
+import pytest
+from service_helpers import Conversation, base_url
+
+from specrpc.edges.conversation import render, tool_format
+from specrpc.edges.history import Message
+from specrpc.edges.server import Running
+from specrpc.engine.constraint import ConstraintSpec
+from specrpc.prompts.tools import (
+    HERMES,
+    ArgumentsPart,
+    CallEnded,
+    CallStarted,
+    TextPart,
+    Tool,
+    ToolCall,
+    ToolCallParser,
+    ToolChoice,
+    call_schema,
+    tool_grammar,
+)
+from specrpc.v1 import generator_pb2 as pb
+from specrpc.v1 import generator_pb2_grpc as pb_grpc
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS: list[Any] = [
+    {"type": "function",
+     "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# ---- the parser and the grammar ----------------------------------------------------------------------------------
+
+
+REPLY = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}r\\"is", "n": [1, {"a": 2}]}}'
+         '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_parser_reads_calls_from_a_reply_split_anywhere(seed: int) -> None:
+    rng = random.Random(seed)
+    parser, parts, i = ToolCallParser(HERMES), [], 0
+    while i < len(REPLY):
+        n = rng.randint(1, 9)
+        parts += parser.feed(REPLY[i:i + n])
+        i += n
+    parts += parser.finish()
+    assert "".join(p.text for p in parts if isinstance(p, TextPart)) == "Let me look.\n"
+    args: dict[int, str] = {}
+    for p in parts:
+        if isinstance(p, ArgumentsPart):
+            args[p.index] = args.get(p.index, "") + p.text
+    assert args == {0: '{"city": "Pa}r\\"is", "n": [1, {"a": 2}]}', 1: "{}"}
+    starts = [p for p in parts if isinstance(p, CallStarted)]
+    assert [p.name for p in starts] == ["get_weather", "get_time"]
+    ends = [p for p in parts if isinstance(p, CallEnded)]
+    assert [e.call for e in ends] == parser.calls and [c.id for c in parser.calls] == [s.id for s in starts]
+    # a call is announced before its arguments, and its arguments before it ends
+    order = [type(p).__name__ for p in parts if not isinstance(p, TextPart)]
+    assert order.index("CallStarted") < order.index("ArgumentsPart") < order.index("CallEnded")
+
+
+def test_text_that_only_looks_like_a_marker_is_text() -> None:
+    parser = ToolCallParser(HERMES)
+    parts = parser.feed("a <tool") + parser.feed("box> b <tool_c") + parser.finish()
+    assert "".join(p.text for p in parts if isinstance(p, TextPart)) == "a <toolbox> b <tool_c"
+    assert parser.calls == []
+
+
+def test_grammars_force_valid_calls(tool_server: Running) -> None:
+    """Required: only a call can start the reply, and a wrong name is refused; auto: text until the marker, then
+    the call is forced; none: no grammar."""
+    rt = tool_server.runtime
+    fmt = tool_format(rt)
+    assert fmt.native and fmt.marker_tokens  # Qwen2.5's template, and its <tool_call> token
+    tools = [Tool("get_weather", "", json.dumps(WEATHER)), Tool("get_time", "", json.dumps(TIME))]
+    encode = rt.encode_plain
+    good = encode('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    wrong = encode('<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
+    required = rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(tools, ToolChoice("required"), True, fmt)
+                                                  or "")).start()
+    assert required.valid_prefix(good) == len(good)
+    assert required.valid_prefix(wrong) < len(wrong)
+    assert required.valid_prefix(encode("Hello")) == 0
+    named = rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(
+        tools, ToolChoice("function", "get_weather"), False, fmt) or "")).start()
+    assert named.valid_prefix(good) < len(good)  # only get_weather
+    auto = rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(tools, ToolChoice("auto"), True, fmt)
+                                              or "")).start()
+    text = encode("Sure, one moment. ")
+    assert auto.valid_prefix(text + good) == len(text + good)
+    assert auto.valid_prefix(text + wrong) < len(text + wrong)
+    assert tool_grammar(tools, ToolChoice("none"), True, fmt) is None
+
+
+def test_a_history_with_calls_and_results_renders_through_the_template(tool_server: Running) -> None:
+    rt = tool_server.runtime
+    tools = [Tool("get_weather", "Weather in a city", json.dumps(WEATHER))]
+    history = [Message("user", "Weather in Paris?"),
+               Message("assistant", "", (ToolCall("call_1", "get_weather", '{"city": "Paris", "unit": "celsius"}'),)),
+               Message("tool", '{"temperature": 21}', tool_call_id="call_1")]
+    text = rt.tokenizer.decode(render(rt, history, True, tools))
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+            '"celsius"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{"temperature": 21}\n'
+            '</tool_response><|im_end|>\n<|im_start|>assistant\n') in text
+    assert '"name": "get_weather", "description": "Weather in a city"' in text  # the tools in the system prompt
+
+
+# ---- HTTP ------------------------------------------------------------------------------------------------------------
+
+
+def sdk(running: Running) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url(running) + "/v1", api_key="unused", max_retries=0)
+
+
+async def test_sdk_streams_100_of_100_valid_calls_with_tool_choice_required(tool_server: Running) -> None:
+    """The issue's bar: `tools` + `tool_choice: required` at T = 1 from a random-weight model with Qwen2.5's
+    template; every streamed call parses and validates against its function's schema. One request in ten allows
+    parallel calls (a random model chains them about one time in two, so most requests make one call and none
+    runs out of tokens)."""
+    calls = 0
+    async with sdk(tool_server) as client:
+        for seed in range(100):
+            stream = await client.chat.completions.create(
+                model="m", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+                parallel_tool_calls=seed % 10 == 0, max_tokens=400, stream=True)
+            names: dict[int, str] = {}
+            args: dict[int, str] = {}
+            finish = None
+            async for chunk in stream:
+                choice = chunk.choices[0]
+                assert not choice.delta.content, choice.delta
+                for call in choice.delta.tool_calls or []:
+                    if call.id is not None:  # a call's first delta: index, id, type, name, empty arguments
+                        assert call.type == "function" and call.function and call.function.name
+                        assert call.function.arguments == "" and call.index not in names
+                        names[call.index] = call.function.name
+                    else:
+                        assert call.function and call.function.name is None and call.index in names
+                        args[call.index] = args.get(call.index, "") + (call.function.arguments or "")
+                finish = choice.finish_reason or finish
+            assert finish == "tool_calls" and names
+            for index, name in names.items():
+                jsonschema.validate(json.loads(args[index]), SCHEMAS[name])
+                calls += 1
+    assert calls >= 100
+
+
+async def test_a_named_function_not_streamed(tool_server: Running) -> None:
+    async with sdk(tool_server) as client:
+        reply = await client.chat.completions.create(
+            model="m", messages=ASK, tools=TOOLS, temperature=1.0, seed=3, parallel_tool_calls=False,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert message.tool_calls is not None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), TIME)
+
+
+async def test_auto_and_none_write_text_and_a_tool_result_turn_is_accepted(tool_server: Running) -> None:
+    async with sdk(tool_server) as client:
+        for choice in ("auto", "none"):
+            reply = await client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                         temperature=0, max_tokens=20)
+            first = reply.choices[0]
+            if first.message.tool_calls:  # auto may call: then the call is valid
+                assert choice == "auto" and first.finish_reason == "tool_calls"
+                for call in first.message.tool_calls:
+                    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            else:
+                assert first.finish_reason in ("stop", "length") and first.message.content
+        history: list[Any] = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+            {"role": "tool", "tool_call_id": "call_7", "content": '{"temperature": 21}'}]
+        reply = await client.chat.completions.create(model="m", messages=history, tools=TOOLS, tool_choice="none",
+                                                     temperature=0, max_tokens=8)
+        assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_the_plain_format_on_the_shipped_pair(client: openai.AsyncOpenAI) -> None:
+    """A model without a chat template gets the tools described in its prompt and the same tags, constrained."""
+    for seed in range(3):
+        reply = await client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                     temperature=1.0, seed=seed, max_tokens=200,
+                                                     parallel_tool_calls=False)
+        calls = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and calls
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS + TOOLS[:1]}, "declared twice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among tools"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
+                                                  "parameters": {"type": "strange"}}}]}, "invalid grammar"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "exclusive"),
+])
+async def test_bad_tools_are_400_naming_the_field(http: httpx2.AsyncClient, body: dict[str, Any], param: str) -> None:
+    response = await http.post("/v1/chat/completions", json={"model": "m", "messages": ASK, "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    assert param in response.json()["error"]["message"]
+
+
+def deep(n: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+HOSTILE = {
+    "deep nesting": deep(400),
+    "huge enum": {"type": "object", "properties": {"e": {"enum": [f"value-{i}" for i in range(20_000)]}}},
+    "recursive ref": {"type": "object", "properties": {"node": {"$ref": "#/$defs/n"}},
+                      "$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}},
+    "invalid regex": {"type": "object", "properties": {"s": {"type": "string", "pattern": "(unclosed"}}},
+    "1 MB schema": {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
+                                                     for i in range(10_000)}},
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+async def test_hostile_tool_schemas_are_served_or_refused(http: httpx2.AsyncClient, name: str) -> None:
+    """Served (a call that validates) or refused with 400 naming the problem; never a 500, never a hang. The server
+    enforces the one-second budget itself (COMPILE_BUDGET_S); the bound here only catches a hang on a loaded box."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": HOSTILE[name]}}]
+    started = time.perf_counter()
+    response = await http.post("/v1/chat/completions", json={
+        "model": "m", "messages": ASK, "tools": tools, "tool_choice": "required", "max_tokens": 64}, timeout=60)
+    assert time.perf_counter() - started < 30
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        error = response.json()["error"]
+        assert error["code"] in ("invalid_schema", "invalid_value") and error["message"]
+
+
+async def test_a_schema_nested_past_any_parser_is_400(http: httpx2.AsyncClient) -> None:
+    body = ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": '
+            '[{"type": "function", "function": {"name": "f", "parameters": ' + '{"properties": {"a": ' * 5000 + "{}"
+            + "}}" * 5000 + "}}]}")
+    response = await http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+
+
+# ---- gRPC ------------------------------------------------------------------------------------------------------------
+
+
+def grpc_tools() -> list[pb.Tool]:
+    return [pb.Tool(name=t["function"]["name"], description=t["function"]["description"],
+                    parameters_json=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+
+
+async def test_converse_declares_tools_streams_call_events_and_takes_results(tool_server: Running) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{tool_server.port}") as channel:
+        conversation = Conversation(pb_grpc.GeneratorStub(channel))
+        await conversation.start(tools=grpc_tools(), tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED),
+                                 max_new_tokens=300)
+        events = await conversation.turn_events("What is the weather in Paris?",
+                                                sampling=pb.SamplingParams(temperature=1.0, seed=5))
+        calls = [e.tool_call for e in events if e.WhichOneof("event") == "tool_call"]
+        summary = events[-1].summary
+        assert calls and list(summary.tool_calls) == calls
+        assert all(e.chunk.text == "" for e in events if e.WhichOneof("event") == "chunk")  # calls are not text
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments_json), SCHEMAS[call.name])
+        events = await conversation.turn_events('{"temperature": 21}', role="tool", tool_call_id=calls[0].id,
+                                                tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE),
+                                                max_new_tokens=6)
+        assert not [e for e in events if e.WhichOneof("event") == "tool_call"]
+        assert events[-1].summary.reply_text
+        await conversation.close()
+
+
+async def test_converse_refuses_bad_tools(stub: pb_grpc.GeneratorStub) -> None:
+    conversation = Conversation(stub)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await conversation.start(tools=[pb.Tool(name="f", parameters_json="[]")])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "start.tools[0].function.parameters" in (caught.value.details() or "")
+
+
+def test_a_recursive_schema_keeps_its_definitions() -> None:
+    """`$defs` move to the call's root, where the parameters' `#/$defs/…` references find them."""
+    tool = Tool("f", "", json.dumps(HOSTILE["recursive ref"]))
+    schema = call_schema(tool)
+    assert schema["$defs"] == HOSTILE["recursive ref"]["$defs"] and "$defs" not in schema["properties"]["arguments"]
