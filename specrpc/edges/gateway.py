@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from specrpc.config import Config, parse_networks
-from specrpc.edges.auth import StreamQuota
+from specrpc.edges.auth import StreamQuota, bearer_token, client_id_of_token
 from specrpc.edges.metrics import Metrics
 from specrpc.serving.runtime import DecodeParams, Runtime
 from specrpc.serving.scheduler import Chunk, Done, Failed
@@ -109,13 +109,25 @@ class Gateway:
 
     # ---- generation --------------------------------------------------------------------------------------------
 
+    def draft_scope(self, metadata: Iterable[tuple[str, str | bytes]] | None, session_id: str) -> str | None:
+        """Whose earlier outputs may draft for a request (the suffix source): its auth token's clients' with auth
+        tokens (one tenant's text never drafts for another's), else every client's where the operator shares them
+        (--shared-suffix-drafts), else its session's own (None: no session, nothing to draft from)."""
+        if self.quota.by_token:
+            token = bearer_token(metadata)
+            return client_id_of_token(token) if token is not None else None
+        if self.config.server.shared_suffix_drafts:
+            return "shared"
+        return f"session:{session_id}" if session_id else None
+
     async def stream(self, prompt: list[int], params: DecodeParams, session_id: str, rpc: str,
-                     cancel: asyncio.Event | None = None) -> AsyncGenerator[Chunk | Done]:
+                     cancel: asyncio.Event | None = None, scope: str | None = None) -> AsyncGenerator[Chunk | Done]:
         """Run one generation and yield its chunks and final Done (accounted in `_account`, even when the client
-        goes away before reading it). A failed generation raises DeviceOutOfMemory or EngineFailure."""
+        goes away before reading it); `scope`: whose earlier outputs draft for it (`draft_scope`). A failed
+        generation raises DeviceOutOfMemory or EngineFailure."""
         last = 0.0
         account = functools.partial(self._account, rpc, session_id)
-        async for event in self.runtime.generate(prompt, params, session_id, cancel, account):
+        async for event in self.runtime.generate(prompt, params, session_id, cancel, account, scope):
             if isinstance(event, Failed):
                 if is_out_of_memory(event.error):
                     raise DeviceOutOfMemory(f"the device ran out of memory on this stream ({event.error}); retry "

@@ -24,6 +24,7 @@ from specrpc.edges.gateway import DeviceOutOfMemory, EngineFailure, Gateway, Not
 from specrpc.edges.http.replies import Reply
 from specrpc.edges.validation import InvalidRequest
 from specrpc.prompts.fim import NoInfillSupport, PromptTooLong
+from specrpc.prompts.rewrite import BadRewrite
 from specrpc.serving.runtime import DecodeParams
 from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk
 from specrpc.serving.sessions import SlotsExhausted, UnknownSession
@@ -51,6 +52,7 @@ class ErrorKind:
 ERRORS: list[tuple[type[BaseException], ErrorKind]] = [
     (InvalidRequest, ErrorKind(400, "invalid_request_error", "invalid_value", "INVALID_ARGUMENT")),
     (PromptTooLong, ErrorKind(400, "invalid_request_error", "prompt_too_long", "INVALID_ARGUMENT")),
+    (BadRewrite, ErrorKind(400, "invalid_request_error", "invalid_value", "INVALID_ARGUMENT")),
     (UnknownSession, ErrorKind(400, "invalid_request_error", "unknown_session", "INVALID_ARGUMENT")),
     (NoInfillSupport, ErrorKind(400, "invalid_request_error", "infill_unsupported", "FAILED_PRECONDITION")),
     (SlotsExhausted, ErrorKind(429, "rate_limit_error", "kv_slots_exhausted", "RESOURCE_EXHAUSTED")),
@@ -207,7 +209,7 @@ class GenerationResponse(Response):
     `data: {"error": …}` event. The admitted stream is released and the request counted when it ends."""
 
     def __init__(self, gateway: Gateway, rpc: str, client: str, prompt: list[int], params: DecodeParams,
-                 session: str, reply: Reply, stream: bool) -> None:
+                 session: str, reply: Reply, stream: bool, scope: str | None = None) -> None:
         super().__init__(status_code=200)
         self.gateway = gateway
         self.rpc = rpc
@@ -217,6 +219,7 @@ class GenerationResponse(Response):
         self.session = session
         self.reply = reply
         self.stream = stream
+        self.scope = scope  # whose earlier outputs draft for it (Gateway.draft_scope)
         self.opened = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -233,7 +236,7 @@ class GenerationResponse(Response):
 
     async def _answer(self, send: Send, gone: asyncio.Event) -> str:
         """Stream or collect the generation; returns the final status as a gRPC code name."""
-        events = self.gateway.stream(self.prompt, self.params, self.session, self.rpc, gone)
+        events = self.gateway.stream(self.prompt, self.params, self.session, self.rpc, gone, self.scope)
         text: list[str] = []
         try:
             async for event in events:
