@@ -85,10 +85,10 @@ class SuffixTrie:
     def draft(self, context: list[int], k: int) -> tuple[list[int], int]:
         """Up to k tokens continuing `context` and the length of the match they continue ([] and 0: none)."""
         with self._lock:
+            if len(context) < MIN_MATCH or self._node(context[-MIN_MATCH:]) is None:
+                return [], 0  # no longer suffix matches either: the common case costs MIN_MATCH lookups
             for size in range(min(len(context), self.depth - 1), MIN_MATCH - 1, -1):
-                node: Node | None = self.root
-                for token in context[len(context) - size :]:
-                    node = node.children.get(token) if node is not None else None
+                node = self._node(context[len(context) - size :])
                 if node is None or not node.children:
                     continue
                 ids: list[int] = []
@@ -102,6 +102,13 @@ class SuffixTrie:
                     node = child
                 return ids, size
         return [], 0
+
+    def _node(self, path: list[int]) -> Node | None:
+        """The node at `path` from the root, None where it leaves the trie."""
+        node: Node | None = self.root
+        for token in path:
+            node = node.children.get(token) if node is not None else None
+        return node
 
 
 def _size(node: Node) -> int:
