@@ -447,7 +447,7 @@ async def test_cli_complete_takes_a_prediction_file(server: Running, tmp_path: P
     predicted.write_text("    def __init__(self):\n        self.items = []\n")
     rc, out, err = await _run(str(BIN / "specrpc"), "complete", "class Stack:\n", "--port", str(server.port),
                               "--max-new-tokens", "12", "--prediction", str(predicted), "--timeout", "30")
-    assert rc == 0 and "prediction " in err and "used" in err, err
+    assert rc == 0 and out.strip() and "prediction " in err and "used" in err, err
 
 
 async def test_cli_complete_reports_errors(server: Running) -> None:
