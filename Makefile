@@ -14,7 +14,7 @@ TS := clients/typescript
 # npm writes this file on every install, so it is newer than the lock file once node_modules matches it.
 TS_DEPS := $(TS)/node_modules/.package-lock.json
 
-.PHONY: install proto serve test test-ts lint models bench gpu-check clean
+.PHONY: install proto serve test test-ts lint models bench gpu-check fuzz soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,18 @@ models: install
 
 bench: install
 	$(BIN)/specrpc bench $(ARGS)
+
+# The long deep fuzz (tests/test_fuzz_deep.py; the suite runs 2,000): N requests over both edges, both models.
+N ?= 100000
+fuzz: install
+	$(BIN)/python -c 'from specrpc.training.lock import refuse_beside_training as r; r("make fuzz")'
+	SPECRPC_FUZZ_REQUESTS=$(N) $(BIN)/python -m pytest tests/test_fuzz_deep.py -x -q -s -p no:cacheprovider $(PYTEST_ARGS)
+
+# The mixed-traffic soak on both edges (tools/soak.py): HOURS of editor, voice, chat, completion and hostile clients
+# against a server it starts; RSS each minute, latency per kind per ten minutes, hung streams; exit 1 on a failure.
+HOURS ?= 1
+soak: install
+	$(BIN)/python tools/soak.py --duration $$(awk 'BEGIN { print $(HOURS) * 3600 }') --json soak.json $(ARGS)
 
 # The prepared device run of issue 17 (CUDA tests, shipped-pair and realistic-size benchmarks, gRPC from a separate
 # client process) into OUT; needs no network. Rehearse on a CPU: make gpu-check ARGS="--device cpu --quick".

@@ -88,6 +88,9 @@ def check_nginx() -> list[str]:
         (root / "specrpc-upstream.inc").write_text(
             "server 127.0.0.1:50051 max_fails=2 fail_timeout=10s;\nserver 127.0.0.1:50052 max_fails=2 "
             "fail_timeout=10s down;\n")
+        (root / "specrpc-http-upstream.inc").write_text(
+            "server 127.0.0.1:8001 max_fails=2 fail_timeout=10s;\nserver 127.0.0.1:8002 max_fails=2 "
+            "fail_timeout=10s down;\n")
         done = subprocess.run([nginx, "-t", "-p", str(root), "-c", str(root / "nginx.conf")],
                               capture_output=True, text=True)
     if done.returncode:

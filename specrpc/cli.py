@@ -52,6 +52,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    from specrpc.training.lock import refuse_beside_training
+
+    refuse_beside_training("specrpc bench")
     if argv[:1] == ["realistic"]:  # random-weight models of published shapes, simulated acceptance
         from specrpc.bench.realistic import main as realistic_main
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -10,13 +11,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
+import httpx2
+import openai
 import pytest
 import pytest_asyncio
+from service_helpers import base_url
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.config import Config, Limits, ServerConfig, build_config
 from specrpc.edges.server import Running, start_server
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
+
+# The suite's bench, soak and fuzz runs are smoke runs whose figures nobody reads: they may run beside a training.
+os.environ.setdefault("SPECRPC_BESIDE_TRAINING", "1")
 
 
 def free_port() -> int:
@@ -154,3 +161,17 @@ async def chat_server(server: Running, tmp_path_factory: pytest.TempPathFactory)
     running = await start_server(config)
     yield running
     await running.stop(0.5)
+
+
+@pytest_asyncio.fixture
+async def client(server: Running) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official openai SDK on the in-process server's HTTP edge."""
+    async with openai.AsyncOpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest_asyncio.fixture
+async def http(server: Running) -> AsyncIterator[httpx2.AsyncClient]:
+    """A plain HTTP client on the in-process server's HTTP edge."""
+    async with httpx2.AsyncClient(base_url=base_url(server), timeout=60) as c:
+        yield c

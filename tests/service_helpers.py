@@ -9,6 +9,7 @@ from collections.abc import AsyncIterable, Callable
 import grpc
 import pytest
 
+from specrpc.edges.server import Running
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -157,3 +158,8 @@ class Conversation:
         await self.call.done_writing()
         assert await asyncio.wait_for(self.call.read(), timeout=30) is grpc.aio.EOF
         assert await self.call.code() == grpc.StatusCode.OK
+
+
+def base_url(server: Running) -> str:
+    """The in-process server's HTTP edge."""
+    return f"http://127.0.0.1:{server.http_port}"

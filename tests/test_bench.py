@@ -10,6 +10,7 @@ import pytest
 
 from specrpc.bench.run import main
 from specrpc.config import ASSETS
+from specrpc.models.fingerprint import pair_hash
 
 SHIPPED = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="default models missing")
 
@@ -38,6 +39,8 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert len(sweep["2:round-robin:target-only"]["round_tokens_per_s"]) == 2
     markdown = (tmp_path / "results.md").read_text()
     assert "| 2 | round-robin |" in markdown and "reached of the bound's ×" in markdown
+    pair = pair_hash(str(ASSETS / "target"), str(ASSETS / "draft"))
+    assert f"Pair: `{pair}` (target target, draft draft)" in markdown
     assert "batched ÷ round-robin, target-only" in markdown
     for chart in ("tokens_per_s.png", "accepted_length.png", "speedup_vs_k.png"):
         assert (tmp_path / chart).stat().st_size > 0
@@ -58,6 +61,7 @@ def test_keystroke_replay_runs_through_grpc_from_another_process(tmp_path: Path)
         assert run["keystrokes"] == 4
         assert all(k["prompt_tokens"] > 0 and k["finish"] for line in run["keystrokes_detail"] for k in line)
     assert "| typed_line | 120 ms | 4 |" in (tmp_path / "keystrokes.md").read_text()
+    assert (tmp_path / "keystrokes.md").read_text().startswith("Pair: `")
     along = results["along"]["typed_line"]  # typing along the suggestion: each keystroke ran to its end
     assert along["lines"] == 1 and along["first_total_ms_median"] > 0
     strokes = along["keystrokes_detail"][0]

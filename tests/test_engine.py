@@ -193,6 +193,8 @@ def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path]
     for guard in (False, True):
         calls.clear()
         slot = engine.new_slot(0)
+        for name in ("observe_target", "observe_host", "observe_draft"):  # the costs stay as given: verifying is free
+            monkeypatch.setattr(slot.policy.costs, name, lambda *args: None)
         if not guard:
             slot.policy.min_realized_steps = 10**9
         assert run(engine, prompt, 40, GREEDY, None, proposer="lookup", slot=slot) == plain
@@ -370,7 +372,8 @@ def test_batched_streams_equal_their_solo_runs(pair: tuple[Path, Path]) -> None:
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
-def test_seeded_sampling_in_a_batch_reproduces_its_solo_run(pair: tuple[Path, Path], native: bool) -> None:
+def test_seeded_sampling_in_a_batch_reproduces_its_solo_run(pair: tuple[Path, Path], native: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A seeded request at a given k samples what it samples alone, whatever shares its steps (an adaptive k
     follows measured timings, so there only greedy output is fixed): every forward through the torch forward, or
     every one through the native step (a token's logits the same bits alone or batched). Mixed, a native solo step
@@ -378,6 +381,10 @@ def test_seeded_sampling_in_a_batch_reproduces_its_solo_run(pair: tuple[Path, Pa
     whose residual max(0, p - q) is that small, the same seed resamples differently (the distribution is the
     target's either way)."""
     requires_native(native)
+    for costs, names in ((CostModel, ("observe_target", "observe_host", "observe_draft", "observe_catch_up")),
+                         (BatchCosts, ("observe_target", "observe_draft"))):
+        for name in names:  # "combined" picks lookup or the draft by costs: measured ones would follow the host
+            monkeypatch.setattr(costs, name, lambda *args: None)
     engine = make_engine(pair, slots=3, native=native)
     for model in (engine.target, engine.draft):
         if native:

@@ -9,7 +9,6 @@ import json
 import signal
 import ssl
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,9 @@ import grpc
 import httpx2
 import openai
 import pytest
-import pytest_asyncio
 from conftest import free_port
 from process_helpers import have_openssl, make_certs, serve_process, wait_serving
-from service_helpers import LONG_TOKENS, Conversation, collect, text_of, wait_until
+from service_helpers import LONG_TOKENS, Conversation, base_url, collect, text_of, wait_until
 
 from specrpc.config import build_config
 from specrpc.edges.auth import StreamQuota, TokenAuth
@@ -38,22 +36,6 @@ LLAMA_VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings
                     "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
                     "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]
 """The response_fields of llama.vim's completion request (autoload/llama.vim, llama#fim)."""
-
-
-def base_url(server: Running) -> str:
-    return f"http://127.0.0.1:{server.http_port}"
-
-
-@pytest_asyncio.fixture
-async def client(server: Running) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest_asyncio.fixture
-async def http(server: Running) -> AsyncIterator[httpx2.AsyncClient]:
-    async with httpx2.AsyncClient(base_url=base_url(server), timeout=60) as c:
-        yield c
 
 
 def assert_openai_error(response: httpx2.Response, status: int, *words: str) -> dict[str, Any]:

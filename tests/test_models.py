@@ -330,12 +330,14 @@ def test_int8_weights_need_the_lean_forward_and_name_the_flag(tmp_path: Path) ->
 
 
 def test_decode_kernel_tuning_keeps_the_output(tmp_path: Path) -> None:
+    """Both one-row kernels give the reference output while the plain copy is kept; where oneDNN won at load the
+    plain copy is gone and only it is left to check."""
     path, model = save(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
     lm = load_model(path, device=CPU, dtype=F32, num_slots=1, max_context=CAPACITY)
     assert isinstance(lm, LlamaLM) and lm.length(0) == 0, "tuning at load leaves slot 0 empty"
     ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(5))
     ref = reference(model, ids)
-    for packed in (False, True):
+    for packed in (False, True) if lm.weights.head.wt is not None else (True,):
         lm.weights = weights.with_packed_decode(lm.weights, packed)
         assert lm.weights.head.packed_rows == (1 if packed else 2)
         lm.truncate(0, 0)

@@ -4,7 +4,10 @@ is no library and the torch forward serves every step."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,3 +134,128 @@ def test_int8_prompts_and_wide_batches_run_native_as_decoding_does() -> None:
     assert torch.equal(batched[1], torch.cat([lm.forward(ids[t : t + 1], t, 1) for t in range(30, 50)])[-2:])
     lm.truncate(2, 0)
     assert torch.equal(batched[2], lm.forward(ids[:1], 0, 2))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -> None:
+    """Every prefetch mode (none, non-temporal, temporal) and prefetch distance gives the same logits bit for bit,
+    for a decode step and a verify: which one runs is a speed choice made at load, never a numerical one."""
+    requires_native()
+    cpu = torch.device("cpu")
+    if int8 and not int8_available(cpu):
+        pytest.skip("no int8 kernel")
+    lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
+                    int8_weights=int8, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    step = lm.native
+    ids = torch.tensor([(i * 7919) % 4000 for i in range(30)])
+    step.run(ids[:16], 0, 0)
+    seen = []
+    for mode in native.PREFETCH:
+        for ahead in (0, 512, 4096):
+            step.prefetch_one = step.prefetch_many = mode
+            step.model.prefetch_ahead = ahead
+            seen.append((step.run(ids[16:17], 16, 0), step.run(ids[16:21], 16, 0, num_logits=5)))
+    for one, five in seen[1:]:
+        assert torch.equal(one, seen[0][0]) and torch.equal(five, seen[0][1])
+
+
+STALL_S = 0.02
+"""An injected stall: far above any tiny model's forward here, so a path that pays it on every call loses to the others
+however noisy the machine (each is measured in interleaved rounds)."""
+
+
+def stall() -> None:
+    """`STALL_S` of busy work, as a slow path spends it: a sleep would hand the CPU to a neighbour and come back with
+    the scheduler's favour, so that the forward after it ran less often preempted than the path it is compared with."""
+    end = time.perf_counter() + STALL_S
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Forwards on one thread while a stall test runs: on a shared 2-core machine a two-thread parallel region waits at
+    every barrier for a preempted partner (a tiny model's native step took 55 ms instead of 0.1), which would measure
+    the neighbours, not the choice under test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(path: Path) -> Path:
+    """A small random Llama checkpoint at `path` (a forward well under a millisecond)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("stalled", list(native.PREFETCH))
+@pytest.mark.usefixtures("one_thread")
+def test_a_stalled_prefetch_mode_is_never_chosen(stalled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever prefetch mode is slowed by an injected stall (every native call in it sleeps) is chosen at neither
+    shape calibrated, one token nor a verify."""
+    requires_native()
+    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
+                    max_context=64, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    step = lm.native
+    fast_row = step._row
+
+    def row(*args: object) -> int:
+        if step.model.prefetch == native.PREFETCH[stalled]:
+            stall()
+        return int(fast_row(*args))
+
+    monkeypatch.setattr(step, "_row", row)
+    table = step.calibrate_prefetch()
+    assert set(table) == {1, native_step.VERIFY_TOKENS}
+    assert step.prefetch_one != stalled and step.prefetch_many != stalled, table
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_stalled_native_step_serves_no_forward_not_even_one_token(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native step slowed by an injected stall: the start-up choice measures it against torch at one token too,
+    so torch serves every forward (native_rows 0), a one-token step included."""
+    requires_native()
+    calls = []
+    fast_run = native_step.NativeStep.run
+
+    def run(self: native_step.NativeStep, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        stall()
+        return fast_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(native_step.NativeStep, "run", run)
+    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
+                    max_context=64, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native_rows == 0
+    calls.clear()
+    lm.forward(torch.tensor([1, 2, 3]), 0, 0)
+    lm.forward(torch.tensor([4]), 3, 0)
+    assert calls == [], "torch serves every forward"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_stalled_torch_forward_is_chosen_at_no_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch forward slowed by an injected stall: the native step serves every count it can take, 1 to
+    MAX_TOKENS."""
+    from specrpc.models.backends import eager
+
+    requires_native()
+    fast_run = eager.run
+
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        stall()
+        return fast_run(*args, **kwargs)
+
+    monkeypatch.setattr(eager, "run", run)
+    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
+                    max_context=64, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native_rows == native_step.MAX_TOKENS

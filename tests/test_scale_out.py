@@ -1,6 +1,7 @@
-"""Scale-out: three `specrpc serve` replicas behind nginx with the shipped deploy/nginx/ config: session affinity on
-the `x-session-id` metadata, health-driven `down` marking by deploy/nginx/upstream.py, a graceful drain (SIGTERM) that
-finishes the streams in flight while new calls move, and fail-over when a replica dies.
+"""Scale-out: three `specrpc serve` replicas behind nginx with the shipped deploy/nginx/ config, on both edges (gRPC
+and the OpenAI / llama.cpp HTTP API): session affinity on the `x-session-id` metadata or header, health-driven `down`
+marking by deploy/nginx/upstream.py, a graceful drain (SIGTERM) that finishes the streams in flight (a gRPC Converse
+and an HTTP SSE stream) while new calls move, and fail-over when a replica dies.
 
 Which replica served a call is read from each replica's own Prometheus counter of completed Generate calls (it is
 incremented before the call's status is sent, so it cannot lag behind the client), cross-checked by the server's
@@ -9,6 +10,7 @@ incremented before the call's status is sent, so it cannot lag behind the client
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shutil
@@ -17,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx2
 import pytest
 from conftest import models_missing
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -85,6 +89,7 @@ class Replica:
     name: str
     port: int
     metrics_port: int
+    http_port: int
     log: Path
     process: subprocess.Popen[bytes]
     attempt: int = 1
@@ -93,14 +98,15 @@ class Replica:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def generate_ok(self) -> int:
-        """Completed (OK) Generate calls, from the replica's Prometheus counter."""
+    def generate_ok(self, rpc: str = "Generate") -> int:
+        """Completed (OK) calls of `rpc` (Generate; over HTTP e.g. Completions), from the replica's Prometheus
+        counter."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
             text = response.read().decode()
         total = 0.0
         for line in text.splitlines():
-            if line.startswith("specrpc_requests_total{") and 'rpc="Generate"' in line and 'code="OK"' in line:
+            if line.startswith("specrpc_requests_total{") and f'rpc="{rpc}"' in line and 'code="OK"' in line:
                 total += float(line.rsplit(" ", 1)[1])
         return int(total)
 
@@ -115,7 +121,12 @@ class Cluster:
     decoy: grpc.Server | None = None
     decoy_address: str = ""
     nginx_port: int = 0
+    nginx_http_port: int = 0
     channel: grpc.Channel | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.nginx_http_port}"
 
     @property
     def stub(self) -> pb_grpc.GeneratorStub:
@@ -132,15 +143,17 @@ class Cluster:
 
     def diagnose(self) -> str:
         parts = [f"--- {r.name} ({r.address}, exit {r.process.poll()}):\n{tail(r.log)}" for r in self.replicas]
-        for name in ("upstream.log", "specrpc-upstream.inc", "nginx.log", "logs/access.log"):
+        for name in ("upstream.log", "specrpc-upstream.inc", "specrpc-http-upstream.inc", "nginx.log",
+                     "logs/access.log", "logs/http-access.log"):
             parts.append(f"--- {name}:\n{tail(self.root / name)}")
         return "\n".join(parts)
 
-    def counts(self) -> list[int]:
-        """Each replica's OK Generate calls (-1 once dead). A call is counted in gRPC's done callback, a moment after
-        the client has read the stream's end, so read until two reads 0.1 s apart agree."""
+    def counts(self, rpc: str = "Generate") -> list[int]:
+        """Each replica's OK calls of `rpc` (-1 once dead). A call is counted in gRPC's done callback (HTTP: when its
+        response ends), a moment after the client has read the stream's end, so read until two reads 0.1 s apart
+        agree."""
         def read() -> list[int]:
-            return [r.generate_ok() if r.process.poll() is None else -1 for r in self.replicas]
+            return [r.generate_ok(rpc) if r.process.poll() is None else -1 for r in self.replicas]
 
         last, deadline = read(), time.monotonic() + 5
         while time.monotonic() < deadline:
@@ -151,9 +164,9 @@ class Cluster:
             last = now
         return last
 
-    def ok_calls(self, replicas: list[Replica]) -> int:
-        """OK Generate calls of `replicas` together (settled as in `counts`)."""
-        counts = self.counts()
+    def ok_calls(self, replicas: list[Replica], rpc: str = "Generate") -> int:
+        """OK calls of `rpc` of `replicas` together (settled as in `counts`)."""
+        counts = self.counts(rpc)
         return sum(counts[self.replicas.index(r)] for r in replicas)
 
     def expect_ok_calls(self, replicas: list[Replica], expected: int) -> None:
@@ -205,29 +218,34 @@ def free_ports(n: int) -> list[int]:
 
 
 def start_replica(c: Cluster, name: str, attempt: int = 1) -> Replica:
-    port, metrics_port = free_ports(2)
+    port, metrics_port, http_port = free_ports(3)
     log = c.root / f"replica-{name}.log"
     process = c.spawn([sys.executable, "-m", "specrpc.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                       "--metrics-port", str(metrics_port), "--threads", "1", "--max-sessions", "2",
-                       "--max-context", "512", "--grace-s", "5", "--log-format", "console"], log)
-    return Replica(name, port, metrics_port, log, process, attempt)
+                       "--metrics-port", str(metrics_port), "--http-port", str(http_port), "--threads", "1",
+                       "--max-sessions", "2", "--max-context", "512", "--grace-s", "5", "--log-format", "console"],
+                      log)
+    return Replica(name, port, metrics_port, http_port, log, process, attempt)
 
 
-def nginx_config(root: Path, port: int) -> None:
-    """The shipped nginx.conf and specrpc.conf in a fresh prefix, listening on `port` instead of 8080."""
+def nginx_config(root: Path, port: int, http_port: int) -> None:
+    """The shipped nginx.conf and specrpc.conf in a fresh prefix, listening on `port` instead of 8080 (gRPC) and on
+    `http_port` instead of 8081 (HTTP), with an access log for the HTTP server."""
     (root / "logs").mkdir(exist_ok=True)
     (root / "tmp").mkdir(exist_ok=True)
     shutil.copy(DEPLOY / "nginx.conf", root / "nginx.conf")
     conf = (DEPLOY / "specrpc.conf").read_text()
     assert conf.count("listen 8080 http2;") == 1, "deploy/nginx/specrpc.conf should listen on 8080 exactly once"
-    (root / "specrpc.conf").write_text(conf.replace("listen 8080 http2;", f"listen 127.0.0.1:{port} http2;"))
+    assert conf.count("listen 8081;") == 1, "deploy/nginx/specrpc.conf should listen on 8081 exactly once"
+    conf = conf.replace("listen 8080 http2;", f"listen 127.0.0.1:{port} http2;")
+    conf = conf.replace("listen 8081;", f"listen 127.0.0.1:{http_port};\n    access_log logs/http-access.log specrpc;")
+    (root / "specrpc.conf").write_text(conf)
 
 
 def start_nginx(c: Cluster) -> subprocess.Popen[bytes]:
     """nginx with the shipped config on a free port, in the foreground (`daemon off`), prefix `c.root`."""
     assert NGINX is not None
-    (c.nginx_port,) = free_ports(1)
-    nginx_config(c.root, c.nginx_port)
+    c.nginx_port, c.nginx_http_port = free_ports(2)
+    nginx_config(c.root, c.nginx_port, c.nginx_http_port)
     if c.channel is not None:
         c.channel.close()
     c.channel = grpc.insecure_channel(f"127.0.0.1:{c.nginx_port}")
@@ -259,16 +277,18 @@ def cluster() -> Iterator[Cluster]:
             return all(health_status(r.address) == SERVING for r in c.replicas)
 
         wait_until(replicas_serving, START_TIMEOUT_S, "the replicas SERVING", c.diagnose)
-        include = root / "specrpc-upstream.inc"
+        include, http_include = root / "specrpc-upstream.inc", root / "specrpc-http-upstream.inc"
         c.spawn([sys.executable, str(DEPLOY / "upstream.py"), "watch", "--interval", "0.3", "--no-initial-reload",
-                 "--nginx-pid", str(root / "nginx.pid"), "--out", str(include),
-                 *[r.address for r in c.replicas], c.decoy_address], root / "upstream.log")
+                 "--nginx-pid", str(root / "nginx.pid"), "--out", str(include), "--http-out", str(http_include),
+                 *[f"{r.address},{r.http_port}" for r in c.replicas], c.decoy_address], root / "upstream.log")
         expected = {f"server {r.address} max_fails=2 fail_timeout=10s;" for r in c.replicas}
         expected.add(f"server {c.decoy_address} max_fails=2 fail_timeout=10s down;")
+        expected_http = {f"server 127.0.0.1:{r.http_port} max_fails=2 fail_timeout=10s;" for r in c.replicas}
 
         def include_settled() -> bool:
             lines = {ln for ln in tail(include, 100).splitlines() if ln.startswith("server ")}
-            return lines == expected
+            http_lines = {ln for ln in tail(http_include, 100).splitlines() if ln.startswith("server ")}
+            return lines == expected and http_lines == expected_http
 
         wait_until(include_settled, 10, "upstream.py to list the replicas up and the decoy down", c.diagnose)
         attempts = [start_nginx(c)]
@@ -278,9 +298,9 @@ def cluster() -> Iterator[Cluster]:
                 assert "Address already in use" in tail(root / "nginx.log", 50) and len(attempts) < 3, \
                     f"nginx exited\n{c.diagnose()}"
                 attempts.append(start_nginx(c))  # its free port was taken meanwhile: another one
-            return health_status(f"127.0.0.1:{c.nginx_port}") == SERVING
+            return health_status(f"127.0.0.1:{c.nginx_port}") == SERVING and http_health(c) == 200
 
-        wait_until(through_nginx, 15, "health SERVING through nginx", c.diagnose)
+        wait_until(through_nginx, 15, "health SERVING through nginx (gRPC and HTTP)", c.diagnose)
         print(f"cluster up in {time.monotonic() - started:.1f}s")
         yield c
     finally:
@@ -300,9 +320,57 @@ def generate(c: Cluster, session: str, prompt: str, max_new_tokens: int = 2) -> 
     return summary
 
 
-def served_by(c: Cluster, before: list[int]) -> list[int]:
-    """Generate calls each replica completed since `before`."""
-    return [now - then for now, then in zip(c.counts(), before, strict=True)]
+def served_by(c: Cluster, before: list[int], rpc: str = "Generate") -> list[int]:
+    """Calls of `rpc` each replica completed since `before`."""
+    return [now - then for now, then in zip(c.counts(rpc), before, strict=True)]
+
+
+def http_health(c: Cluster) -> int:
+    """The status of GET /health through nginx's HTTP server (0 when nothing answers)."""
+    try:
+        return httpx2.get(f"{c.http_url}/health", timeout=2).status_code
+    except httpx2.HTTPError:
+        return 0
+
+
+def complete(c: Cluster, session: str, prompt: str, max_tokens: int = 2) -> dict[str, Any]:
+    """One OpenAI completion (greedy) through nginx's HTTP server, the session in the `x-session-id` header; it
+    must answer 200 (a draining replica's 503 is nginx's to pass on, never the client's)."""
+    headers = {"x-session-id": session} if session else {}
+    response = httpx2.post(f"{c.http_url}/v1/completions", headers=headers, timeout=CALL_TIMEOUT_S,
+                           json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert response.status_code == 200, f"{response.status_code}: {response.text}\n{c.diagnose()}"
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def cached_tokens(completion: dict[str, Any]) -> int:
+    return int(completion["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+@dataclass
+class SseStream:
+    """A streamed completion read on its own thread: the data lines as they arrive."""
+
+    events: list[str] = field(default_factory=list)
+    status: int = 0
+    error: str = ""
+    first: threading.Event = field(default_factory=threading.Event)
+
+    def read(self, c: Cluster, session: str, prompt: str, max_tokens: int) -> None:
+        try:
+            with httpx2.stream("POST", f"{c.http_url}/v1/completions", headers={"x-session-id": session},
+                               timeout=CALL_TIMEOUT_S, json={"prompt": prompt, "max_tokens": max_tokens,
+                                                             "temperature": 0, "stream": True}) as response:
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line.removeprefix("data: "))
+                        self.first.set()
+        except httpx2.HTTPError as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.first.set()
 
 
 def call_with_one_retry(c: Cluster, call: Callable[[], pb.GenerationSummary],
@@ -333,6 +401,7 @@ def marked_down_and_reloaded(c: Cluster, replica: Replica) -> bool:
 
 
 PROMPT = "def fibonacci(n):\n    "
+HTTP_STREAM_TOKENS = 160  # long enough to be in flight at SIGTERM, short enough for --grace-s 5 on a busy CPU
 MORE = "if n < 2:\n        return n\n    "
 
 
@@ -371,6 +440,41 @@ def test_converse_streams_through_nginx(cluster: Cluster) -> None:
     assert kinds[0] == "started" and kinds[-1] == "summary", kinds
 
 
+HTTP_PROMPT = "# http affinity probe\nclass Cache:\n    "
+HTTP_MORE = "def get(self, key):\n        return self.data[key]\n    "
+
+
+def test_http_session_stays_on_one_replica(cluster: Cluster) -> None:
+    before = cluster.counts("Completions")
+    prompt, cached = HTTP_PROMPT, []
+    for _ in range(3):
+        cached.append(cached_tokens(complete(cluster, "http-affinity", prompt)))
+        prompt += HTTP_MORE
+    served = served_by(cluster, before, "Completions")
+    assert max(served) == 3 == sum(served), f"one replica should serve all 3 requests: {served}\n{cluster.diagnose()}"
+    assert cached[0] == 0 < cached[1] < cached[2], f"the session's prefix should be reused and grow: {cached}"
+
+
+def test_http_sessions_spread_and_sessionless_requests_keep_the_client_address(cluster: Cluster) -> None:
+    before = cluster.counts("Completions")
+    for i in range(30):
+        complete(cluster, f"http-spread-{i}", PROMPT, max_tokens=1)
+    by_session = served_by(cluster, before, "Completions")
+    assert all(n > 0 for n in by_session), f"30 sessions should reach every replica: {by_session}"
+    # Without the header nginx hashes the client's address: one client (here 127.0.0.1) keeps one replica.
+    before = cluster.counts("Completions")
+    for _ in range(6):
+        complete(cluster, "", PROMPT, max_tokens=1)
+    sessionless = served_by(cluster, before, "Completions")
+    assert sorted(sessionless)[-1] == 6 == sum(sessionless), f"one client address, one replica: {sessionless}"
+
+
+def test_http_unknown_route_is_json_404(cluster: Cluster) -> None:
+    response = httpx2.get(f"{cluster.http_url}/metrics", timeout=5)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    assert http_health(cluster) == 200
+
+
 def test_draining_replica_finishes_its_streams_and_sheds_new_calls(cluster: Cluster) -> None:
     drained = cluster.replicas[2]
     # A session that hashes to the replica about to drain, with a Converse stream open on it.
@@ -390,8 +494,27 @@ def test_draining_replica_finishes_its_streams_and_sheds_new_calls(cluster: Clus
     events = iter(stream)
     while next(events).WhichOneof("event") != "summary":
         pass
+    # An HTTP session that hashes to the same replica (the HTTP ring has its own addresses), with an SSE stream in
+    # flight on it when the drain starts.
+    http_session = ""
+    for i in range(40):
+        before = cluster.ok_calls([drained], "Completions")
+        complete(cluster, f"http-drain-{i}", PROMPT, max_tokens=1)
+        if cluster.ok_calls([drained], "Completions") > before:
+            http_session = f"http-drain-{i}"
+            break
+    assert http_session, "no HTTP session of 40 hashed to the third replica"
+    sse = SseStream()
+    reader = threading.Thread(target=sse.read, args=(cluster, http_session, HTTP_PROMPT, HTTP_STREAM_TOKENS))
+    reader.start()
+    assert sse.first.wait(CALL_TIMEOUT_S) and sse.status == 200, f"{sse.status} {sse.error}\n{cluster.diagnose()}"
 
     drained.process.send_signal(signal.SIGTERM)  # drain: NOT_SERVING at once; streams in flight get --grace-s
+    in_flight = "[DONE]" not in sse.events
+    # A new request of the HTTP session right away: the draining replica answers 503, which nginx passes on to the
+    # next replica on the ring (proxy_next_upstream http_503), so the client sees 200 (asserted in `complete`).
+    assert complete(cluster, http_session, PROMPT + MORE)["choices"][0]["finish_reason"] in ("length", "stop")
+    print("after SIGTERM:", tail(cluster.root / "logs" / "http-access.log", 1))  # upstream_status=503, 200 if passed on
     # The sidecar sees NOT_SERVING (or a closed port), writes the replica `down` and reloads nginx.
     wait_until(lambda: marked_down_and_reloaded(cluster, drained), 10, "upstream.py to take the draining replica out",
                cluster.diagnose)
@@ -415,6 +538,13 @@ def test_draining_replica_finishes_its_streams_and_sheds_new_calls(cluster: Clus
     # the hard stop (without that, nginx logged "upstream prematurely closed connection" in 3 runs of 6).
     assert list(events) == []
     assert stream.code() == grpc.StatusCode.OK
+    # The HTTP stream that was in flight at SIGTERM ran to its end through nginx: every event, a finish reason, and
+    # the terminating [DONE].
+    reader.join(CALL_TIMEOUT_S)
+    assert in_flight, "the SSE stream ended before the drain started; make it longer (HTTP_STREAM_TOKENS)"
+    assert not sse.error and sse.events[-1] == "[DONE]", f"{sse.error} {sse.events[-3:]}\n{cluster.diagnose()}"
+    finals = [json.loads(e)["choices"][0]["finish_reason"] for e in sse.events[:-1]]
+    assert finals[-1] in ("length", "stop") and not any(finals[:-1]), finals
     assert drained.process.wait(timeout=10) == 0, "a drained replica exits 0"
 
 

@@ -249,8 +249,9 @@ def scripted(server: Running, monkeypatch: pytest.MonkeyPatch) -> Callable[[list
     """Make the engine emit a given token script (to force characters split across chunks, whatever the model)."""
 
     def use(script: list[int], per_step: int) -> None:
-        monkeypatch.setattr(server.runtime.engine, "start",
-                            lambda slot, request: ScriptedGeneration(request, script, per_step))
+        engine = server.runtime.engine
+        monkeypatch.setattr(engine, "start", lambda slot, request: ScriptedGeneration(request, script, per_step))
+        monkeypatch.setattr(engine, "step", lambda gens: [gen.step() for gen in gens])
 
     return use
 
@@ -995,6 +996,18 @@ async def test_a_chat_template_error_is_invalid_argument_and_the_turn_is_rolled_
         expected = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
         ids = expected if isinstance(expected, list) else expected["input_ids"]
         assert second.turn_index == 1 and second.generation.prompt_tokens == len(ids)
+
+
+async def test_a_templated_conversation_starts_without_a_system_prompt(chat_server: Running) -> None:
+    # Found by tests/test_fuzz_deep.py: the empty history was rendered through the chat template for
+    # SessionStarted.history_tokens, and transformers refuses an empty conversation (INTERNAL).
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{chat_server.port}") as channel:
+        conversation = Conversation(pb_grpc.GeneratorStub(channel))
+        started = await conversation.start(max_new_tokens=2)
+        assert started.history_tokens == 0 and not started.resumed
+        _, _, summary = await conversation.turn("Name a colour.")
+        assert summary.generation.completion_tokens > 0
+        await conversation.close()
 
 
 # ---- GetModelInfo --------------------------------------------------------------------------------------------------

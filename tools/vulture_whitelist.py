@@ -19,4 +19,5 @@ _.generation_config  # transformers model
 _.allow_tf32  # torch.backends
 _._layers  # keeps the native step's tensors alive while C++ holds their pointers
 _._keep  # the same
+_.prefetch  # native.Model field, read by decode.cpp
 _.bonus  # VerifyResult field

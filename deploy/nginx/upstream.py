@@ -10,6 +10,10 @@ and reloads nginx (graceful: streams in flight finish on the old workers) whenev
     python upstream.py watch  --out specrpc-upstream.inc --nginx-pid PIDFILE HOST:PORT ...   # keep it in step
     python upstream.py watch  --once --out specrpc-upstream.inc HOST:PORT ...   # check once, write, exit
 
+With `--http-out specrpc-http-upstream.inc`, a replica written `HOST:PORT,HTTP_PORT` is also listed there by its HTTP
+port (the OpenAI / llama.cpp edge, `--http-port`), `down` exactly when its gRPC entry is: the HTTP upstream follows
+the same health. A replica without an HTTP port is left out of that file.
+
 Run it with the specrpc virtual environment's Python (it needs grpcio and grpcio-health-checking).
 """
 
@@ -44,6 +48,7 @@ class Replica:
     """One replica and its health as last decided (with rise/fall hysteresis)."""
 
     address: str
+    http_address: str = ""  # HOST:HTTP_PORT, or "" when it serves no HTTP edge
     channel: grpc.Channel | None = None
     up: bool | None = None  # None: not checked yet
     streak: int = 0  # consecutive checks that disagree with `up`
@@ -62,6 +67,25 @@ def render(replicas: Sequence[tuple[str, bool]], max_fails: int, fail_timeout: s
         down = "" if up or panic else " down"
         lines.append(f"server {address} max_fails={max_fails} fail_timeout={fail_timeout}{down};")
     return "\n".join(lines) + "\n"
+
+
+def parse_replica(spec: str) -> Replica:
+    """`HOST:PORT` (gRPC) or `HOST:PORT,HTTP_PORT` (gRPC and the HTTP edge on the same host)."""
+    address, _, http_port = spec.partition(",")
+    host = address.rpartition(":")[0]
+    if not host or (http_port and not http_port.isdigit()):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected HOST:PORT or HOST:PORT,HTTP_PORT")
+    return Replica(address, f"{host}:{http_port}" if http_port else "")
+
+
+def write_all(replicas: Sequence[Replica], args: argparse.Namespace) -> bool:
+    """Write the gRPC include (and the HTTP one with --http-out) from the replicas' state; True if either changed."""
+    states = [(r.address, bool(r.up)) for r in replicas]
+    changed = write_if_changed(args.out, render(states, args.max_fails, args.fail_timeout))
+    if args.http_out:
+        http = [(r.http_address, bool(r.up)) for r in replicas if r.http_address]
+        changed = write_if_changed(args.http_out, render(http, args.max_fails, args.fail_timeout)) or changed
+    return changed
 
 
 def write_if_changed(path: str, text: str) -> bool:
@@ -129,7 +153,7 @@ def log(message: str) -> None:
 
 
 def watch(args: argparse.Namespace) -> int:
-    replicas = [Replica(a) for a in args.replicas]
+    replicas = list(args.replicas)
     pool = ThreadPoolExecutor(max_workers=min(16, len(replicas)))
     first = True
     while True:
@@ -139,9 +163,8 @@ def watch(args: argparse.Namespace) -> int:
                    if update(r, result, seen, args.rise, args.fall)]
         for r in changed if not first else replicas:
             log(f"{r.address} {'up' if r.up else 'down'} ({r.last})")
-        text = render([(r.address, bool(r.up)) for r in replicas], args.max_fails, args.fail_timeout)
-        if write_if_changed(args.out, text):
-            log(f"wrote {args.out}")
+        if write_all(replicas, args):
+            log(f"wrote {args.out}{' and ' + args.http_out if args.http_out else ''}")
             if not first or not args.no_initial_reload:
                 try:
                     reload_nginx(args.nginx_pid, args.reload_cmd)
@@ -160,8 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("render", "watch"):
         p = commands.add_parser(name)
-        p.add_argument("replicas", nargs="+", metavar="HOST:PORT", help="the replicas' gRPC addresses")
+        p.add_argument("replicas", nargs="+", type=parse_replica, metavar="HOST:PORT[,HTTP_PORT]",
+                       help="the replicas' gRPC addresses (and HTTP ports)")
         p.add_argument("--out", required=True, help="the include file to write (specrpc-upstream.inc)")
+        p.add_argument("--http-out", help="the HTTP edge's include file to write (specrpc-http-upstream.inc)")
         p.add_argument("--max-fails", type=int, default=2, help="nginx passive check: failed attempts ...")
         p.add_argument("--fail-timeout", default="10s", help="... within this time take a replica out for as long")
     w = commands.choices["watch"]
@@ -177,8 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="do not reload after the first write (nginx is started after it)")
     args = parser.parse_args(argv)
     if args.command == "render":
-        text = render([(a, True) for a in args.replicas], args.max_fails, args.fail_timeout)
-        write_if_changed(args.out, text)
+        for replica in args.replicas:
+            replica.up = True
+        write_all(args.replicas, args)
         return 0
     try:
         return watch(args)

@@ -1,9 +1,17 @@
-"""Small pieces several bench modules share: nearest-rank percentiles and a free loopback port for a server the
-bench starts in another process."""
+"""Small pieces several bench modules share: nearest-rank percentiles, a free loopback port for a server the
+bench starts in another process, and the line naming the model pair a table was measured with."""
 
 from __future__ import annotations
 
 import socket
+from pathlib import Path
+
+from specrpc.models.fingerprint import pair_hash
+
+
+def pair_line(target: str, draft: str) -> str:
+    """`Pair: <hash of its files> (target <folder>, draft <folder>)`: figures from two pairs are never mixed."""
+    return f"Pair: `{pair_hash(target, draft)}` (target {Path(target).name}, draft {Path(draft).name})"
 
 
 def percentile(values: list[float], q: float) -> float:

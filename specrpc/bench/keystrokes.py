@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specrpc.bench.common import free_port, percentile
+from specrpc.bench.common import free_port, pair_line, percentile
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -288,7 +288,8 @@ def markdown(results: dict[str, Any]) -> str:
         along.append(f"| {name} | {a['first_total_ms_median']:.1f} ms | {a['along_total_ms_median']:.1f} ms | "
                      f"{a['along_total_ms_p90']:.1f} ms | {a['along_verify_steps_median']:.0f} | "
                      f"{a['along_completion_tokens_median']:.0f} | {a['along_suggestion_accepted_median']:.0f} |")
-    return (f"Keystroke replay ({results['fim_template']} template, trained {results['fim_orders']}), lines typed in "
+    return (f"{results['pair']}\n\n"
+            f"Keystroke replay ({results['fim_template']} template, trained {results['fim_orders']}), lines typed in "
             f"{', '.join(results['lines'])}:\n\n" + "\n".join(rows) + "\n\nTyping along the suggestion (each "
             "keystroke left to finish; up to 3 characters typed, each the next one the last completion suggested):\n\n"
             + "\n".join(along) + "\n")
@@ -307,6 +308,7 @@ def run(target: str, draft: str, out: Path, files: int, layouts: list[str], inte
     finally:
         process.terminate()
         process.wait(30)
+    results["pair"] = pair_line(target, draft)
     results["command_options"] = {"files": files, "layouts": layouts, "intervals_ms": intervals_ms,
                                   "max_new_tokens": max_new_tokens, "chars_per_line": limit or "all",
                                   "threads": threads or "default"}

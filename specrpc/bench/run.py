@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specrpc.bench.common import percentile
+from specrpc.bench.common import pair_line, percentile
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs
 from specrpc.bench.workloads import Case, build_cases
@@ -354,7 +354,7 @@ def point_figures(results: list[list[Run]], wall: float, streams: int, runtime: 
 
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown tables."""
-    lines = [f"Machine: {results['machine']}  ", f"Command: `{results['command']}`  ",
+    lines = [f"Machine: {results['machine']}  ", f"{results['pair']}  ", f"Command: `{results['command']}`  ",
              f"Cases: {results['cases']} ({results['workload_names']}), sampling {results['params']}", ""]
     lines += ["| contender | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p99 ms | tokens/s | speed-up | "
               "acceptance / α | mean accepted len | mean k | efficiency | identical |",
@@ -531,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--starts", type=int, default=0, metavar="N",
                         help="run only the start-to-start spread: `specrpc serve` started N times, the same prompts "
                              "each time, median decode tokens/s of adaptive and k=0 per start (bench/starts.py)")
+    parser.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
+                        help="with --starts N: N rounds alternating a server of this checkout and one of CHECKOUT "
+                             "(another revision of specrpc, its stubs generated), identical tokens checked")
     keys = parser.add_argument_group("keystroke replay (specrpc/bench/keystrokes.py)")
     keys.add_argument("--keystrokes", action="store_true",
                       help="run only the keystroke replay: lines typed in held-out files, an Infill per key through "
@@ -557,8 +560,15 @@ def main(argv: list[str] | None = None) -> int:
         cases = build_cases(args.cases, workloads=tuple(w for w in args.workloads.split(",") if w))
         if args.max_new_tokens:
             cases = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases]
-        spread = starts.run(cases, args.starts, args.target, args.draft, args.threads, args.dtype, args.weights)
         args.out.mkdir(parents=True, exist_ok=True)
+        if args.against is not None:
+            compared = starts.compare(cases, args.starts, str(args.against), args.target, args.draft, args.threads,
+                                      args.dtype, args.weights)
+            (args.out / "against.json").write_text(json.dumps(compared, indent=2))
+            (args.out / "against.md").write_text(starts.compare_markdown(compared))
+            print(starts.compare_markdown(compared))
+            return 0 if compared["identical_tokens"] else 1
+        spread = starts.run(cases, args.starts, args.target, args.draft, args.threads, args.dtype, args.weights)
         (args.out / "starts.json").write_text(json.dumps(spread, indent=2))
         (args.out / "starts.md").write_text(starts.markdown(spread))
         print(starts.markdown(spread))
@@ -626,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
                    f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.dtype}"
                    + (f", {args.weights} weights" if args.weights != "dtype" else ""),
+        "pair": pair_line(args.target, args.draft),
         "command": "specrpc bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cases": len(cases), "workload_names": args.workloads, "params": asdict(params),
         "costs": {"c": engine.costs.c, "V": {k: engine.costs.v(k) for k in range(max(ks) + 1)}},

@@ -1,7 +1,11 @@
 """`specrpc bench --starts N`: how much a server's speed depends on its start. `specrpc serve` is started N times in
 another process, each time warm-up and calibration included; every start gets the same prompts, greedy, adaptive
 and k = 0 alternating prompt by prompt, through gRPC. Reported per start: the median per-request decode tokens/s of
-each (tokens after the first ÷ the time after the first), their ratio, and the spread over the starts."""
+each (tokens after the first ÷ the time after the first), their ratio, and the spread over the starts.
+
+With `--against CHECKOUT` the starts alternate between this checkout's server and another checkout's (the same
+interpreter and models, its code), round by round with the first one alternating: per mode the median over rounds of
+this ÷ that, and whether every request's tokens were the same (a redesign's before-and-after)."""
 
 from __future__ import annotations
 
@@ -15,14 +19,14 @@ from typing import Any
 
 import grpc
 
-from specrpc.bench.common import free_port
+from specrpc.bench.common import free_port, pair_line
 from specrpc.bench.keystrokes import wait_serving
 from specrpc.bench.workloads import Case
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
-MODES: dict[str, int | None] = {"adaptive": None, "k=0": 0}
-"""Contenders per start: the policy's k (None) and target-only."""
+MODES: dict[str, int | None] = {"adaptive": None, "k=3": 3, "k=0": 0}
+"""Contenders per start: the policy's k (None), a fixed k with the server's proposer, and target-only."""
 
 
 def serve_command(target: str, draft: str, port: int, threads: int, dtype: str, weights: str) -> list[str]:
@@ -34,8 +38,9 @@ def serve_command(target: str, draft: str, port: int, threads: int, dtype: str, 
     return command + (["--threads", str(threads)] if threads else [])
 
 
-async def decode_rate(stub: pb_grpc.GeneratorStub, case: Case, k: int | None) -> float:
-    """One greedy request's decode tokens/s as the client sees it (0 when it produced fewer than two tokens)."""
+async def decode_rate(stub: pb_grpc.GeneratorStub, case: Case, k: int | None) -> tuple[float, list[int]]:
+    """One greedy request's decode tokens/s as the client sees it (0 when it produced fewer than two tokens), and its
+    tokens."""
     spec = pb.SpeculationParams() if k is None else pb.SpeculationParams(num_draft_tokens=k)
     common: dict[str, Any] = {"max_new_tokens": case.max_new_tokens, "sampling": pb.SamplingParams(temperature=0.0),
                               "speculation": spec}
@@ -43,15 +48,15 @@ async def decode_rate(stub: pb_grpc.GeneratorStub, case: Case, k: int | None) ->
                  else stub.Infill(pb.InfillRequest(prefix=case.prompt, suffix=case.suffix, **common)))
     t0 = time.perf_counter()
     first = last = 0.0
-    tokens = 0
+    ids: list[int] = []
     async for response in call:
         if response.HasField("chunk") and response.chunk.token_ids:
             now = time.perf_counter() - t0
-            if tokens == 0:
+            if not ids:
                 first = now
-            tokens += len(response.chunk.token_ids)
+            ids += response.chunk.token_ids
             last = now
-    return (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
+    return ((len(ids) - 1) / (last - first) if len(ids) > 1 and last > first else 0.0), ids
 
 
 async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Case]) -> dict[str, Any]:
@@ -60,13 +65,26 @@ async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Cas
         await wait_serving(channel, process)
         stub = pb_grpc.GeneratorStub(channel)
         rates: dict[str, list[float]] = {name: [] for name in MODES}
+        tokens: dict[str, list[list[int]]] = {name: [] for name in MODES}
         for i, case in enumerate(cases):
             order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
             for name in order:
-                rates[name].append(await decode_rate(stub, case, MODES[name]))
+                rate, ids = await decode_rate(stub, case, MODES[name])
+                rates[name].append(rate)
+                tokens[name].append(ids)
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    return {"median_tokens_per_s": medians, "rates": rates,
+    return {"median_tokens_per_s": medians, "rates": rates, "tokens": tokens,
             "ratio": medians["adaptive"] / medians["k=0"] if medians["k=0"] else 0.0}
+
+
+def start_once(cases: list[Case], command: list[str], port: int, cwd: str | None = None) -> dict[str, Any]:
+    """One server start (from `cwd`: its checkout's code), every case through each mode; stopped after."""
+    process = subprocess.Popen(command, env=os.environ.copy(), cwd=cwd)
+    try:
+        return asyncio.run(one_start(port, process, cases))
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def run(cases: list[Case], starts: int, target: str, draft: str, threads: int, dtype: str,
@@ -75,13 +93,8 @@ def run(cases: list[Case], starts: int, target: str, draft: str, threads: int, d
     out: list[dict[str, Any]] = []
     for i in range(starts):
         port = free_port()
-        process = subprocess.Popen(serve_command(target, draft, port, threads, dtype, weights), env=os.environ.copy())
-        try:
-            t0 = time.perf_counter()
-            result = asyncio.run(one_start(port, process, cases))
-        finally:
-            process.terminate()
-            process.wait(30)
+        t0 = time.perf_counter()
+        result = start_once(cases, serve_command(target, draft, port, threads, dtype, weights), port)
         out.append(result)
         m = result["median_tokens_per_s"]
         print(f"start {i + 1}/{starts}: adaptive {m['adaptive']:.1f} tokens/s, k=0 {m['k=0']:.1f} "
@@ -89,13 +102,60 @@ def run(cases: list[Case], starts: int, target: str, draft: str, threads: int, d
     spread = {name: {"min": min(s["median_tokens_per_s"][name] for s in out),
                      "median": statistics.median(s["median_tokens_per_s"][name] for s in out),
                      "max": max(s["median_tokens_per_s"][name] for s in out)} for name in MODES}
-    return {"starts": out, "spread": spread, "cases": len(cases), "threads": threads or "default", "dtype": dtype,
+    return {"starts": out, "spread": spread, "pair": pair_line(target, draft), "cases": len(cases),
+            "threads": threads or "default", "dtype": dtype,
             "weights": weights}
+
+
+def compare(cases: list[Case], rounds: int, other: str, target: str, draft: str, threads: int, dtype: str,
+            weights: str) -> dict[str, Any]:
+    """`rounds` rounds of one start of this checkout's server and one of `other`'s (absolute model paths: the other
+    server runs in that checkout), alternating which goes first; per round and mode this ÷ that of the median
+    tokens/s, and whether each request's tokens matched."""
+    target, draft, other = os.path.abspath(target), os.path.abspath(draft), os.path.abspath(other)
+    per_round: list[dict[str, Any]] = []
+    identical = True
+    for r in range(rounds):
+        results: dict[str, dict[str, Any]] = {}
+        for side in (("this", "other") if r % 2 == 0 else ("other", "this")):
+            port = free_port()
+            command = serve_command(target, draft, port, threads, dtype, weights)
+            results[side] = start_once(cases, command, port, cwd=other if side == "other" else None)
+        this, that = results["this"], results["other"]
+        identical = identical and this["tokens"] == that["tokens"]
+        ratios = {name: this["median_tokens_per_s"][name] / that["median_tokens_per_s"][name]
+                  if that["median_tokens_per_s"][name] else 0.0 for name in MODES}
+        per_round.append({"this": this["median_tokens_per_s"], "other": that["median_tokens_per_s"],
+                          "ratio": ratios})
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{name} {ratios[name]:.3f}×" for name in MODES),
+              file=sys.stderr, flush=True)
+    return {"rounds": per_round, "identical_tokens": identical, "other": other, "pair": pair_line(target, draft),
+            "cases": len(cases),
+            "median_ratio": {name: statistics.median(r["ratio"][name] for r in per_round) for name in MODES},
+            "threads": threads or "default", "dtype": dtype, "weights": weights}
+
+
+def compare_markdown(results: dict[str, Any]) -> str:
+    """Per round and the medians, as Markdown."""
+    lines = [results["pair"], "",
+             f"This checkout against `{results['other']}`: {len(results['rounds'])} rounds of one server start "
+             f"each, {results['cases']} prompts per start (greedy; median per-request decode tokens/s through gRPC; "
+             f"threads {results['threads']}, dtype {results['dtype']}, weights {results['weights']}). Identical "
+             f"tokens: {'yes' if results['identical_tokens'] else 'NO'}.", "",
+             "| round | " + " | ".join(f"{m} this | {m} other | {m} ratio" for m in MODES) + " |",
+             "| --- |" + " --- | --- | --- |" * len(MODES)]
+    for i, r in enumerate(results["rounds"]):
+        lines.append(f"| {i + 1} | " + " | ".join(
+            f"{r['this'][m]:.1f} | {r['other'][m]:.1f} | {r['ratio'][m]:.3f}×" for m in MODES) + " |")
+    lines += ["", "Median ratio (this ÷ other): " + "; ".join(
+        f"{m} {v:.3f}×" for m, v in results["median_ratio"].items()), ""]
+    return "\n".join(lines)
 
 
 def markdown(results: dict[str, Any]) -> str:
     """Per start and the spread, as Markdown."""
-    lines = [f"Spread over {len(results['starts'])} server starts ({results['cases']} prompts each, greedy, "
+    lines = [results["pair"], "",
+             f"Spread over {len(results['starts'])} server starts ({results['cases']} prompts each, greedy, "
              f"threads {results['threads']}, dtype {results['dtype']}, weights {results['weights']}; median "
              "per-request decode tokens/s through gRPC):", "",
              "| start | adaptive | k = 0 | adaptive ÷ k = 0 |", "| --- | --- | --- | --- |"]

@@ -30,7 +30,10 @@ def has_template(runtime: Runtime) -> bool:
 def render(runtime: Runtime, messages: Sequence[Message], generation_prompt: bool) -> list[int]:
     """Prompt ids of a history: the tokenizer's chat template when it has one; else one `Role: text` line per
     message, a reply following `Assistant:` exactly as generated (its leading space included), so each turn's prompt
-    extends the previous prompt and reply token for token and the session's KV cache is reused."""
+    extends the previous prompt and reply token for token and the session's KV cache is reused. An empty history (a
+    conversation started without a system prompt) is the empty prompt: templates refuse to render one."""
+    if not messages:
+        return []
     tok = runtime.tokenizer
     if has_template(runtime):
         from jinja2.exceptions import TemplateError, TemplateSyntaxError  # transformers needs jinja2 for templates
@@ -49,7 +52,7 @@ def render(runtime: Runtime, messages: Sequence[Message], generation_prompt: boo
                    for r, t in messages)
     if generation_prompt:
         text += "Assistant:"
-    return runtime.encode(text) if text else []
+    return runtime.encode(text)
 
 
 def reply_stops(runtime: Runtime) -> tuple[str, ...]:

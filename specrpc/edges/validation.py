@@ -11,6 +11,7 @@ from dataclasses import replace
 import structlog
 
 from specrpc.config import Config, Limits
+from specrpc.engine.constraint import MAX_GRAMMAR_BYTES, ConstraintKind, ConstraintSpec
 from specrpc.engine.generation import MAX_TOP_LOGPROBS
 from specrpc.engine.sampling import SamplingParams
 from specrpc.serving.runtime import DecodeParams
@@ -90,6 +91,17 @@ def decode_params(config: Config, proposers: Collection[str], max_new_tokens: in
         num_draft_tokens=num_draft_tokens,
         proposer=proposer,
     )
+
+
+def constraint(kind: ConstraintKind, text: str, strict: bool, name: str) -> ConstraintSpec:
+    """A request's output constraint, checked for what needs no compiling: a schema, regex or grammar is given and at
+    most MAX_GRAMMAR_BYTES (whether it compiles is the runtime's check, in a worker thread). `name`: how the edge
+    spells the field."""
+    if kind != "json_object" and not text:
+        raise InvalidRequest(f"{name} is empty: give the {kind.replace('_', ' ')}")
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        raise InvalidRequest(f"{name} is {len(text.encode())} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+    return ConstraintSpec(kind, text, strict)
 
 
 def session_id(value: str, name: str = "session_id", header: str = "", header_name: str = SESSION_HEADER) -> str:

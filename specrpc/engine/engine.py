@@ -299,8 +299,8 @@ class Engine:
                 proposals[i] = self._draft_alone(gens[i], k)
             else:
                 drafted, timings, catch_up_s = self.drafter.propose_batch(
-                    [DraftRequest(gens[i].slot.tokens, gens[i].slot.index, k, gens[i].params, gens[i].generator)
-                     for i, k in wanted.items()])
+                    [DraftRequest(gens[i].slot.tokens, gens[i].slot.index, k, gens[i].params, gens[i].generator,
+                                  gens[i].constraint) for i, k in wanted.items()])
                 proposals.update(zip(wanted, drafted, strict=True))
                 for width, seconds in timings:
                     self.batch_costs.observe_draft(width, seconds)
@@ -314,7 +314,7 @@ class Engine:
         """A lone stream's k draft-model tokens; its policy learns the draft step's and catch-up's costs."""
         assert self.drafter is not None
         lag = draft_lag(self.drafting, gen)
-        proposal = self.drafter.propose(gen.slot.tokens, gen.slot.index, k, gen.params, gen.generator)
+        proposal = self.drafter.propose(gen.slot.tokens, gen.slot.index, k, gen.params, gen.generator, gen.constraint)
         if proposal.step_s is not None:
             gen.slot.policy.costs.observe_draft(proposal.step_s)
         if proposal.catch_up_s:
@@ -351,8 +351,8 @@ class Engine:
             self.batch_costs.observe_target(len(proposal) + 1, timing.forward_s)
         result = self.verifier(
             torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
-            self._pad_probs(proposal.probs),
-            self._pad_logits(logits),
+            self._pad_probs(proposal.probs),  # a grammar's draft probabilities are masked already
+            gen.masked(self._pad_logits(logits), proposal),  # [k+1, V] the grammar's mask along the draft
             gen.params,
             gen.generator,
         )

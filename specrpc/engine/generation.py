@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specrpc.engine.constraint import Constraint, Grammar
 from specrpc.engine.policy import AdaptivePolicy
 from specrpc.engine.prediction import PredictionProposer
 from specrpc.engine.proposers import Proposal, Proposer
-from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, mask_logits, sample
 from specrpc.engine.suffix import SuffixProposer
 
 FINISH_LENGTH = "length"
@@ -59,6 +60,7 @@ class GenerationRequest:
     suggestion: Proposer | None = None  # the session's last completion as a draft (proposers.SuggestionProposer)
     prediction: PredictionProposer | None = None  # the client's predicted output as a draft
     suffix: SuffixProposer | None = None  # drafts from earlier outputs of the request's scope
+    grammar: Grammar | None = None  # what the output must match (constraint.py); it ends (stop) when complete
 
 
 @dataclass
@@ -133,6 +135,7 @@ class Generation:
         self.generator = make_generator(request.sampling, device)
         self.stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
         self.proposer = proposer
+        self.constraint: Constraint | None = request.grammar.start() if request.grammar is not None else None
         self.fixed_k = fixed_k
         self.capacity = capacity
         self.finish: str | None = None
@@ -184,24 +187,36 @@ class Generation:
         if self.request.prefill_only:
             self.finish = FINISH_LENGTH
             return StepResult([], 0, 0, self.finish)
+        chosen = logits if self.constraint is None else mask_logits(logits, self.constraint.allowed())  # [1, V]
         if self.params.greedy:
-            token = int(logits[0].argmax())
+            token = int(chosen[0].argmax())
         else:
-            token = int(sample(logits_to_probs(logits, self.params), self.generator)[0])
+            token = int(sample(logits_to_probs(chosen, self.params), self.generator)[0])
         return self.commit([token], accepted=0, proposed=0, logits=logits)
 
     def verify_ids(self, proposal: Proposal) -> list[int]:
         """The tokens the target scores for `proposal`: the last committed token and the k drafts."""
         return [self.slot.tokens[-1], *proposal.token_ids]
 
+    def masked(self, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+        """A verify's target logits [k+1, V] with what the grammar forbids at each position along the draft at
+        -inf (unchanged without a constraint)."""
+        if self.constraint is None:
+            return logits
+        return mask_logits(logits, self.constraint.masks(proposal.token_ids))  # [k+1, V]
+
     def commit(self, tokens: list[int], accepted: int, proposed: int, logits: torch.Tensor) -> StepResult:
-        """Append tokens, cut at a stop token or the length limit. `logits` [>= len(tokens), V_t]: the target's raw
-        logits the tokens were chosen from, row i for token i. The caller rolls the caches back to the context."""
+        """Append tokens, cut at a stop token, the end of the grammar or the length limit. `logits`
+        [>= len(tokens), V_t]: the target's raw logits the tokens were chosen from, row i for token i (log-probs
+        are reported from them, before any grammar mask). The caller rolls the caches back to the context."""
         n_before = len(self.slot.tokens)
         limit = min(self.remaining, self.capacity - n_before)
         kept: list[int] = []
         for token in tokens[: max(0, limit)]:
             kept.append(token)
+            if self.constraint is not None and self.constraint.commit(token):
+                self.finish = FINISH_STOP
+                break
             if token in self.request.stop_token_ids:
                 self.finish = FINISH_STOP
                 break

@@ -86,6 +86,15 @@ def plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
     return Plan(draft_k=k) if k > 0 else PLAIN
 
 
+def allowed(gen: Generation, found: Proposal) -> Proposal:
+    """A point-mass draft (prediction, suggestion, prompt lookup, suffix source) cut at its first token the stream's
+    grammar forbids: such a token could never be accepted, nor anything after it."""
+    if gen.constraint is None or not found.token_ids:
+        return found
+    n = gen.constraint.valid_prefix(found.token_ids)
+    return found.first(n) if n else EMPTY
+
+
 def plan_batch(drafting: Drafting, costs: BatchCosts, gens: list[Generation], prefill_tokens: int,
                limit: int | None, catch_up_budget: int) -> dict[int, Plan | Exception]:
     """Each decoding stream's plan (by index into `gens`), k chosen with the rest of the batch in view (those planned
@@ -128,12 +137,12 @@ def _given(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Propo
         return EMPTY
     prediction = gen.request.prediction
     if prediction is not None:
-        found = prediction.propose(gen.slot.tokens, gen.slot.index, cap, gen.params, gen.generator)
+        found = allowed(gen, prediction.propose(gen.slot.tokens, gen.slot.index, cap, gen.params, gen.generator))
         if found.token_ids:
             return found if asked is not None else _prediction_k(gen, found, load)
     suggestion = gen.request.suggestion
     if suggestion is not None:
-        return suggestion.propose(gen.slot.tokens, gen.slot.index, cap, gen.params, gen.generator)
+        return allowed(gen, suggestion.propose(gen.slot.tokens, gen.slot.index, cap, gen.params, gen.generator))
     return EMPTY
 
 
@@ -182,7 +191,7 @@ def _lookup(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Prop
         sources.append(gen.request.suffix)
     best, best_speedup = EMPTY, 0.0
     for source in sources:
-        found = source.propose(gen.slot.tokens, gen.slot.index, room, gen.params, gen.generator)
+        found = allowed(gen, source.propose(gen.slot.tokens, gen.slot.index, room, gen.params, gen.generator))
         k = min(_k(drafting, gen, found.estimate, load), len(found)) if found.token_ids else 0
         speedup = gen.slot.policy.speedup(k, found.estimate, batch=load) if k else 0.0
         if speedup > best_speedup:

@@ -11,7 +11,8 @@ from typing import Protocol
 
 import torch
 
-from specrpc.engine.sampling import SamplingParams, logits_to_probs, sample
+from specrpc.engine.constraint import Constraint
+from specrpc.engine.sampling import SamplingParams, logits_to_probs, mask_logits, sample
 from specrpc.models import BatchRow, CausalLM
 
 
@@ -88,6 +89,23 @@ class DraftRequest:
     k: int
     params: SamplingParams
     generator: torch.Generator | None
+    constraint: Constraint | None = None
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+          constraint: Constraint | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token [1] from logits [1, V] under the grammar's mask (which then takes it), and its
+    distribution [V] (None when greedy: verify ignores draft probabilities then)."""
+    if constraint is not None:
+        logits = mask_logits(logits, constraint.allowed())  # [1, V]
+    if params.greedy:
+        token, probs = logits[0].argmax().view(1), None  # [1]
+    else:
+        p = logits_to_probs(logits, params)  # [1, V]
+        token, probs = sample(p, generator), p[0]  # [1], [V]
+    if constraint is not None:
+        constraint.advance(int(token))
+    return token, probs
 
 
 class DraftModelProposer:
@@ -100,15 +118,17 @@ class DraftModelProposer:
         self.prefill_chunk = prefill_chunk
 
     def propose(
-        self, tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None
+        self, tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None,
+        constraint: Constraint | None = None,
     ) -> Proposal:
-        """Catch the draft cache up to `tokens` (chunked: it may hold only a prefix), then sample k tokens."""
+        """Catch the draft cache up to `tokens` (chunked: it may hold only a prefix), then sample k tokens (under
+        `constraint`'s mask, its matcher advancing through them and rewound after: fewer when the grammar ends)."""
         if k == 0:
             return EMPTY
         start = self.model.length(slot)
         t0 = time.perf_counter()
         steady = len(tokens) - start <= STEADY_CATCH_UP
-        fused = self._feed_greedy(tokens, start, slot, k) if params.greedy else None
+        fused = self._feed_greedy(tokens, start, slot, k) if params.greedy and constraint is None else None
         if fused is not None:  # the catch-up and the k drafts in one call: k forwards, the first over the catch-up
             ids: list[int] = fused.tolist()  # [k]
             # a catch-up of a few more tokens (after a prompt lookup step, or a plain one) is a few more rows in the
@@ -122,22 +142,23 @@ class DraftModelProposer:
             catch_up_s = time.perf_counter() - t0
             t0 += catch_up_s
         position = len(tokens)
-        looped = self._greedy_loop(logits, position, slot, k) if params.greedy else None
+        looped = self._greedy_loop(logits, position, slot, k) if params.greedy and constraint is None else None
         drafted: list[torch.Tensor] = [] if looped is None else [looped]
         rows: list[torch.Tensor] = []
         for i in range(k if looped is None else 0):  # tokens stay on the device: on a GPU the steps queue unsynced
-            if params.greedy:  # verify ignores draft probabilities when greedy
-                token = logits[0].argmax().view(1)  # [1]
-            else:
-                probs = logits_to_probs(logits, params)  # [1, V]
-                token = sample(probs, generator)  # [1]
-                rows.append(probs[0])
+            token, probs = _draw(logits, params, generator, constraint)  # a grammar syncs each token to the host
             drafted.append(token)
+            if probs is not None:
+                rows.append(probs)
+            if constraint is not None and constraint.done:
+                break  # nothing may follow: the verify's bonus position is the grammar's end
             if i + 1 < k:
                 logits = self.model.forward(token, position + i, slot, num_logits=1)  # [1, V]
         ids = torch.cat(drafted).tolist()  # [k]: the one host sync of the proposal
+        if constraint is not None:
+            constraint.rewind(len(ids))
         probs_out = None if params.greedy else torch.stack(rows)  # [k, V]
-        forwards = k if steady else k - 1
+        forwards = len(ids) if steady else len(ids) - 1
         step_s = (time.perf_counter() - t0) / forwards if forwards else None
         return Proposal(ids, probs_out, self.name, step_s, catch_up_s)
 
@@ -171,19 +192,19 @@ class DraftModelProposer:
         catch_up_s = 0.0 if steady else time.perf_counter() - t_catch
         drafted: list[list[torch.Tensor]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        for i in range(max(r.k for r in requests)):
-            active = [j for j, r in enumerate(requests) if r.k > i]
+        ks = [r.k for r in requests]  # each stream's k, cut where its grammar ends
+        for i in range(max(ks)):
+            active = [j for j, k in enumerate(ks) if k > i]
             step: list[BatchRow] = []
             for j, row_logits in zip(active, logits, strict=True):
                 r = requests[j]
-                if r.params.greedy:  # verify ignores draft probabilities when greedy
-                    token = row_logits[0].argmax().view(1)  # [1]
-                else:
-                    p = logits_to_probs(row_logits, r.params)  # [1, V]
-                    token = sample(p, r.generator)  # [1]
-                    probs[j].append(p[0])
+                token, p = _draw(row_logits, r.params, r.generator, r.constraint)
+                if p is not None:
+                    probs[j].append(p)
                 drafted[j].append(token)
-                if i + 1 < r.k:
+                if r.constraint is not None and r.constraint.done:
+                    ks[j] = i + 1
+                if i + 1 < ks[j]:
                     step.append(BatchRow(token, len(r.tokens) + i, r.slot, 1))
             if not step:
                 break
@@ -193,6 +214,8 @@ class DraftModelProposer:
         proposals = []
         for r, tokens, rows_p in zip(requests, drafted, probs, strict=True):
             ids: list[int] = torch.cat(tokens).tolist()  # [k]
+            if r.constraint is not None:
+                r.constraint.rewind(len(ids))
             proposals.append(Proposal(ids, None if r.params.greedy else torch.stack(rows_p), self.name))
         return proposals, timings, catch_up_s
 

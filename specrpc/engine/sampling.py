@@ -62,6 +62,16 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits [..., V] with -inf where `allowed` [..., V_m] (bool) is False: a grammar's mask, applied before
+    temperature, top-k and top-p so that the draft and the target sample from the same masked distribution. Ids
+    beyond the mask's vocabulary are forbidden; mask entries beyond the logits' are dropped."""
+    vocab, masked = logits.shape[-1], allowed.shape[-1]
+    if masked < vocab:
+        allowed = F.pad(allowed, (0, vocab - masked), value=False)
+    return logits.masked_fill(~allowed[..., :vocab].to(logits.device), float("-inf"))
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Probs [N, V] (need not be normalised) → ids [N] int64, by the exponential race argmax(p / Exp(1)).
 

@@ -86,13 +86,21 @@ class Model(ctypes.Structure):
     """decode.cpp's Model."""
 
     _fields_ = ([(name, ctypes.c_int64) for name in ("d", "hq", "hkv", "dh", "ffn", "vocab", "layers", "slots",
-                                                     "capacity", "max_tokens", "stream")]
+                                                     "capacity", "max_tokens", "prefetch")]
                 + [("eps", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("embed", "norm", "head", "head_scale", "cos", "sin")]
                 + [("layer", ctypes.POINTER(Layer))]
                 + [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "x", "h", "qkv", "att", "up", "scores",
                                                         "xq", "xs", "xsum")]
-                + [("kq", ctypes.c_int64)])
+                + [("kq", ctypes.c_int64), ("prefetch_ahead", ctypes.c_int64)])
+    # `prefetch`: a `PREFETCH` mode; `prefetch_ahead`: the bytes ahead of the column read that a prefetch asks for
+
+
+PREFETCH = {"none": 0, "non-temporal": 1, "temporal": 2}
+"""decode.cpp's `Prefetch` modes by name: how the products prefetch their weight panels, a hint that never changes
+the results. "non-temporal" reads weights past the caches (what won on a 2-core AMD EPYC whose L3 the target exceeds);
+"temporal" keeps them (where the last-level cache holds the model: an Intel Xeon with 260 MB of L3 ran the target's
+one-token step 5× faster with it); "none" leaves it to the hardware. Which wins is measured at load, per model."""
 
 
 @functools.cache

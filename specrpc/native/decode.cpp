@@ -37,7 +37,7 @@ struct Model {
     int64_t d, hq, hkv, dh, ffn, vocab, layers;
     int64_t slots, capacity;  // KV cache [L, slots, hkv, capacity, dh]
     int64_t max_tokens;       // tokens per forward the work buffers hold
-    int64_t stream;           // read the weights past the caches (a model larger than they are; keeps a draft's in)
+    int64_t prefetch;         // how the products prefetch their weight panels (`Prefetch`), chosen per model at load
     float eps;
     const float* embed;       // [vocab, d]
     const float* norm;        // [d]
@@ -58,7 +58,24 @@ struct Model {
     float* xs;                // [T, kq / 32]: their scales per block of 32 columns
     int32_t* xsum;            // [T, kq / 32]: the sums of their quantized values per block
     int64_t kq;               // the widest product's columns, rounded up to a multiple of 32
+    int64_t prefetch_ahead;   // bytes ahead of the column being read that a panel's prefetch asks for (0: 2048)
 };
+
+// How a product prefetches its weight panels, a hint only (the arithmetic and its order are the same in every mode, so
+// are the results): NONE leaves it to the hardware prefetchers; NON_TEMPORAL reads the weights past the caches
+// (locality 0: a model larger than the last-level cache then does not evict a smaller one's, the draft's, on every
+// step; what won on a 2-core AMD EPYC whose 32 MB L3 the target exceeds); TEMPORAL keeps them (locality 3: where
+// the last-level cache holds the whole model, as a 260 MB L3 does, non-temporal prefetches make every step read it
+// from memory again). Which is fastest depends on the CPU and the model: specrpc measures them at load.
+enum Prefetch : int64_t { NONE = 0, NON_TEMPORAL = 1, TEMPORAL = 2 };
+
+template <int PF>
+static inline void prefetch(const void* p) {
+    if constexpr (PF == NON_TEMPORAL) __builtin_prefetch(p, 0, 0);
+    else if constexpr (PF == TEMPORAL) __builtin_prefetch(p, 0, 3);
+}
+
+static inline int64_t prefetch_ahead(const Model* m) { return m->prefetch_ahead > 0 ? m->prefetch_ahead : 2048; }
 
 static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
     float acc = 0.0f;
@@ -139,10 +156,10 @@ struct Weight {
 // R panels (rows n0 ..) × TT tokens (activation rows x, stride `cols`): acc[r][t] accumulates W[row, k] x[t, k] over
 // k = 0 .. cols - 1 in that order, one fused multiply-add each, so a token's outputs are the same bits whatever
 // shares the forward with it. Each panel column is loaded once for all TT tokens.
-template <int R, int TT, bool STREAM, typename W>
+template <int R, int TT, int PF, typename W>
 static inline void panels(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
                           const float* __restrict x, float* __restrict y, int64_t rows, int64_t cols, int64_t n0,
-                          bool add) {
+                          bool add, int64_t ahead) {
     constexpr int64_t every = 64 / (LANES * sizeof(W));  // columns per cache line of a panel
     v16 acc[R][TT];
     for (int r = 0; r < R; ++r)
@@ -151,7 +168,7 @@ static inline void panels(const W* __restrict w, const float* __restrict scale, 
         v16 wr[R];
         for (int r = 0; r < R; ++r) {
             const W* col = w + (r * cols + k) * LANES;
-            if (STREAM && k % every == 0) __builtin_prefetch(col + 2048 / sizeof(W), 0, 0);  // past the caches
+            if (PF != NONE && k % every == 0) prefetch<PF>(col + ahead / (int64_t)sizeof(W));
             wr[r] = load16(col);
         }
         for (int t = 0; t < TT; ++t) {
@@ -174,13 +191,13 @@ static inline void panels(const W* __restrict w, const float* __restrict scale, 
 }
 
 // `panels` for R panels and tt (1..8) tokens, tt chosen at run time.
-template <int R, bool STREAM, typename W>
+template <int R, int PF, typename W>
 static inline void panels_tt(int64_t tt, const W* w, const float* scale, const float* b, const float* x, float* y,
-                             int64_t rows, int64_t cols, int64_t n0, bool add) {
+                             int64_t rows, int64_t cols, int64_t n0, bool add, int64_t ahead) {
     switch (tt) {
 #define SPECRPC_TT(N) \
     case N: \
-        if constexpr (R * N + R <= REGS) panels<R, N, STREAM>(w, scale, b, x, y, rows, cols, n0, add); \
+        if constexpr (R * N + R <= REGS) panels<R, N, PF>(w, scale, b, x, y, rows, cols, n0, add, ahead); \
         else __builtin_trap(); /* gemm_rows never asks for more than the registers hold */ \
         return;
         SPECRPC_TT(1) SPECRPC_TT(2) SPECRPC_TT(3) SPECRPC_TT(4) SPECRPC_TT(5) SPECRPC_TT(6) SPECRPC_TT(7) SPECRPC_TT(8)
@@ -254,10 +271,11 @@ static inline void quantize(const float* __restrict x, int64_t cols, int8_t* __r
 // token. Each block's integer sums (exact in any order) are corrected for the offset (128 × the block's sum of
 // activations), scaled by the block's activation scale and accumulated in float, block after block in order; the
 // row's weight scale is applied once at the end.
-template <int R, int TT, bool STREAM>
+template <int R, int TT, int PF>
 static inline void panels_q(const uint8_t* __restrict w, const float* __restrict scale, const float* __restrict b,
                             const int8_t* __restrict xq, const float* __restrict xs, const int32_t* __restrict xsum,
-                            int64_t kq, float* __restrict y, int64_t rows, int64_t groups, int64_t n0, bool add) {
+                            int64_t kq, float* __restrict y, int64_t rows, int64_t groups, int64_t n0, bool add,
+                            int64_t ahead) {
     constexpr int64_t per_block = QBLOCK / INT8_GROUP;
     const int64_t nb = kq / QBLOCK;
     __m512 facc[R][TT];
@@ -271,7 +289,7 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
             __m512i wr[R];
             for (int r = 0; r < R; ++r) {
                 const uint8_t* col = w + (r * groups + k) * LANES * INT8_GROUP;
-                if (STREAM) __builtin_prefetch(col + 2048, 0, 0);  // past the caches
+                prefetch<PF>(col + ahead);
                 wr[r] = _mm512_loadu_si512(col);
             }
             for (int t = 0; t < TT; ++t) {
@@ -303,15 +321,15 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
     }
 }
 
-template <int R, bool STREAM>
+template <int R, int PF>
 static inline void panels_q_tt(int64_t tt, const uint8_t* w, const float* scale, const float* b, const int8_t* xq,
                                const float* xs, const int32_t* xsum, int64_t kq, float* y, int64_t rows,
-                               int64_t groups, int64_t n0, bool add) {
+                               int64_t groups, int64_t n0, bool add, int64_t ahead) {
     switch (tt) {
 #define SPECRPC_TT(N) \
     case N: \
         if constexpr (2 * R * N + R + 2 <= REGS) \
-            panels_q<R, N, STREAM>(w, scale, b, xq, xs, xsum, kq, y, rows, groups, n0, add); \
+            panels_q<R, N, PF>(w, scale, b, xq, xs, xsum, kq, y, rows, groups, n0, add, ahead); \
         else __builtin_trap(); /* `tiles` never asks for more than the registers hold */ \
         return;
         SPECRPC_TT(1) SPECRPC_TT(2) SPECRPC_TT(3) SPECRPC_TT(4) SPECRPC_TT(5) SPECRPC_TT(6) SPECRPC_TT(7) SPECRPC_TT(8)
@@ -320,7 +338,7 @@ static inline void panels_q_tt(int64_t tt, const uint8_t* w, const float* scale,
 }
 
 // y = x W^T for int8 W through VNNI (`panels_q`), its T activation rows quantized first (`quantize`).
-template <bool STREAM>
+template <int PF>
 static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, const float* __restrict x,
                           float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
     const int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, groups = kq / INT8_GROUP, nb = kq / QBLOCK;
@@ -328,9 +346,9 @@ static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, c
     for (int64_t t = 0; t < T; ++t) quantize(x + t * cols, cols, m->xq + t * kq, m->xs + t * nb, m->xsum + t * nb, kq);
     const uint8_t* q = static_cast<const uint8_t*>(w.w);
     tiles<true>(T, rows, [&](auto r, int64_t tt, int64_t p, int64_t t0) {
-        panels_q_tt<decltype(r)::value, STREAM>(tt, q + p * groups * LANES * INT8_GROUP, w.scale, b,
-                                                 m->xq + t0 * kq, m->xs + t0 * nb, m->xsum + t0 * nb, kq,
-                                                 y + t0 * rows, rows, groups, p * LANES, add);
+        panels_q_tt<decltype(r)::value, PF>(tt, q + p * groups * LANES * INT8_GROUP, w.scale, b,
+                                             m->xq + t0 * kq, m->xs + t0 * nb, m->xsum + t0 * nb, kq,
+                                             y + t0 * rows, rows, groups, p * LANES, add, prefetch_ahead(m));
     });
 }
 #else
@@ -339,31 +357,37 @@ constexpr int64_t QBLOCK = 1;  // no activation blocks: activations stay float
 #endif
 
 // y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] (· scale[n]) + b[n] for t < T (call inside the parallel region).
-template <bool STREAM, typename W>
+template <int PF, typename W>
 static inline void gemm_rows(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
                              const float* __restrict x, float* __restrict y, int64_t T, int64_t rows, int64_t cols,
-                             bool add) {
+                             bool add, int64_t ahead) {
     tiles(T, rows, [&](auto r, int64_t tt, int64_t p, int64_t t0) {
-        panels_tt<decltype(r)::value, STREAM>(tt, w + p * cols * LANES, scale, b, x + t0 * cols, y + t0 * rows, rows,
-                                              cols, p * LANES, add);
+        panels_tt<decltype(r)::value, PF>(tt, w + p * cols * LANES, scale, b, x + t0 * cols, y + t0 * rows, rows,
+                                          cols, p * LANES, add, ahead);
     });
 }
 
-static inline void gemm(const Model* m, Weight w, const float* __restrict b, const float* __restrict x,
-                        float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add, bool stream) {
+template <int PF>
+static inline void gemm_pf(const Model* m, Weight w, const float* __restrict b, const float* __restrict x,
+                           float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
     if (w.scale) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-        if (stream) gemm_q<true>(m, w, b, x, y, T, rows, cols, add);
-        else gemm_q<false>(m, w, b, x, y, T, rows, cols, add);
+        gemm_q<PF>(m, w, b, x, y, T, rows, cols, add);
 #else
-        const int8_t* q = static_cast<const int8_t*>(w.w);
-        if (stream) gemm_rows<true>(q, w.scale, b, x, y, T, rows, cols, add);
-        else gemm_rows<false>(q, w.scale, b, x, y, T, rows, cols, add);
+        gemm_rows<PF>(static_cast<const int8_t*>(w.w), w.scale, b, x, y, T, rows, cols, add, prefetch_ahead(m));
 #endif
     } else {
-        const float* f = static_cast<const float*>(w.w);
-        if (stream) gemm_rows<true>(f, nullptr, b, x, y, T, rows, cols, add);
-        else gemm_rows<false>(f, nullptr, b, x, y, T, rows, cols, add);
+        gemm_rows<PF>(static_cast<const float*>(w.w), nullptr, b, x, y, T, rows, cols, add, prefetch_ahead(m));
+    }
+}
+
+// A product through the model's prefetch mode (`Prefetch`; an unknown value prefetches nothing).
+static inline void gemm(const Model* m, Weight w, const float* __restrict b, const float* __restrict x,
+                        float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
+    switch (m->prefetch) {
+        case NON_TEMPORAL: return gemm_pf<NON_TEMPORAL>(m, w, b, x, y, T, rows, cols, add);
+        case TEMPORAL: return gemm_pf<TEMPORAL>(m, w, b, x, y, T, rows, cols, add);
+        default: return gemm_pf<NONE>(m, w, b, x, y, T, rows, cols, add);
     }
 }
 
@@ -581,7 +605,7 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             const Layer& L = m->layer[l];
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.attn_norm, m->h + t * d, d, m->eps);
-            gemm(m, {L.qkv, L.qkv_scale}, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false, m->stream);
+            gemm(m, {L.qkv, L.qkv_scale}, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false);
 #pragma omp for schedule(static)
             for (int64_t tj = 0; tj < T * nheads; ++tj) {  // q and k heads: norm, rotary; k and v into the cache
                 const int64_t t = tj / nheads, j = tj % nheads, pos = pos_of[t];
@@ -602,10 +626,10 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             for (int64_t job = 0; job < n_jobs; ++job)  // a row's queries on one KV head, QUERIES at a time
                 attend(m, L, l, pos_of, slot_of, row_start[job / (hkv * chunks)], row_end[job / (hkv * chunks)],
                        job / chunks % hkv, job % chunks, scale);
-            gemm(m, {L.o, L.o_scale}, L.o_bias, m->att, m->x, T, d, hq * dh, true, m->stream);
+            gemm(m, {L.o, L.o_scale}, L.o_bias, m->att, m->x, T, d, hq * dh, true);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.mlp_norm, m->h + t * d, d, m->eps);
-            gemm(m, {L.up, L.up_scale}, L.up_bias, m->h, m->up, T, 2 * ffn, d, false, m->stream);
+            gemm(m, {L.up, L.up_scale}, L.up_bias, m->h, m->up, T, 2 * ffn, d, false);
 #pragma omp for schedule(static)
             for (int64_t ti = 0; ti < T * ffn; ++ti) {
                 float* row = m->up + (ti / ffn) * 2 * ffn;
@@ -616,11 +640,11 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             // overwrites token t/2's source, which an earlier t has moved)
 #pragma omp single
             for (int64_t t = 1; t < T; ++t) std::memmove(m->up + t * ffn, m->up + t * 2 * ffn, ffn * sizeof(float));
-            gemm(m, {L.down, L.down_scale}, L.down_bias, m->up, m->x, T, d, ffn, true, m->stream);
+            gemm(m, {L.down, L.down_scale}, L.down_bias, m->up, m->x, T, d, ffn, true);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_logits; ++i) rms_norm(m->x + rows[i] * d, m->norm, m->h + i * d, d, m->eps);
-        gemm(m, {m->head, m->head_scale}, nullptr, m->h, logits, n_logits, m->vocab, d, false, m->stream);
+        gemm(m, {m->head, m->head_scale}, nullptr, m->h, logits, n_logits, m->vocab, d, false);
     }
     return 0;
 }

@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specrpc.config import Config
+from specrpc.engine.constraint import ConstraintSpec, Grammar, GrammarCompiler, InvalidConstraint
 from specrpc.engine.engine import Engine
 from specrpc.engine.generation import GenerationRequest, GenerationStats
 from specrpc.engine.policy import CostModel
@@ -40,6 +41,10 @@ log = structlog.get_logger(__name__)
 FILE_SEP_NAMES = ["<|file_sep|>", "<file_sep>", "<|file_separator|>"]
 
 
+COMPILE_BUDGET_S = 1.0
+"""Seconds a request's schema or grammar may take to compile (in a worker thread, off the device thread); a longer
+one is refused as InvalidConstraint, so a hostile schema is served or refused within a second."""
+
 SEEDED_DRAFT_TOKENS = 4
 """Draft tokens per step for seeded sampled requests left to the adaptive policy (see `Runtime._speculation`)."""
 
@@ -60,6 +65,7 @@ class DecodeParams:
     logprobs: bool = False  # each emitted token's log-probability (Chunk.logprobs)
     top_logprobs: int = 0  # with logprobs: this many most likely alternatives per token (at most 20)
     prediction: tuple[int, ...] = ()  # the client's predicted output, tokens of its text (a draft; empty: none)
+    constraint: ConstraintSpec | None = None  # what the output must match (JSON schema, regex, grammar)
 
 
 @dataclass(frozen=True)
@@ -194,6 +200,7 @@ class Runtime:
             self.bos_ids, int(eos) if eos is not None else None)
         self.special_ids = frozenset(int(i) for i in self.tokenizer.all_special_ids)
         self._token_texts: dict[int, str] = {}
+        self._grammars: GrammarCompiler | None = None
         self.warm = False
         release_workers()  # loading ran torch on this thread: leave the device thread the only OpenMP team
 
@@ -311,6 +318,29 @@ class Runtime:
             note = f" (context {self.context_limit} less max_new_tokens {max_new_tokens}, --max-prompt-tokens)"
         return self.fim.prompt(infill, budget, truncate, note)
 
+    # ---- constraints -------------------------------------------------------------------------------------------
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for the loaded tokenizer (built on first use: a large vocabulary takes a second);
+        a grammar ends at the model's end-of-sequence tokens."""
+        if self._grammars is None:
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            if backend is None:
+                raise InvalidConstraint("structured output needs a fast (tokenizers) tokenizer; this model's is not")
+            self._grammars = GrammarCompiler.from_tokenizer_json(backend.to_str(), self.stop_token_ids,
+                                                                 self.target.vocab_size)
+        return self._grammars
+
+    async def compile(self, spec: ConstraintSpec) -> Grammar:
+        """`spec` compiled in a worker thread within COMPILE_BUDGET_S (cached by content); InvalidConstraint when
+        it is invalid or takes longer."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(lambda: self.grammars.compile(spec)), COMPILE_BUDGET_S)
+        except TimeoutError:
+            raise InvalidConstraint(f"the {spec.kind} took more than {COMPILE_BUDGET_S:g} s to compile; simplify "
+                                    f"it") from None
+
     # ---- generation --------------------------------------------------------------------------------------------
 
     def _speculation(self, params: DecodeParams) -> tuple[int | None, str | None]:
@@ -396,6 +426,7 @@ class Runtime:
         `on_done` gets the final Done even when the consumer has gone (client cancel), for accounting. `scope`:
         whose earlier outputs draft for it, and whom its output will draft for (None: nobody's)."""
         arrival = time.perf_counter()
+        grammar = await self.compile(params.constraint) if params.constraint is not None else None
         try:
             lease = await self.registry.acquire(session_id, prompt)
         except Superseded:
@@ -420,6 +451,7 @@ class Runtime:
             suggestion=self._suggestion(lease, prompt, params, num_draft_tokens, proposer),
             prediction=self._prediction(prompt, params, num_draft_tokens),
             suffix=self._suffix(scope, params, num_draft_tokens),
+            grammar=grammar,
         )
         job = Job(lease.slot, request, IncrementalDetokenizer(self.stream_decoder, prompt), StopMatcher(params.stop),
                   loop, guard=LineGuard(params.n_indent), max_time_s=params.max_time_ms / 1e3, arrival=arrival)

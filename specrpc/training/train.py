@@ -32,6 +32,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from specrpc.prompts.fim import declare_fim
 from specrpc.training.corpus import Corpus, SourceFile, build_corpus, split_sources
 from specrpc.training.layouts import LAYOUTS, Documents, RowBuilder, folder_groups
+from specrpc.training.lock import hold
 from specrpc.training.manifest import encode_files, manifest
 from specrpc.training.tokenizer import EOT, FILE_SEP, SPECIAL_TOKENS, train_tokenizer
 
@@ -512,4 +513,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with hold():  # benchmarks, the soak and the long fuzz refuse to start beside a running training
+        main()

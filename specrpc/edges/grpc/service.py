@@ -21,6 +21,7 @@ from specrpc.edges.gateway import DeviceOutOfMemory, EngineFailure, Gateway, Not
 from specrpc.edges.grpc.wire import MalformedRequest
 from specrpc.edges.metrics import Metrics
 from specrpc.edges.validation import SESSION_HEADER, InvalidRequest
+from specrpc.engine.constraint import ConstraintSpec, InvalidConstraint
 from specrpc.engine.generation import FINISH_LENGTH, FINISH_STOP
 from specrpc.engine.sampling import SamplingParams
 from specrpc.prompts.fim import ExtraFile, InfillInput, InfillPrompt, NoInfillSupport, PromptTooLong
@@ -59,6 +60,7 @@ FIM_LAYOUT_VALUES = {v: k for k, v in FIM_LAYOUTS.items()}
 ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (MalformedRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidConstraint, grpc.StatusCode.INVALID_ARGUMENT),
     (PromptTooLong, grpc.StatusCode.INVALID_ARGUMENT),
     (BadRewrite, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownSession, grpc.StatusCode.INVALID_ARGUMENT),
@@ -238,8 +240,21 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         return validation.decode_params(self.config, proposers, max_new_tokens, self._sampling(sampling), stop,
                                         num_draft, proposer)
 
+    @staticmethod
+    def _constraint(msg: pb.Constraint, name: str = "constraint") -> ConstraintSpec | None:
+        """A request's `constraint` (None when unset or `json_object: false`)."""
+        kind = msg.WhichOneof("kind")
+        if kind is None or (kind == "json_object" and not msg.json_object):
+            return None
+        if kind == "json_object":
+            return validation.constraint("json_object", "", True, f"{name}.json_object")
+        text = str(getattr(msg, kind))
+        return validation.constraint(kind, text, not msg.lenient, f"{name}.{kind}")
+
     def _editor_params(self, request: pb.GenerateRequest | pb.InfillRequest, params: DecodeParams) -> DecodeParams:
-        """`params` with the editor fields of a Generate or Infill request, checked (validation.editor_params)."""
+        """`params` with the editor fields and the constraint of a Generate or Infill request, checked
+        (validation.editor_params)."""
+        params = replace(params, constraint=self._constraint(request.constraint))
         return validation.editor_params(params, n_indent=request.n_indent, max_time_ms=request.max_time_ms,
                                         prefill_only=request.prefill_only, logprobs=request.logprobs,
                                         top_logprobs=request.top_logprobs, max_new_tokens=request.max_new_tokens,
@@ -476,6 +491,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 d.speculation if d.HasField("speculation") else None)
             params = self._decode_params(turn.max_new_tokens or d.max_new_tokens, sampling,
                                          [*d.stop, *reply_stops(self.runtime)], speculation)
+            params = replace(params, constraint=self._constraint(turn.constraint, "turn.constraint"))
             await conversation.turn(turn.role, turn.text, params)
         elif kind == "cancel":
             conversation.cancel()

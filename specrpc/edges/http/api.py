@@ -17,6 +17,7 @@ cancels its generation before the next engine step.
 
 from __future__ import annotations
 
+import json
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
@@ -54,6 +55,7 @@ from specrpc.edges.http.wire import (
     read_json,
 )
 from specrpc.edges.validation import SESSION_HEADER
+from specrpc.engine.constraint import ConstraintSpec
 from specrpc.prompts.fim import ExtraFile, InfillInput, Trimmed
 from specrpc.prompts.rewrite import RewriteInput
 from specrpc.serving.runtime import DecodeParams
@@ -135,6 +137,40 @@ def openai_editor_options(body: Body, chat: bool) -> EditorOptions:
                              top_logprobs=body.integer("top_logprobs", 0, 0, 2**31 - 1))
     n = body.integer("logprobs", 0, 0, 2**31 - 1)
     return EditorOptions(logprobs=n > 0 or body.has("logprobs"), top_logprobs=n)
+
+
+def response_format(body: Body) -> ConstraintSpec | None:
+    """OpenAI's `response_format`: `{"type": "text"}` (free text), `{"type": "json_object"}` (any JSON object) or
+    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`; unset: free text."""
+    if not body.has("response_format"):
+        return None
+    fmt = Body(body.data["response_format"], "response_format")
+    kind = fmt.text("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return validation.constraint("json_object", "", True, fmt.name("type"))
+    if kind != "json_schema":
+        raise bad(fmt.name("type"), f"{fmt.name('type')} must be text, json_object or json_schema; got {kind!r}")
+    spec = Body(fmt.data.get("json_schema"), fmt.name("json_schema"))
+    schema = spec.data.get("schema")
+    if not isinstance(schema, dict):
+        raise bad(spec.name("schema"), f"{spec.name('schema')} must be a JSON Schema object")
+    return validation.constraint("json_schema", json.dumps(schema), spec.flag("strict", False), spec.name("schema"))
+
+
+def llama_constraint(body: Body) -> ConstraintSpec | None:
+    """llama.cpp's `json_schema` (an object) or `grammar` (GBNF, or Lark); not both."""
+    if body.has("json_schema") and body.has("grammar"):
+        raise bad("grammar", "json_schema and grammar are exclusive: send one")
+    if body.has("json_schema"):
+        schema = body.data["json_schema"]
+        if not isinstance(schema, dict):
+            raise bad("json_schema", "json_schema must be a JSON Schema object")
+        return validation.constraint("json_schema", json.dumps(schema), True, "json_schema")
+    if body.has("grammar") and body.text("grammar"):
+        return validation.constraint("grammar", body.text("grammar"), True, "grammar")
+    return None
 
 
 # ---- the application -----------------------------------------------------------------------------------------------
@@ -251,6 +287,7 @@ class HttpApi:
         options = openai_editor_options(body, chat=True)
         prompt = chat_prompt(self.gateway, messages)
         params = apply_editor_options(decode(self, sampling, budget, reply_stops(self.gateway.runtime)), options)
+        params = replace(params, constraint=response_format(body))
         rt = self.gateway.runtime
         params = validation.prediction(params, prediction_text(body), rt.encode_plain, rt.context_limit)
         stream, usage = stream_flags(body)
@@ -270,7 +307,8 @@ class HttpApi:
             raise bad("prompt", "prompt must be a string (or a list of one string)")
         sampling, budget = openai_sampling(body, 16, self.config.limits.max_new_tokens)  # OpenAI's default: 16
         options = openai_editor_options(body, chat=False)
-        params = apply_editor_options(decode(self, sampling, budget), options)
+        params = replace(apply_editor_options(decode(self, sampling, budget), options),
+                         constraint=response_format(body))
         params = validation.prediction(params, prediction_text(body), rt.encode_plain, rt.context_limit)
         if body.has("suffix"):  # fill-in-the-middle, as gRPC Infill: the model family's template
             fim = rt.infill_prompt(InfillInput(prefix=text, suffix=body.text("suffix")))
@@ -363,7 +401,8 @@ class HttpApi:
         options = EditorOptions(n_indent=body.integer("n_indent", 0, 0, 2**31 - 1),
                                 max_time_ms=body.integer("t_max_predict_ms", 0, 0, 2**31 - 1),
                                 prefill_only=n_predict == 0, logprobs=n_probs > 0, top_logprobs=n_probs)
-        params = apply_editor_options(decode(self, sampling, "n_predict"), options, LLAMA_NAMES)
+        params = replace(apply_editor_options(decode(self, sampling, "n_predict"), options, LLAMA_NAMES),
+                         constraint=llama_constraint(body))
         fields = [str(f) for f in body.items("response_fields")]
         settings = {"n_predict": n_predict, "temperature": sampling.temperature, "top_k": sampling.top_k,
                     "top_p": sampling.top_p, "seed": sampling.seed, "n_indent": options.n_indent,

@@ -23,6 +23,7 @@ from specrpc.edges.auth import TooManyStreams
 from specrpc.edges.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
 from specrpc.edges.http.replies import Reply
 from specrpc.edges.validation import InvalidRequest
+from specrpc.engine.constraint import InvalidConstraint
 from specrpc.prompts.fim import NoInfillSupport, PromptTooLong
 from specrpc.prompts.rewrite import BadRewrite
 from specrpc.serving.runtime import DecodeParams
@@ -51,6 +52,7 @@ class ErrorKind:
 
 ERRORS: list[tuple[type[BaseException], ErrorKind]] = [
     (InvalidRequest, ErrorKind(400, "invalid_request_error", "invalid_value", "INVALID_ARGUMENT")),
+    (InvalidConstraint, ErrorKind(400, "invalid_request_error", "invalid_schema", "INVALID_ARGUMENT")),
     (PromptTooLong, ErrorKind(400, "invalid_request_error", "prompt_too_long", "INVALID_ARGUMENT")),
     (BadRewrite, ErrorKind(400, "invalid_request_error", "invalid_value", "INVALID_ARGUMENT")),
     (UnknownSession, ErrorKind(400, "invalid_request_error", "unknown_session", "INVALID_ARGUMENT")),

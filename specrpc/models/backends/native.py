@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
 from specrpc import native
+from specrpc.models.backends.timing import interleaved_times
 from specrpc.models.batch import BatchRow
 from specrpc.models.kv_cache import KVCache
 from specrpc.models.llama.weights import Linear, LlamaWeights
@@ -61,8 +63,16 @@ MAX_TOKENS = 16
 """Tokens one native forward takes at most (its work buffers' rows): a verify of up to 15 drafts."""
 
 STREAM_BYTES = 32 << 20
-"""Weights above this size stream past the CPU's caches (about a server CPU's last-level cache): a target this size
-would evict the draft's weights on every step, and gains nothing from caching itself."""
+"""Weights above this size stream past the CPU's caches until `calibrate_prefetch` has measured the modes (about a
+2-core AMD EPYC's last-level cache, where a target this size would evict the draft's weights on every step)."""
+
+PREFETCH_AHEAD = 2048
+"""Bytes ahead of the column a product reads that its prefetches ask for. On a 2-core Intel Xeon (one thread, the
+shipped target) 512 and 2048 timed within 7 % of each other in both prefetching modes and 8192 up to 20 % slower, while
+the mode moved a one-token step 2.5×: the mode is measured at load, the distance kept (`Model.prefetch_ahead`)."""
+
+VERIFY_TOKENS = 5
+"""The verify shape `calibrate_prefetch` times beside a one-token step: 4 drafts and the token before them."""
 
 
 class NativeStep:
@@ -70,8 +80,8 @@ class NativeStep:
     step; `run` runs up to `MAX_TOKENS` tokens."""
 
     def __init__(self, w: LlamaWeights, cache: KVCache) -> None:
-        """Weights above `STREAM_BYTES` are read with non-temporal prefetches, so that a model larger than the CPU's
-        caches does not evict a small one's (the draft's) from them on every step."""
+        """Weights above `STREAM_BYTES` are read with non-temporal prefetches until `calibrate_prefetch` measures
+        which mode is fastest here (`prefetch_one`, `prefetch_many`)."""
         a = w.args
         lib = native.library()
         assert lib is not None
@@ -117,7 +127,9 @@ class NativeStep:
                 *rows(layer.down), ptr(layer.down.bias), layer.window or 0)
         head, head_scale = rows(w.head)
         self.vocab = out_rows[-1]  # the head's rows
-        stream = sum(t.nbytes for t in projections) > STREAM_BYTES
+        guess = "non-temporal" if sum(t.nbytes for t in projections) > STREAM_BYTES else "none"
+        self.prefetch_one = guess  # the `native.PREFETCH` mode of one-token forwards (decode steps, greedy drafts)
+        self.prefetch_many = guess  # and of forwards of more tokens (verifies, batches, chunks)
         capacity = cache.k.shape[3]  # [L, S, H, C, D]
         buffers = {"x": a.hidden, "h": a.hidden, "qkv": (a.heads + 2 * a.kv_heads) * a.head_dim,
                    "att": a.heads * a.head_dim, "up": 2 * a.ffn, "scores": a.heads * capacity}
@@ -130,15 +142,46 @@ class NativeStep:
         keep += list(quantized.values())
         self.model = native.Model(
             d=a.hidden, hq=a.heads, hkv=a.kv_heads, dh=a.head_dim, ffn=a.ffn, vocab=self.vocab, layers=a.layers,
-            slots=cache.k.shape[1], capacity=capacity, max_tokens=MAX_TOKENS, stream=int(stream), eps=a.eps,
-            embed=ptr(w.embed),
-            norm=ptr(w.norm.weight), head=head, head_scale=head_scale, cos=ptr(w.cos), sin=ptr(w.sin), layer=layers,
+            slots=cache.k.shape[1], capacity=capacity, max_tokens=MAX_TOKENS, prefetch=native.PREFETCH[guess],
+            eps=a.eps, embed=ptr(w.embed), norm=ptr(w.norm.weight), head=head, head_scale=head_scale, cos=ptr(w.cos),
+            sin=ptr(w.sin), layer=layers,
             k_cache=native.pointer(cache.k), v_cache=native.pointer(cache.v),
             **{name: native.pointer(t) for name, t in work.items()},
-            **{name: int(t.data_ptr()) for name, t in quantized.items()}, kq=kq)
+            **{name: int(t.data_ptr()) for name, t in quantized.items()}, kq=kq, prefetch_ahead=PREFETCH_AHEAD)
         self._layers = layers
         self._keep = keep
         self._model_ref = ctypes.byref(self.model)
+
+    def _prefetch(self, count: int) -> None:
+        """The prefetch mode for a forward of `count` tokens into the struct (a hint: results are the same bits)."""
+        self.model.prefetch = native.PREFETCH[self.prefetch_one if count == 1 else self.prefetch_many]
+
+    def calibrate_prefetch(self, slot: int = 0, context: int = 32, repeats: int = 9) -> dict[int, dict[str, float]]:
+        """Time every prefetch mode (`native.PREFETCH`) on this model at one token (a decode step) and at
+        `VERIFY_TOKENS` (a verify), interleaved (`interleaved_times`, lower quartiles), and keep the fastest at each
+        (`prefetch_one`, `prefetch_many`): whether to read the weights past the caches depends on the CPU's
+        last-level cache and the model, and no byte count knows both. Writes K/V at positions below context +
+        `VERIFY_TOKENS` of `slot`, which the caller holds empty. Returns those seconds per shape and mode (empty
+        where the cache has no room to measure, the guess kept)."""
+        context = min(context, self.model.capacity - VERIFY_TOKENS)
+        if context < 1:
+            return {}
+        ids = (torch.arange(context + VERIFY_TOKENS) * 7919) % self.vocab  # [context + VERIFY_TOKENS]
+        self.run_chunks(ids[:context], 0, slot)
+        modes = list(native.PREFETCH)
+        table: dict[int, dict[str, float]] = {}
+        for count in (1, VERIFY_TOKENS):
+            def step(mode: str, count: int = count) -> Callable[[], None]:
+                def run() -> None:
+                    self.prefetch_one = self.prefetch_many = mode
+                    self.run(ids[context : context + count], context, slot, count)
+                return run
+
+            times = interleaved_times([step(mode) for mode in modes], repeats)
+            table[count] = dict(zip(modes, times, strict=True))
+        self.prefetch_one = min(table[1], key=table[1].__getitem__)
+        self.prefetch_many = min(table[VERIFY_TOKENS], key=table[VERIFY_TOKENS].__getitem__)
+        return table
 
     def run(self, tokens: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
         """tokens [T] int64 (T <= MAX_TOKENS) at positions start.. of `slot` (their K/V written there) → float32
@@ -147,6 +190,7 @@ class NativeStep:
         count = tokens.shape[0]
         ids = tokens.to(torch.long).contiguous()  # [T]
         logits = torch.empty(num_logits, self.vocab)  # [num_logits, V]
+        self._prefetch(count)
         if self._row(self._model_ref, ids.data_ptr(), count, start, slot, num_logits, logits.data_ptr(),
                      torch.get_num_threads()) != 0:
             raise ValueError(self._out_of_range(count, 1))
@@ -156,6 +200,7 @@ class NativeStep:
               rows: int) -> torch.Tensor:
         """The native forward of ids, positions, slots [T] → logits [len(wanted), V] of the tokens `wanted` lists."""
         logits = torch.empty(wanted.shape[0], self.vocab)  # [R, V]
+        self._prefetch(ids.shape[0])
         rc = self._fn(self._model_ref, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), ids.shape[0],
                       wanted.data_ptr(), wanted.shape[0], logits.data_ptr(), torch.get_num_threads())
         if rc != 0:
@@ -214,6 +259,7 @@ class NativeStep:
         ids = feed.to(torch.long).contiguous()  # [F]
         out = torch.empty(steps + 1, dtype=torch.long)  # [steps + 1]
         scratch = torch.empty(self.vocab)  # [V]
+        self._prefetch(1)  # a draft is one-token steps after its feed
         if self._greedy(self._model_ref, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
                         scratch.data_ptr(), torch.get_num_threads()) != 0:
             raise ValueError(f"native greedy draft: {ids.shape[0]} tokens fed at position {start} of slot {slot}, "

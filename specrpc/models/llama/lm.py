@@ -8,12 +8,14 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from specrpc.models.backends import cuda_graphs, eager, native
+from specrpc.models.backends.timing import interleaved_times
 from specrpc.models.batch import BatchRow, check_rows
 from specrpc.models.kv_cache import KVCache
 from specrpc.models.llama.checkpoint import load_llama_weights
@@ -119,60 +121,93 @@ class LlamaLM:
             weights = with_int8_decode(weights)
         lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
                  graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
-        if native_decode and lm.use_native():
+        if native_decode and lm.use_native():  # (which tunes the torch forward's one-token path itself)
             return lm
-        if weights.head.packed is not None and weights.head.q8 is None and not weights.head.bf16_only:
+        if lm.decode_tunable():
             lm.tune_decode()
         return lm
 
+    def decode_tunable(self) -> bool:
+        """Whether one-token products have two torch paths to choose between (`tune_decode`): MKL's gemv on the
+        plain copy and oneDNN's packed one."""
+        head = self.weights.head
+        return head.packed is not None and head.wt is not None and head.q8 is None and not head.bf16_only
+
     def use_native(self) -> bool:
-        """Run forwards of up to `native_rows` tokens through the native step (specrpc/native) if it supports this
-        model here; longer ones keep the oneDNN copy, so the float [K, N] copy is dropped where one exists. Returns
-        whether the native step is on (why not is logged)."""
+        """Build the native step (specrpc/native) if it supports this model here, pick its fastest weight prefetch
+        (`NativeStep.calibrate_prefetch`), and run forwards of up to `native_rows` tokens through it: the most before
+        the torch forward (its one-token path tuned first, `tune_decode`) is as fast, measured from one token up,
+        0 where torch wins a one-token step. Longer forwards keep the oneDNN copy, so where the native step takes any
+        the float [K, N] copy is dropped where one exists. Returns whether the native step was built (why not is
+        logged)."""
         why = native.supported(self.weights, self.device, self.dtype)
         if why is not None:
             log.info("%s: native decode off (%s)", self.name, why)
             return False
-        self.native = native.NativeStep(self.weights, self.cache)
-        self.weights = map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
-                                    else dataclasses.replace(p, wt=None, packed_rows=1))
-        only_int8 = all(p.wt is None and p.packed is None for p in self.weights.linears())
-        # int8 weights alone (--weights int8): every decode and verify through the native step, so greedy speculation
-        # equals greedy decoding at int8 exactly (the torch int8 kernel rounds differently); else where it is faster
-        self.native_rows = native.MAX_TOKENS if only_int8 else self._native_rows()
-        log.info("%s: native decode on, up to %d tokens a forward", self.name, self.native_rows)
+        step = self.native = native.NativeStep(self.weights, self.cache)
+        table = step.calibrate_prefetch()
+        if table:
+            log.info("%s: native prefetch %s at 1 token, %s at %d (ms, lower quartiles: %s)", self.name,
+                     step.prefetch_one, step.prefetch_many, native.VERIFY_TOKENS, "; ".join(
+                         f"{count}: " + ", ".join(f"{mode} {t * 1e3:.2f}" for mode, t in times.items())
+                         for count, times in table.items()))
+        if all(p.wt is None and p.packed is None for p in self.weights.linears()):
+            # int8 weights alone (--weights int8): every decode and verify through the native step, so greedy
+            # speculation equals greedy decoding at int8 exactly (the torch int8 kernel rounds differently)
+            self.native_rows = native.MAX_TOKENS
+            log.info("%s: native decode on, up to %d tokens a forward (int8 weights alone)", self.name,
+                     self.native_rows)
+            return True
+        self.native_rows = 0  # the torch forward alone while its own one-token path is tuned
+        if self.decode_tunable():
+            self.tune_decode()
+        self.native_rows, ratios = self._native_rows()
+        if self.native_rows > 0:
+            self.weights = map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
+                                       else dataclasses.replace(p, wt=None, packed_rows=1))
+        log.info("%s: native decode on, up to %d tokens a forward (native/torch time by tokens: %s)", self.name,
+                 self.native_rows, ", ".join(f"{count} {r:.2f}" for count, r in ratios.items()) or "not measured")
         return True
 
-    def _native_rows(self, context: int = 32, repeats: int = 5) -> int:
+    def _native_rows(self, context: int = 32, repeats: int = 5, one_token_repeats: int = 11
+                     ) -> tuple[int, dict[int, float]]:
         """The most tokens a forward runs through the native step (a decode step, a verify, a draft's catch-up)
-        before the torch forward is faster (the native step reads each weight once for all its tokens but computes
-        their products one row at a time): measured here on slot 0 (left empty), native against torch forwards of
-        2, 3, … tokens, up to `MAX_TOKENS`; it stops at the first count where torch wins."""
+        before the torch forward is as fast (the native step reads each weight once for all its tokens but computes
+        their products one row at a time), and the ratios measured (native / torch time by token count):
+        native against torch forwards of 1, 2, … tokens up to `MAX_TOKENS`, interleaved (`interleaved_times`,
+        more rounds at one token, the shape most forwards have), on slot 0 (left empty); it stops at the first count
+        where torch is not slower twice in a row, so 0 where torch wins a one-token step. Without room in the cache
+        to measure, 1 (unmeasured)."""
         most = native.MAX_TOKENS
         context = min(context, self.max_context - most - 1)
         if context < 1:
-            return 1
+            return 1, {}
         ids = (torch.arange(context + most, device=self.device) * 7919) % self.vocab_size  # [context + most]
+        self.native_rows = 0
         self.forward(ids[:context], 0, 0)
 
-        def timed(count: int, native: bool) -> float:
-            times = []
-            for _ in range(repeats + 1):
+        def forward(count: int, rows: int) -> Callable[[], object]:
+            def run() -> None:
                 self.truncate(0, context)
-                self.native_rows = most if native else 0
-                t0 = time.perf_counter()
+                self.native_rows = rows
                 self.forward(ids[context : context + count], context, 0, num_logits=count)
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times[1:])
+            return run
 
-        rows = 1
-        for count in range(2, most + 1):
-            if timed(count, True) >= timed(count, False):
+        rows = 0
+        ratios: dict[int, float] = {}
+        for count in range(1, most + 1):
+            for _ in range(2):  # torch as fast: measured again before it ends the range, as a neighbour's burst can
+                on, off = interleaved_times([forward(count, most), forward(count, 0)],
+                                              one_token_repeats if count == 1 else repeats)
+                ratios[count] = on / off
+                if on < off:
+                    break
+            if on >= off:
                 break
             rows = count
         self.native_rows = rows
         self.truncate(0, 0)
-        return rows
+        return rows, ratios
 
     def tune_decode(self, context: int = 32, repeats: int = 5) -> bool:
         """Time one-token steps through MKL's gemv and through oneDNN (alternating, after a warm-up of each) and

@@ -1,0 +1,194 @@
+"""Grammar constraints: a request's JSON schema, regular expression or grammar, compiled once (llguidance) into a
+matcher that says which tokens may come next. Speculation advances a matcher along a draft to mask each of its
+positions and rolls it back; committing advances it for good. Compilation is cached by content and bounded by the
+library's fuel and grammar-size limits; `GrammarCompiler.compile` is meant to run off the device thread.
+
+llguidance rather than xgrammar: a Rust wheel without a torch dependency (xgrammar's pins torch builds), it reads
+JSON Schema, regular expressions, Lark and llama.cpp's GBNF, rolls back any number of tokens, and reports a bad
+grammar through `is_error()` with a message instead of failing the process."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import llguidance as llg
+import torch
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
+
+MAX_GRAMMAR_BYTES = 1 << 20
+"""Largest schema or grammar text compiled (1 MiB); longer ones are refused before any work."""
+
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,4}"
+"""Whitespace JSON output may have between tokens: bounded, so a reply cannot run to its token limit on spaces."""
+
+def parser_limits() -> llg.LLParserLimits:
+    """llguidance's budgets (its fuel: ~50k per ms to build the lexer, ~14k per ms per mask): a hostile schema is
+    refused with an error, not compiled for seconds, and no mask computation runs away."""
+    return llg.LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                              max_grammar_size=200_000, verbose_errors=False)
+
+_BITS = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)  # [8] the bits of a mask byte, low first
+
+
+class InvalidConstraint(ValueError):
+    """A schema, regular expression or grammar that cannot be compiled (the edges answer INVALID_ARGUMENT / 400)."""
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What a request's output must match: `text` is the JSON schema, the regular expression or the grammar (Lark
+    or GBNF), empty for `json_object` (any JSON object). `strict` False compiles a schema leniently: keywords the
+    library does not implement are ignored rather than refused (OpenAI's `strict: false`)."""
+
+    kind: ConstraintKind
+    text: str = ""
+    strict: bool = True
+
+
+def unpack_mask(bitmask: bytes, vocab: int) -> torch.Tensor:
+    """llguidance's bitmask (bit i of little-endian int32 words: token i allowed) → bool [vocab]."""
+    packed = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)  # [ceil(V/32)*4]
+    return packed.unsqueeze(-1).bitwise_and(_BITS).ne(0).flatten()[:vocab]  # [V]
+
+
+class Constraint:
+    """One request's matcher, at its committed tokens between steps. Drafting advances it token by token
+    (`advance`) and rewinds (`rewind`); `masks` gives the allowed tokens at each position along a draft."""
+
+    def __init__(self, matcher: llg.LLMatcher, vocab: int) -> None:
+        self._matcher = matcher
+        self.vocab = vocab
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and admits nothing more (or only the end-of-sequence token it just took)."""
+        return bool(self._matcher.is_stopped())
+
+    def allowed(self) -> torch.Tensor:
+        """Tokens allowed next: bool [V]; all of them once the grammar is done (what follows is never committed)."""
+        if self._matcher.is_stopped():
+            return torch.ones(self.vocab, dtype=torch.bool)  # [V]
+        return unpack_mask(self._matcher.compute_bitmask(), self.vocab)  # [V]
+
+    def advance(self, token: int) -> None:
+        """Take a drafted token (one the mask allowed)."""
+        self._check(self._matcher.consume_token(token))
+
+    def rewind(self, n: int) -> None:
+        """Undo the last `n` drafted tokens."""
+        if n:
+            self._check(self._matcher.rollback(n))
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar allows (a point-mass draft is cut there)."""
+        return int(self._matcher.validate_tokens(tokens))
+
+    def masks(self, draft: list[int]) -> torch.Tensor:
+        """Allowed tokens at each position of a verify along `draft` (which the grammar allows): bool [k+1, V], row
+        i before draft token i, row k after the last; the matcher ends where it started."""
+        rows = [self.allowed()]
+        for token in draft:
+            self.advance(token)
+            rows.append(self.allowed())
+        self.rewind(len(draft))
+        return torch.stack(rows)  # [k+1, V]
+
+    def commit(self, token: int) -> bool:
+        """Take a committed token; True when the grammar is done after it."""
+        self.advance(token)
+        return self.done
+
+    def _check(self, ok: bool) -> None:
+        if not ok or self._matcher.is_error():
+            raise RuntimeError(f"grammar matcher: {self._matcher.get_error()}")
+
+
+class Grammar:
+    """A compiled constraint, its matcher at the start; each request gets its own copy (`start`)."""
+
+    def __init__(self, matcher: llg.LLMatcher, vocab: int) -> None:
+        self._matcher = matcher
+        self.vocab = vocab
+
+    def start(self) -> Constraint:
+        """A fresh matcher for one request."""
+        return Constraint(self._matcher.deep_copy(), self.vocab)
+
+
+class GrammarCompiler:
+    """Compiles ConstraintSpecs for one tokenizer, caching the most recent `cache_size` by content. Thread-safe:
+    compilation runs in a worker thread (the library releases the GIL while it builds)."""
+
+    def __init__(self, tokenizer: llg.LLTokenizer, cache_size: int = 64) -> None:
+        self.tokenizer = tokenizer
+        self.vocab = int(tokenizer.vocab_size)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[ConstraintSpec, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._limits = parser_limits()
+
+    @classmethod
+    def from_tokenizer_json(cls, tokenizer_json: str, end_ids: Collection[int], vocab: int) -> GrammarCompiler:
+        """A compiler for a Hugging Face `tokenizers` tokenizer (its JSON), whose end-of-sequence tokens are
+        `end_ids` (what a grammar allows once complete), over `vocab` token ids."""
+        ends = sorted(end_ids)
+        return cls(llg.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=ends or None))
+
+    def compile(self, spec: ConstraintSpec) -> Grammar:
+        """The compiled grammar for `spec` (cached); InvalidConstraint naming the problem when it cannot be."""
+        with self._lock:
+            cached = self._cache.get(spec)
+            if cached is not None:
+                self._cache.move_to_end(spec)
+                return cached
+        grammar = Grammar(self._build(spec), self.vocab)
+        with self._lock:
+            self._cache[spec] = grammar
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _build(self, spec: ConstraintSpec) -> llg.LLMatcher:
+        if len(spec.text.encode()) > MAX_GRAMMAR_BYTES:
+            raise InvalidConstraint(f"the {spec.kind} is {len(spec.text.encode())} bytes; at most "
+                                    f"{MAX_GRAMMAR_BYTES} are compiled")
+        try:
+            source = self._source(spec)
+        except ValueError as exc:
+            raise InvalidConstraint(f"invalid {spec.kind}: {exc}") from exc
+        matcher = llg.LLMatcher(self.tokenizer, source, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            raise InvalidConstraint(f"invalid {spec.kind}: {first_line(matcher.get_error())}")
+        return matcher
+
+    @staticmethod
+    def _source(spec: ConstraintSpec) -> str:
+        """The llguidance grammar for `spec`."""
+        options: JsonCompileOptions = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not spec.strict}
+        if spec.kind == "json_object":
+            return str(llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options))
+        if spec.kind == "json_schema":
+            try:
+                schema = json.loads(spec.text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON: {exc}") from exc
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema is a JSON object")
+            return str(llg.LLMatcher.grammar_from_json_schema(schema, overrides=options))
+        if spec.kind == "regex":
+            return str(llg.LLMatcher.grammar_from_regex(spec.text))
+        return str(llg.grammar_from("grammar", spec.text))  # Lark, or GBNF converted to Lark
+
+
+def first_line(message: str) -> str:
+    """An llguidance error's first line (the rest is a trace of the parser's state)."""
+    return message.strip().splitlines()[0] if message.strip() else "rejected by the grammar compiler"
