@@ -37,6 +37,7 @@ class EngineConfig:
     threads: int = 0
     draft_int8: bool = True
     native_decode: bool = True
+    deterministic: bool = False
     cuda_graphs: bool = True
     fim_template: str = ""
 
@@ -119,6 +120,11 @@ HELP: dict[str, str] = {
     "native_decode": "on CPU at float32, run one-token steps of the lean forward as one native OpenMP step "
                      "(specrpc/native/decode.cpp, built with the machine's C++ compiler on first use and cached; "
                      "without a compiler the torch forward runs them)",
+    "deterministic": "run every target forward through the native step's per-token products (CPU, float32 or int8 "
+                     "weights), so a stream's tokens never depend on its draft length, its batchmates or how its "
+                     "prompt was split: greedy speculation equals greedy target-only bit for bit (docs/how-it-works.md"
+                     "; the speed it costs: docs/benchmarks.md); off: the fastest path per shape, equal except at "
+                     "floating-point near-ties",
     "cuda_graphs": "on CUDA, replay draft and verify steps (up to max_draft_tokens+1 tokens) from CUDA graphs, "
                    "captured per slot and width at load",
     "fim_template": "fill-in-the-middle template (specrpc/fim.py): "

@@ -107,23 +107,28 @@ def test_rows_that_do_not_fill_a_panel(int8: bool, head_dim: int, tmp_path: Path
     assert torch.equal(together, alone)
 
 
-def test_int8_prompts_and_wide_batches_run_native_as_decoding_does() -> None:
-    """With int8 weights a prompt longer than a native forward takes runs in native chunks, and a batch of more
-    tokens than one takes (a prefill chunk beside decoding rows) in several native calls: every token's logits are
-    those of decoding it alone, bit for bit, so batched and speculative int8 output stays the solo output."""
+@pytest.mark.parametrize("mode", ["int8", "deterministic", "float32"])
+def test_int8_and_deterministic_prompts_and_wide_batches_run_native_as_decoding_does(mode: str) -> None:
+    """With int8 weights, or float32 with `deterministic`, a prompt longer than a native forward takes runs in native
+    chunks, and a batch of more tokens than one takes (a prefill chunk beside decoding rows) in several native calls:
+    every token's logits are those of decoding it alone, bit for bit, so batched and speculative output stays the
+    solo output. Plain float32 (the control) runs them through the torch forward, which rounds apart."""
     from specrpc.models import BatchRow
 
     requires_native()
     cpu = torch.device("cpu")
-    if not int8_available(cpu):
+    if mode == "int8" and not int8_available(cpu):
         pytest.skip("no int8 kernel")
     lm = load_model(ASSETS / "target", device=cpu, dtype=torch.float32, num_slots=3, max_context=128,
-                    int8_weights=True, native_decode=True)
-    assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native.int8
+                    int8_weights=mode == "int8", native_decode=True, deterministic=mode == "deterministic")
+    assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native.int8 == (mode == "int8")
     ids = torch.tensor([(i * 7919) % 4000 for i in range(60)])
     prompt = lm.forward(ids[:40], 0, 0, num_logits=3)  # [3, V]: 40 tokens, native chunks of 16
     lm.truncate(0, 0)
     alone = torch.cat([lm.forward(ids[t : t + 1], t, 0) for t in range(40)])  # [40, V]
+    if mode == "float32":
+        assert not torch.equal(prompt, alone[-3:])  # 40 tokens through torch: another reduction order
+        return
     assert torch.equal(prompt, alone[-3:])
     lm.forward(ids[:30], 0, 1)
     lm.truncate(0, 37)

@@ -1034,6 +1034,10 @@ async def test_model_info(stub: Stub, server: Running, tokenizer: PreTrainedToke
     assert info.kv_cache_bytes > 0
     assert info.supports_infill
     assert info.tokenizer_vocab_size == len(tokenizer)
+    rt = server.runtime  # the path each forward length takes, as chosen at start-up
+    assert [(e.tokens, e.path) for e in info.target_execution] == rt.target.execution()
+    assert [(e.tokens, e.path) for e in info.draft_execution] == (rt.draft.execution() if rt.draft else [])
+    assert info.target_execution[0].tokens in ("1", "any") and not info.deterministic
 
 
 # ---- invalid requests ----------------------------------------------------------------------------------------------

@@ -138,3 +138,29 @@ def assert_equal_but_at_a_near_tie(target: LlamaLM, prompt: list[int], a: list[i
     target.truncate(0, 0)
     gap = abs(float(logits[a[j]] - logits[b[j]]))
     assert gap <= tolerance * max(1.0, float(logits.abs().max())), f"{text!r}: tokens {a[j]} / {b[j]} at {j}, gap {gap}"
+
+
+def test_deterministic_greedy_is_identical_across_draft_lengths_and_batchmates() -> None:
+    """`--deterministic`: every target forward through the native step's per-token products, so concurrent streams
+    with different draft lengths (k = 0, 2, 5, 8), joining at different steps (a prompt chunk beside verifies), give
+    each its own target-only tokens bit for bit; without it, a verify wider than the native step's forwards takes the
+    torch forward and may round apart (equal but at near-ties)."""
+    from engine_helpers import decode_together
+
+    requires_native()
+    cpu, f32 = torch.device("cpu"), torch.float32
+    target = load_model(TARGET, device=cpu, dtype=f32, num_slots=4, max_context=512 + 9, native_decode=True,
+                        deterministic=True)
+    draft = load_model(DRAFT, device=cpu, dtype=f32, num_slots=4, max_context=512 + 9, native_decode=True)
+    assert isinstance(target, LlamaLM) and target.deterministic and target.execution()[-1] == ("17+",
+                                                                                               "native in chunks")
+    engine = Engine(target, draft, EngineConfig(max_sessions=4, max_context=512, max_draft_tokens=8))
+    tok = load_tokenizer(TARGET)
+    prompts = [tok(text).input_ids for text in PROMPTS[:8]]
+    alone = [generate(engine, prompt, 24, 0) for prompt in prompts]
+    for group in (range(0, 4), range(4, 8)):
+        runs = [(engine.new_slot(slot), GenerationRequest(prompts[i], 24, SamplingParams(temperature=0.0), k,
+                                                          "draft"), join)
+                for slot, (i, k, join) in enumerate(zip(group, (0, 2, 5, 8), (0, 1, 0, 3), strict=True))]
+        together, _ = decode_together(engine, runs)
+        assert together == [alone[i] for i in group]

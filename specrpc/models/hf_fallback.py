@@ -151,3 +151,7 @@ class HFCausalLM:
     def cache_bytes(self) -> int:
         """Bytes of the preallocated K/V tensors."""
         return self.cache.nbytes()
+
+    def execution(self) -> list[tuple[str, str]]:
+        """Every forward through transformers."""
+        return [("any", "transformers")]

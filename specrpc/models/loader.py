@@ -31,6 +31,7 @@ def load_model(
     int8_weights: bool = False,
     bf16_weights: bool = False,
     native_decode: bool = False,
+    deterministic: bool = False,
 ) -> CausalLM:
     """Load `path` with `num_slots` KV slots of `max_context` positions each (include the verify reserve:
     max_context + k_max + 1). Llama / Mistral / Qwen2 / Qwen3 / StarCoder2 take the lean forward unless `lean` is
@@ -44,7 +45,9 @@ def load_model(
     (outputs change slightly; greedy speculation still equals greedy target-only decoding at int8). `bf16_weights`
     (lean path on a CPU whose oneDNN computes bf16): the same with bf16 weights, activations kept at `dtype`.
     `native_decode` (lean path, float32 on a CPU with a C++ compiler): one-token forwards through the native step
-    (specrpc/native)."""
+    (specrpc/native). `deterministic` (lean path, where the native step runs; ValueError elsewhere): every forward
+    through the native step, so the logits of a position never depend on the forward it shares (`LlamaLM.use_native`).
+    """
     path = Path(path)
     if int8_weights and not (lean and int8_available(device)):
         raise ValueError(f"--weights int8 needs the lean forward on a CPU whose torch has the int8 kernel "
@@ -53,16 +56,20 @@ def load_model(
         raise ValueError(f"--weights bf16 needs the lean forward on a CPU whose oneDNN computes bf16 "
                          f"(device {device}, lean {lean}); use --weights dtype")
     cfg = json.loads((path / "config.json").read_text())
+    if deterministic and not (lean and cfg.get("model_type") in LEAN_MODEL_TYPES):
+        raise ValueError(f"--deterministic needs the lean forward and its native step, which {path.name} "
+                         f"({cfg.get('model_type')}, lean {lean}) does not take")
     if lean and cfg.get("model_type") in LEAN_MODEL_TYPES:
         try:
             return LlamaLM.load(path, cfg, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
                                 int8_decode=int8_decode and int8_available(device), graph_tokens=graph_tokens,
                                 buckets=buckets, draft_loop_steps=draft_loop_steps, int8_weights=int8_weights,
-                                bf16_weights=bf16_weights, native_decode=native_decode)
+                                bf16_weights=bf16_weights, native_decode=native_decode,
+                                deterministic=deterministic)
         except UnsupportedModelError as e:
-            if int8_weights or bf16_weights:
-                raise ValueError(f"{path.name}: --weights int8 / bf16 needs the lean forward, which this model can't "
-                                 f"take ({e})") from e
+            if int8_weights or bf16_weights or deterministic:
+                raise ValueError(f"{path.name}: --weights int8 / bf16 and --deterministic need the lean forward, "
+                                 f"which this model can't take ({e})") from e
             log.warning("%s: lean forward unavailable (%s); using transformers", path.name, e)
     return HFCausalLM.load(path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context)
 

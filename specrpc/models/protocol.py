@@ -57,3 +57,8 @@ class CausalLM(Protocol):
     def cache_bytes(self) -> int:
         """Bytes of the preallocated K/V tensors."""
         ...
+
+    def execution(self) -> list[tuple[str, str]]:
+        """Which path runs forwards of each length, as (tokens a forward, path) rows in length order: what the
+        start-up log prints and GetModelInfo reports."""
+        ...

@@ -171,7 +171,7 @@ class Runtime:
         self.target: CausalLM = load_model(ec.target, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
                                            max_context=capacity, lean=ec.lean, graph_tokens=graph_tokens,
                                            buckets=buckets, int8_weights=int8, bf16_weights=bf16,
-                                           native_decode=ec.native_decode)
+                                           native_decode=ec.native_decode, deterministic=ec.deterministic)
         self.draft: CausalLM | None = None
         if ec.draft and ec.draft.lower() != "none":
             check_tokenizers_match(self.tokenizer, load_tokenizer(ec.draft), self.target.vocab_size,
@@ -184,6 +184,9 @@ class Runtime:
         self.target_info = checkpoint_info(ec.target, self.target, self.dtype, ec.weights)
         self.draft_info = (checkpoint_info(ec.draft, self.draft, self.dtype, ec.weights) if self.draft is not None
                            else None)
+        log.info("execution", deterministic=ec.deterministic,
+                 **{name: "; ".join(f"{tokens}: {path}" for tokens, path in model.execution())
+                    for name, model in (("target", self.target), ("draft", self.draft)) if model is not None})
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
         self.scheduler = Scheduler(self.engine, batching=ec.batching == "on")

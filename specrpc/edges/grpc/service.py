@@ -429,6 +429,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             info.fim_default_layout = FIM_LAYOUT_VALUES[rt.fim.default_layout]
         if rt.draft_info is not None:
             info.draft.CopyFrom(describe(rt.draft_info))
+        info.target_execution.extend(pb.ExecutionPath(tokens=t, path=p) for t, p in rt.target.execution())
+        if rt.draft is not None:
+            info.draft_execution.extend(pb.ExecutionPath(tokens=t, path=p) for t, p in rt.draft.execution())
+        info.deterministic = ec.deterministic
         return info
 
     # ---- Converse ------------------------------------------------------------------------------------------------

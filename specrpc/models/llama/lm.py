@@ -73,6 +73,7 @@ class LlamaLM:
         self.graphs: cuda_graphs.GraphedForward | None = None
         self.native: native.NativeStep | None = None  # forwards of up to `native_rows` tokens, when `use_native` can
         self.native_rows = 1
+        self.deterministic = False  # every forward through the native step's per-token products (`use_native`)
         self.draft_loop: cuda_graphs.GraphedDraftLoop | None = None
         self.buckets = buckets
         t0 = time.perf_counter()
@@ -108,12 +109,14 @@ class LlamaLM:
         int8_weights: bool = False,
         bf16_weights: bool = False,
         native_decode: bool = False,
+        deterministic: bool = False,
     ) -> LlamaLM:
         """Build from a checkpoint directory and its parsed config.json; each slot holds `max_context` positions.
         `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target).
         `int8_weights`, `bf16_weights`: every projection and the head as int8 / bf16 alone, no float copy (CPU).
         `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off). `native_decode`: forwards of
-        a few tokens through the native step where it can run them (`use_native`)."""
+        a few tokens through the native step where it can run them (`use_native`). `deterministic`: every forward
+        through the native step, whatever its length or batchmates (ValueError where the native step cannot run)."""
         args = LlamaArgs.from_config(cfg)
         weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype, int8=int8_weights,
                                      bf16=bf16_weights)
@@ -121,6 +124,9 @@ class LlamaLM:
             weights = with_int8_decode(weights)
         lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
                  graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
+        if deterministic:
+            lm.use_native(deterministic=True)
+            return lm
         if native_decode and lm.use_native():  # (which tunes the torch forward's one-token path itself)
             return lm
         if lm.decode_tunable():
@@ -133,15 +139,21 @@ class LlamaLM:
         head = self.weights.head
         return head.packed is not None and head.wt is not None and head.q8 is None and not head.bf16_only
 
-    def use_native(self) -> bool:
+    def use_native(self, deterministic: bool = False) -> bool:
         """Build the native step (specrpc/native) if it supports this model here, pick its fastest weight prefetch
         (`NativeStep.calibrate_prefetch`), and run forwards of up to `native_rows` tokens through it: the most before
         the torch forward (its one-token path tuned first, `tune_decode`) is as fast, measured from one token up,
         0 where torch wins a one-token step. Longer forwards keep the oneDNN copy, so where the native step takes any
         the float [K, N] copy is dropped where one exists. Returns whether the native step was built (why not is
-        logged)."""
+        logged). `deterministic`: every forward through the native step (ValueError where it cannot run): each token
+        goes through the same products whatever shares its forward, so a stream's logits never depend on its draft
+        length, its batchmates or how its prompt was split (batch-invariant, at the native step's speed for every
+        shape); only the logits of more than `MAX_TOKENS` prompt positions at once still take the torch forward."""
         why = native.supported(self.weights, self.device, self.dtype)
         if why is not None:
+            if deterministic:
+                raise ValueError(f"--deterministic runs every forward through the native step, which cannot run "
+                                 f"{self.name} here ({why})")
             log.info("%s: native decode off (%s)", self.name, why)
             return False
         step = self.native = native.NativeStep(self.weights, self.cache)
@@ -151,12 +163,14 @@ class LlamaLM:
                      step.prefetch_one, step.prefetch_many, native.VERIFY_TOKENS, "; ".join(
                          f"{count}: " + ", ".join(f"{mode} {t * 1e3:.2f}" for mode, t in times.items())
                          for count, times in table.items()))
-        if all(p.wt is None and p.packed is None for p in self.weights.linears()):
-            # int8 weights alone (--weights int8): every decode and verify through the native step, so greedy
-            # speculation equals greedy decoding at int8 exactly (the torch int8 kernel rounds differently)
+        if deterministic or all(p.wt is None and p.packed is None for p in self.weights.linears()):
+            # --deterministic, or int8 weights alone (--weights int8): every decode and verify through the native
+            # step, so greedy speculation equals greedy decoding exactly (at int8, the torch kernel rounds
+            # differently)
             self.native_rows = native.MAX_TOKENS
-            log.info("%s: native decode on, up to %d tokens a forward (int8 weights alone)", self.name,
-                     self.native_rows)
+            self.deterministic = deterministic
+            log.info("%s: native decode on, every forward (%s)", self.name,
+                     "deterministic" if deterministic else "int8 weights alone")
             return True
         self.native_rows = 0  # the torch forward alone while its own one-token path is tuned
         if self.decode_tunable():
@@ -245,9 +259,10 @@ class LlamaLM:
                 logits = self.graphs.forward(ids, start, slot, num_logits)
             elif self.native is not None and count <= self.native_rows:
                 logits = self.native.run(ids, start, slot, num_logits)  # [num_logits, V]
-            elif self.native is not None and self.native.int8 and num_logits <= native.MAX_TOKENS:
+            elif self.native is not None and (self.native.int8 or self.deterministic) \
+                    and num_logits <= native.MAX_TOKENS:
                 # int8 prefill: native chunks take half the time of torch's products on dequantized weights, and
-                # compute as decoding does
+                # compute as decoding does (which --deterministic needs too)
                 logits = self.native.run_chunks(ids, start, slot, num_logits)  # [num_logits, V]
             else:
                 logits = eager.run(self.weights, self.cache, ids, start, slot, num_logits, self.buckets)
@@ -266,8 +281,8 @@ class LlamaLM:
             self.cache.begin_write(r.slot, r.start, r.ids.shape[0])
         with torch.inference_mode():
             step = self.native
-            if step is not None and (sum(r.ids.shape[0] for r in rows) <= self.native_rows or (step.int8 and all(
-                    r.num_logits <= native.MAX_TOKENS for r in rows))):
+            if step is not None and (sum(r.ids.shape[0] for r in rows) <= self.native_rows or (
+                    (step.int8 or self.deterministic) and all(r.num_logits <= native.MAX_TOKENS for r in rows))):
                 logits = step.run_rows(rows)  # each row's tokens through the products they take alone
             else:
                 logits = eager.run_rows(self.weights, self.cache, rows)  # [num_logits, V] per row
@@ -317,4 +332,21 @@ class LlamaLM:
     def cache_bytes(self) -> int:
         """Bytes of the preallocated K/V tensors."""
         return self.cache.nbytes()
+
+    def execution(self) -> list[tuple[str, str]]:
+        """Which path runs forwards of each length (as `forward` chooses), as (tokens a forward, path) rows."""
+        head = self.weights.head
+        torch_path = "torch" + (" int8" if head.q8 is not None and head.wt is None and head.packed is None
+                                else " bf16" if head.bf16_only else "")
+        if self.graphs is not None:
+            return [(f"1-{self.graphs.max_tokens}", "CUDA graphs"), (f"{self.graphs.max_tokens + 1}+", torch_path)]
+        step, rows = self.native, self.native_rows
+        if step is None or rows == 0:
+            return [("any", torch_path)]
+        out = [("1", f"native, prefetch {step.prefetch_one}")]
+        if rows > 1:
+            out.append((f"2-{rows}" if rows > 2 else "2", f"native, prefetch {step.prefetch_many}"))
+        longer = "native in chunks" if step.int8 or self.deterministic else torch_path
+        out.append((f"{rows + 1}+", longer))
+        return out
 
