@@ -55,6 +55,10 @@ def _bench(argv: list[str]) -> int:
     from specrpc.training.lock import refuse_beside_training
 
     refuse_beside_training("specrpc bench")
+    if argv[:1] == ["given"]:  # drafts a request brings (prediction) or earlier ones left (suffix source)
+        from specrpc.bench.given import main as given_main
+
+        return given_main(argv[1:])
     if argv[:1] == ["realistic"]:  # random-weight models of published shapes, simulated acceptance
         from specrpc.bench.realistic import main as realistic_main
 

@@ -82,6 +82,7 @@ class ServerConfig:
     auth_tokens_file: str = ""
     auth_exempt_health: bool = True
     trusted_proxies: str = ""
+    shared_suffix_drafts: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,9 @@ HELP: dict[str, str] = {
     "tls_client_ca": "CA bundle (PEM) to require client certificates (mutual TLS)",
     "auth_tokens_file": "file of accepted bearer tokens, one per line (reloaded on SIGHUP); empty: no auth",
     "auth_exempt_health": "let health checks and reflection through without a token",
+    "shared_suffix_drafts": "without auth tokens, let every client's outputs draft for every other's (the suffix "
+                            "source across sessions); off: each session drafts from its own, since shared drafts "
+                            "leak timing between clients (with tokens, each token's clients share theirs)",
     "trusted_proxies": "comma-separated addresses/CIDRs of proxies (nginx, Envoy) whose x-forwarded-for names the "
                        "client for --max-streams-per-client; empty: the peer address counts",
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,38 @@ def test_random_checkpoint_can_carry_a_byte_level_tokenizer_for_gguf_converters(
     text = "def f(x):\n    return x  # é ✓"
     ids = tok(text).input_ids
     assert tok.decode(ids) == text and max(ids) < cfg["vocab_size"] and len(tok) <= cfg["vocab_size"]
+
+
+def test_given_rows_are_built_as_the_issue_describes() -> None:
+    """rewrite: the prompt ends with the changed region, `# The same code again:` and its first line; the
+    prediction is the unchanged rest, one line apart from the changed rest. repeated: distinct prompts, five tools."""
+    from specrpc.bench.given import AGAIN, repeated_cases, rewrite_cases
+    from specrpc.bench.workloads import heldout_files
+
+    cases = rewrite_cases(heldout_files(), 3, random.Random(0))
+    assert len(cases) == 3
+    for case in cases:
+        head, first = case.prompt.rsplit(AGAIN, 1)
+        changed = head[head.rindex(first):] if first else head
+        region = first + case.prediction
+        assert 20 <= region.count("\n") + 1 <= 61
+        differing = [(a, b) for a, b in zip(changed.split("\n"), region.split("\n"), strict=True) if a != b]
+        assert len(differing) == 1 and "_new" in differing[0][0], differing
+    repeated = repeated_cases(10, random.Random(0))
+    assert len({c.prompt for c in repeated}) == 10 and len({c.name.split(":")[0] for c in repeated}) == 5
+
+
+@SHIPPED
+def test_given_bench_runs_every_row(tmp_path: Path) -> None:
+    from specrpc.bench.given import ROWS
+    from specrpc.bench.given import main as given_main
+
+    assert given_main(["--cases", "1", "--repeated", "2", "--warmup", "1", "--max-new-tokens", "8", "--threads", "1",
+                       "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "given.json").read_text())
+    for row, contenders in ROWS.items():
+        figures = results["rows"][row]
+        assert {c.name for c in contenders} <= set(figures) and "ratio" in figures["goal"]
+        for c in contenders:
+            assert figures[c.name]["identical"] == 1.0, (row, c.name)  # greedy: target-only's tokens
+    assert "Goal: prompt lookup + suffix" in (tmp_path / "given.md").read_text()

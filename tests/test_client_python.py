@@ -24,8 +24,10 @@ from specrpc_client import (
     FimLayout,
     FinishReason,
     InvalidArgument,
+    LineChange,
     Phrase,
     RetryPolicy,
+    RewriteResult,
     Sampling,
     TokenLogprob,
     TurnSummary,
@@ -138,6 +140,33 @@ async def test_editor_fields_travel_and_come_back_typed(client: AsyncClient) -> 
     with pytest.raises(InvalidArgument) as err:
         await client.infill("a", "b", top_logprobs=3).result()
     assert "logprobs" in err.value.details
+
+
+async def test_prediction_and_rewrite_travel_and_come_back_typed(client: AsyncClient, server: Running) -> None:
+    """`prediction=` on generate and infill reaches the server (its tokens counted in the typed summary); `rewrite()`
+    streams the region and ends with it whole and its changed lines, on the async and the blocking client."""
+    plain = client.generate("class Stack:\n", max_new_tokens=30)
+    text = "".join([chunk.text async for chunk in plain])
+    predicted = client.generate("class Stack:\n", max_new_tokens=30, prediction=text)
+    assert "".join([chunk.text async for chunk in predicted]) == text
+    assert predicted.summary is not None and predicted.summary.accepted_prediction_tokens > 0
+    infill = await client.infill("def add(a, b):\n    return ", "\n", max_new_tokens=8, prediction="a + b").result()
+    assert infill is not None and infill.accepted_prediction_tokens + infill.rejected_prediction_tokens > 0
+    source = "def area(w, h):\n    return w * h\n"
+    rewrite = client.rewrite("area.py", source, 0, len(source), 4, recent_edits=["-def size(w, h):\n+def area(w, h):"],
+                             max_new_tokens=24)
+    streamed = "".join([chunk.text async for chunk in rewrite])
+    assert rewrite.rewrite is not None and rewrite.rewrite.region == streamed.removesuffix("\n")
+    assert all(isinstance(change, LineChange) for change in rewrite.rewrite.changes)
+
+    def blocking() -> RewriteResult | None:
+        with Client(f"127.0.0.1:{server.port}", timeout=30) as c:
+            gen = c.rewrite("area.py", source, 0, len(source), 4, max_new_tokens=24)
+            for _ in gen:
+                pass
+            return gen.rewrite
+
+    assert await asyncio.to_thread(blocking) is not None
 
 
 async def test_invalid_argument_is_a_typed_error(client: AsyncClient) -> None:
@@ -411,6 +440,14 @@ async def test_cli_complete_editor_flags(server: Running) -> None:
     rc, out, err = await _run(str(BIN / "specrpc"), "complete", "def fibonacci(n):", "--port", str(server.port),
                               "--prefill-only", "--session-id", "cli-open", "--timeout", "30")
     assert rc == 0 and out == "\n" and "0 tokens" in err, err
+
+
+async def test_cli_complete_takes_a_prediction_file(server: Running, tmp_path: Path) -> None:
+    predicted = tmp_path / "predicted.txt"
+    predicted.write_text("    def __init__(self):\n        self.items = []\n")
+    rc, out, err = await _run(str(BIN / "specrpc"), "complete", "class Stack:\n", "--port", str(server.port),
+                              "--max-new-tokens", "12", "--prediction", str(predicted), "--timeout", "30")
+    assert rc == 0 and out.strip() and "prediction " in err and "used" in err, err
 
 
 async def test_cli_complete_reports_errors(server: Running) -> None:

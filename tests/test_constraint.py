@@ -21,9 +21,11 @@ from specrpc.config import ASSETS, EngineConfig
 from specrpc.engine.constraint import ConstraintSpec, Grammar, GrammarCompiler, InvalidConstraint
 from specrpc.engine.engine import Engine
 from specrpc.engine.generation import GenerationRequest
-from specrpc.engine.plan import allowed
+from specrpc.engine.plan import allowed, plan
+from specrpc.engine.prediction import PredictionProposer
 from specrpc.engine.proposers import Proposal
 from specrpc.engine.sampling import SamplingParams, logits_to_probs, mask_logits
+from specrpc.engine.suffix import SuffixProposer, SuffixTrie
 from specrpc.models import load_model
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -118,6 +120,50 @@ def test_prompt_lookup_drafts_are_cut_at_the_first_forbidden_token(pair: tuple[P
     found = Proposal([1, 2, 3, 5, 4], None, "lookup")
     assert allowed(gen, found).token_ids == [1, 2, 3]  # e is not allowed after abc
     assert allowed(gen, Proposal([2], None, "lookup")).token_ids == []
+
+
+def spell(ids: list[int]) -> str:
+    """The tiny models' tokens as text, one character each (`_` for the end token)."""
+    return "".join("_abcde"[t] for t in ids)
+
+
+@pytest.mark.parametrize("source", ["prediction", "suffix"])
+def test_predicted_and_suffix_drafts_are_cut_at_the_first_forbidden_token(pair: tuple[Path, Path],
+                                                                          letters: GrammarCompiler,
+                                                                          source: str) -> None:
+    """A client's prediction, and an earlier output in the suffix trie, that are the constrained output with its
+    fourth token swapped for one the grammar forbids there: the plan after the first token drafts the two tokens
+    before it and stops (the source alone offers more), and greedy output is the constrained output without them.
+    The prompt `dd` gives prompt lookup nothing to copy at that step (the grammar starts with a, b or c), so the
+    suffix source's draft is the one planned."""
+    engine = make_engine(pair)
+    grammar = letters.compile(ConstraintSpec("regex", f"{UNITS}{{6}}"))
+    prompt = Letters()("dd")
+    base = GenerationRequest(prompt, 20, GREEDY, num_draft_tokens=8, proposer="lookup", grammar=grammar)
+    alone = decode(engine, engine.new_slot(0), replace(base, num_draft_tokens=0))
+    assert alone == masked_reference(pair[0], prompt, grammar, 20)
+    constraint = grammar.start()
+    for t in alone[:3]:
+        constraint.commit(t)
+    forbidden = next(t for t in range(1, VOCAB) if not constraint.allowed()[t])
+    predicted = [*alone[:3], forbidden, *alone[4:]]
+
+    def request() -> GenerationRequest:
+        if source == "prediction":
+            return replace(base, prediction=PredictionProposer(predicted, len(prompt), spell))
+        trie = SuffixTrie()
+        trie.add(prompt + predicted)  # an earlier request's output, as the runtime indexes it
+        return replace(base, suffix=SuffixProposer(trie))
+
+    gen = engine.start(engine.new_slot(0), request())
+    engine.step_one(gen)  # the prefill's first token: alone[0]
+    given = gen.request.prediction if source == "prediction" else gen.request.suffix
+    assert given is not None
+    offered = given.propose(gen.slot.tokens, gen.slot.index, 8, GREEDY, None).token_ids
+    assert offered[:3] == [*alone[1:3], forbidden], "the source alone drafts past the forbidden token"
+    planned = plan(engine.drafting, gen, None).proposal
+    assert (planned.source, planned.token_ids) == (source, alone[1:3])
+    assert decode(engine, engine.new_slot(0), request()) == alone
 
 
 def masked_sequence_probs(path: Path, prompt: list[int], grammar: Grammar, length: int,

@@ -2,7 +2,8 @@
 huge ints), odd Unicode, empty and huge values, random token ids, Converse action sequences, unknown fields and raw
 bytes. Whatever comes in, a call ends OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED, no KV slot or stream quota
 leaks, and the server stays healthy. The HTTP endpoints get the same treatment with random JSON bodies (and
-non-JSON bytes): 200, or 400 / 413 / 429 in OpenAI's error shape.
+non-JSON bytes): 200, or 400 / 413 / 429 in OpenAI's error shape. Predictions (gRPC `prediction`, OpenAI
+`prediction`) and next-edit rewrites (gRPC Rewrite, POST /v1/rewrite) get odd, huge and mismatched values too.
 
 Deterministic for CI: every test is derandomized (a fixed seed per test), with no example database. The server has
 small limits (max_new_tokens ≤ 6, 256-position context) so the 1,000+ requests stay fast.
@@ -39,7 +40,7 @@ SENT: Counter[str] = Counter()
 """Requests sent per test (the suite must send at least 1,000)."""
 OUTCOMES: Counter[tuple[str, str]] = Counter()
 """(test, status) of every call, printed at the end (with -s) to see that most requests get past validation."""
-FUZZ_TESTS = ("generate", "infill", "converse", "model_info", "raw", "http")
+FUZZ_TESTS = ("generate", "infill", "rewrite", "converse", "model_info", "raw", "http")
 MIN_REQUESTS = 1000
 
 
@@ -99,6 +100,10 @@ PROPOSER = mostly(st.sampled_from(list(pb.Proposer.values())), st.integers(-3, 5
 N_INDENT = mostly(st.one_of(st.just(0), st.integers(0, 12)), st.one_of(INT32, st.sampled_from([1024, 1025])))
 MAX_TIME_MS = mostly(st.one_of(st.just(0), st.integers(0, 50)), st.one_of(INT32, st.sampled_from([600_000, 600_001])))
 TOP_LOGPROBS = mostly(st.integers(0, 5), st.one_of(INT32, st.sampled_from([20, 21])))
+SOURCE = ["def add(a, b):\n    return a + b\n", "class Stack:\n    def __init__(self):\n        self.items = []\n",
+          "for i in range(10):\n    print(i)\n"]
+PREDICTION = mostly(st.one_of(st.just(""), st.sampled_from(SOURCE)), texts())
+"""A predicted output: none or code (valid), else odd, glued or huge text (over the context: INVALID_ARGUMENT)."""
 
 
 @st.composite
@@ -153,6 +158,7 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
         msg.prompt_token_ids.extend(draw(TOKEN_IDS))
     _set_common(msg, draw)
     _set_editor(msg, draw)
+    msg.prediction = draw(PREDICTION)
     return msg
 
 
@@ -170,6 +176,31 @@ def infill_requests(draw: st.DrawFn) -> pb.InfillRequest:
         msg.extra.add(path=draw(SHORT_TEXT), text=draw(texts(24)))
     _set_common(msg, draw)
     _set_editor(msg, draw)
+    msg.prediction = draw(PREDICTION)
+    return msg
+
+
+EDITS = ["@@ -1,2 +1,2 @@\n-def add(a, b):\n+def add(a, b, c):\n", "@@ -3 +3 @@\n-    print(i)\n+    print(i * 2)\n"]
+
+
+@st.composite
+def rewrite_requests(draw: st.DrawFn) -> pb.RewriteRequest:
+    """A next-edit rewrite: mostly code with offsets that fit (region within the file, cursor within the region),
+    else any text and any offsets (past the file, region reversed, cursor outside it), and edits as diffs or odd
+    text."""
+    text = draw(mostly(st.sampled_from(["".join(SOURCE), SOURCE[0]]), texts()))
+    if draw(st.integers(0, 9)):
+        start = draw(st.integers(0, len(text)))
+        end = draw(st.integers(start, len(text)))
+        cursor = draw(st.integers(start, end))
+    else:
+        start, end, cursor = draw(UINT32), draw(UINT32), draw(UINT32)
+    msg = pb.RewriteRequest(path=draw(SHORT_TEXT), text=text, region_start=start, region_end=end, cursor=cursor,
+                            session_id=draw(SESSION_IDS), max_new_tokens=draw(NEW_TOKENS))
+    msg.recent_edits.extend(draw(mostly(st.lists(st.sampled_from(EDITS), max_size=2), st.lists(texts(), max_size=4))))
+    for name, value in (("sampling", draw(sampling())), ("speculation", draw(speculation()))):
+        if value is not None:
+            getattr(msg, name).CopyFrom(value)
     return msg
 
 
@@ -209,7 +240,7 @@ def conversations(draw: st.DrawFn) -> list[pb.ConverseRequest]:
     return actions
 
 
-ANY_MESSAGE = st.one_of(generate_requests(), infill_requests(), session_starts(), turns(),
+ANY_MESSAGE = st.one_of(generate_requests(), infill_requests(), rewrite_requests(), session_starts(), turns(),
                         conversations().map(lambda a: a[0] if a else pb.ConverseRequest()))
 RAW_BYTES = st.one_of(st.binary(max_size=512), ANY_MESSAGE.map(lambda m: m.SerializeToString()))
 
@@ -247,7 +278,12 @@ OPENAI_FIELDS = {
     "seed": mostly(st.integers(0, 2**32), JSON_ANY), "stop": mostly(STOPS, JSON_ANY), "stream": st.booleans(),
     "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()}), JSON_ANY),
     "user": SESSION_IDS, "n": mostly(st.just(1), JSON_ANY), "logprobs": JSON_ANY, "model": JSON_ANY,
+    "prediction": mostly(st.fixed_dictionaries({"type": st.just("content"), "content": st.one_of(
+        PREDICTION, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": PREDICTION}), max_size=3))}),
+        st.one_of(JSON_ANY, st.fixed_dictionaries({"type": JSON_ANY, "content": JSON_ANY}),
+                  st.fixed_dictionaries({"type": st.just("content"), "content": st.lists(JSON_ANY, max_size=3)}))),
 }
+OFFSET = mostly(st.integers(0, 120), st.one_of(JSON_ANY, st.sampled_from([-1, 2**31, 2**64, 1.5, "3"])))
 LLAMA_FIELDS = {
     "n_predict": mostly(st.integers(-1, 6), JSON_ANY), "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K,
     "stream": st.booleans(), "n_indent": mostly(st.integers(0, 8), JSON_ANY), "cache_prompt": JSON_ANY,
@@ -263,6 +299,12 @@ HTTP_BODIES = {
     "/infill": {"input_prefix": texts(), "input_suffix": texts(), "prompt": mostly(SHORT_TEXT, JSON_ANY),
                 **LLAMA_FIELDS},
     "/completion": {"prompt": mostly(texts(), JSON_ANY), **LLAMA_FIELDS},
+    "/v1/rewrite": {"text": mostly(st.sampled_from(["".join(SOURCE), SOURCE[0]]), st.one_of(texts(), JSON_ANY)),
+                    "path": mostly(SHORT_TEXT, JSON_ANY), "region_start": OFFSET, "region_end": OFFSET,
+                    "cursor": OFFSET, "recent_edits": mostly(st.lists(st.sampled_from(EDITS), max_size=2),
+                                                             st.one_of(JSON_ANY, st.lists(texts(), max_size=4))),
+                    "max_tokens": mostly(st.integers(0, 6), JSON_ANY), "temperature": TEMPERATURE, "top_p": TOP_P,
+                    "seed": mostly(st.integers(0, 2**32), JSON_ANY), "stream": st.booleans()},
 }
 
 
@@ -389,6 +431,17 @@ async def test_fuzz_infill(fuzz_server: Running, fuzz_channel: grpc.aio.Channel,
     await settled(fuzz_server)
 
 
+@fuzz(160)
+@given(request=rewrite_requests())
+async def test_fuzz_rewrite(fuzz_server: Running, fuzz_channel: grpc.aio.Channel, request: pb.RewriteRequest
+                            ) -> None:
+    SENT["rewrite"] += 1
+    code, details = await status_of(pb_grpc.GeneratorStub(fuzz_channel).Rewrite(request, timeout=30))
+    OUTCOMES["rewrite", code.name] += 1
+    assert code in allowed(fuzz_server, "Rewrite"), (code, details)
+    await settled(fuzz_server)
+
+
 @fuzz(150)
 @given(actions=conversations())
 async def test_fuzz_converse(fuzz_server: Running, fuzz_channel: grpc.aio.Channel,
@@ -418,6 +471,7 @@ async def test_fuzz_model_info_with_unknown_fields(fuzz_server: Running, fuzz_ch
 RAW_METHODS = {
     "Generate": (pb.GenerateRequest, "unary_stream"),
     "Infill": (pb.InfillRequest, "unary_stream"),
+    "Rewrite": (pb.RewriteRequest, "unary_stream"),
     "GetModelInfo": (pb.GetModelInfoRequest, "unary_unary"),
     "Converse": (pb.ConverseRequest, "stream_stream"),
 }
@@ -453,7 +507,7 @@ async def test_fuzz_raw_bytes(fuzz_server: Running, fuzz_channel: grpc.aio.Chann
     await settled(fuzz_server)
 
 
-@fuzz(200)
+@fuzz(250)
 @given(request=http_requests())
 async def test_fuzz_http(fuzz_server: Running, request: tuple[str, bytes, str]) -> None:
     """Loopback only; each answer is 200, or 4xx in OpenAI's error shape (never a 5xx), and nothing leaks."""

@@ -1,8 +1,10 @@
 """Fuzzing that reaches deep paths: start from valid requests of every RPC and route and mutate some of them, so that
 most requests get past validation and run to completion (where test_fuzz.py's random fields mostly stop at the
-first check). Generate; Infill with every layout the model takes and every editor field; Converse streams with
+first check). Generate; Infill with every layout the model takes and every editor field; both with a predicted
+output (`prediction`) now and then; Rewrite (next-edit: file, region, cursor, recent edits); Converse streams with
 several turns, barge-in (cancel mid-reply), rewind and sessions resumed on later streams; the OpenAI and llama.cpp
-routes, streamed and not; sessions reused across requests; calls the fuzzer itself cancels or drops mid-stream.
+routes (OpenAI's with `prediction`) and POST /v1/rewrite, streamed and not; sessions reused across requests; calls
+the fuzzer itself cancels or drops mid-stream.
 
 Two servers, batching on (the default), several requests in flight at once: the shipped pair (draft, speculation,
 prompt lookup) and a target with Mistral's chat template (conftest's `chat_server`: roles must alternate, so a
@@ -65,6 +67,7 @@ CODE = ["def fibonacci(n):\n    ", "import os\n\n", "class Stack:\n    def __ini
 WORDS = ["Hello!", "What is a stack?", "Tell me about Python.", "Thanks, and then?", "Why?", "Summarise that.",
          "Écris une phrase.", "日本語で答えて", "ok", "Give me a list of three fruits."]
 STOPS = ["\n\n", "return", ")", "def ", "."]
+EDITS = ["@@ -1,2 +1,2 @@\n-def add(a, b):\n+def add(a, b, c):\n", "@@ -3 +3 @@\n-    print(i)\n+    print(i * 2)\n"]
 
 
 def code(r: random.Random, pieces: int = 3) -> str:
@@ -185,6 +188,8 @@ def build_generate(r: random.Random, t: Target, session: str) -> pb.GenerateRequ
         msg.prompt_token_ids.extend(r.randrange(3, min(t.vocab, 256)) for _ in range(r.randint(1, 30)))
     common(msg, r, 4, t.draft)
     editor(msg, r)
+    if maybe(r, 0.25):
+        msg.prediction = code(r)
     return msg
 
 
@@ -198,6 +203,29 @@ def build_infill(r: random.Random, t: Target, session: str) -> pb.InfillRequest:
         msg.extra.add(path=f"lib{i}.py", text=code(r, 2))
     common(msg, r, 4, t.draft)
     editor(msg, r)
+    if maybe(r, 0.25):
+        msg.prediction = code(r)
+    return msg
+
+
+def region(r: random.Random, text: str) -> tuple[int, int, int]:
+    """A region of whole lines of `text` (start, end) and a cursor within it, in characters."""
+    starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
+    first = r.randrange(len(starts))
+    last = r.randint(first, len(starts) - 1)
+    start, end = starts[first], starts[last]
+    return start, end, r.randint(start, end)
+
+
+def build_rewrite(r: random.Random, t: Target, session: str) -> pb.RewriteRequest:
+    text = code(r, 2)  # with an edit, at most 218 tokens of prompt: within the pair's context
+    start, end, cursor = region(r, text)
+    msg = pb.RewriteRequest(path=r.choice(["", "main.py", "src/app.py"]), text=text, region_start=start,
+                            region_end=end, cursor=cursor, session_id=session, max_new_tokens=r.randint(1, 6))
+    msg.recent_edits.extend(r.sample(EDITS, r.randint(0, 1)))
+    for name, value in (("sampling", sampling(r)), ("speculation", speculation(r, t.draft))):
+        if value is not None:
+            getattr(msg, name).CopyFrom(value)
     return msg
 
 
@@ -318,6 +346,10 @@ def openai_fields(r: random.Random, body: dict[str, Any], chat: bool) -> None:
         body["logprobs"] = True if chat else r.randint(0, 3)
         if chat and maybe(r):
             body["top_logprobs"] = r.randint(0, 3)
+    if maybe(r, 0.25):
+        content: Any = code(r)
+        body["prediction"] = {"type": "content",
+                              "content": content if maybe(r) else [{"type": "text", "text": content}]}
 
 
 def llama_fields(r: random.Random, body: dict[str, Any]) -> None:
@@ -348,6 +380,15 @@ def build_http(r: random.Random, t: Target, path: str) -> dict[str, Any]:
         if t.layouts and maybe(r, 0.3):
             body["suffix"] = code(r, 2)
         openai_fields(r, body, chat=False)
+    elif path == "/v1/rewrite":
+        text = code(r, 2)  # with an edit, at most 218 tokens of prompt: within the pair's context
+        start, end, cursor = region(r, text)
+        body = {"text": text, "path": "main.py", "region_start": start, "region_end": end, "cursor": cursor,
+                "recent_edits": r.sample(EDITS, r.randint(0, 1)), "max_tokens": r.randint(1, 6),
+                "stream": maybe(r, 0.4)}
+        for key, values in (("temperature", [0, 0.7]), ("top_p", [0.9, 1.0]), ("seed", [0, 7])):
+            if maybe(r, 0.3):
+                body[key] = r.choice(values)
     elif path == "/infill":
         body = {"input_prefix": code(r), "input_suffix": code(r, 2), "prompt": r.choice(["", "    ret", "x = "]),
                 "input_extra": [{"filename": "lib.py", "text": code(r, 2)} for _ in range(r.randint(0, 2))]}
@@ -390,6 +431,16 @@ REQUEST_MUTATIONS: dict[str, Callable[[Any, random.Random, Target], None]] = {
     "huge_text": lambda m, r, t: m.__setattr__("prompt" if isinstance(m, pb.GenerateRequest) else "prefix",
                                                "x = 1\n" * 40_000),
 }
+PREDICTION_MUTATIONS: dict[str, Callable[[Any, random.Random, Target], None]] = {
+    "huge_prediction": lambda m, r, t: m.__setattr__("prediction", r.choice(["word " * 2000, "é" * 60_000])),
+}
+REWRITE_MUTATIONS: dict[str, Callable[[Any, random.Random, Target], None]] = {
+    "region_past_file": lambda m, r, t: m.__setattr__("region_end", len(m.text) + r.choice([1, 2**31])),
+    "region_reversed": lambda m, r, t: (m.__setattr__("region_start", len(m.text)), m.__setattr__("region_end", 0)),
+    "cursor_outside": lambda m, r, t: m.__setattr__("cursor", r.choice([m.region_end + 1, 2**32 - 1])),
+    "huge_file": lambda m, r, t: m.__setattr__("text", "x = 1\n" * 40_000),
+    "huge_edits": lambda m, r, t: m.recent_edits.extend(["-a\n+b\n" * 5000] * 4),
+}
 INFILL_MUTATIONS: dict[str, Callable[[Any, random.Random, Target], None]] = {
     "layout": lambda m, r, t: m.__setattr__("layout", r.choice([-1, 9] + [v for v in pb.FimLayout.values()
                                                                          if v not in t.layouts])),
@@ -401,7 +452,7 @@ CONVERSE_MUTATIONS = ["role", "no_start", "second_start", "empty_action", "rewin
                       "system_huge", "turn_sampling", "tools"]
 HTTP_MUTATIONS = ["drop_required", "wrong_type", "bad_number", "unknown_field_only", "garbage", "not_object",
                   "wrong_method", "content_type", "bad_role", "n", "header_mismatch", "bad_control", "unknown_path",
-                  "tools"]
+                  "tools", "prediction", "region"]
 HOSTILE_CONTROLS: list[tuple[str, Any]] = [
     ("presence_penalty", 2.5), ("frequency_penalty", -1e30), ("min_p", -0.1), ("min_p", "0.1"), ("min_keep", -4),
     ("repetition_penalty", 0), ("repeat_penalty", -1), ("repeat_last_n", -7), ("ignore_eos", "yes"),
@@ -412,9 +463,12 @@ HOSTILE_CONTROLS: list[tuple[str, Any]] = [
 
 
 def mutate_proto(msg: Any, r: random.Random, t: Target) -> str:
-    table = dict(PROTO_MUTATIONS)
+    if isinstance(msg, pb.RewriteRequest):  # no stop strings
+        table = {k: v for k, v in PROTO_MUTATIONS.items() if k != "stops"} | REWRITE_MUTATIONS
+    else:
+        table = dict(PROTO_MUTATIONS)
     if isinstance(msg, pb.GenerateRequest | pb.InfillRequest):
-        table |= REQUEST_MUTATIONS
+        table |= REQUEST_MUTATIONS | PREDICTION_MUTATIONS
     if isinstance(msg, pb.InfillRequest):
         table |= INFILL_MUTATIONS
     name = r.choice(sorted(table))
@@ -491,6 +545,12 @@ def mutate_http(case: Case, r: random.Random) -> str:
     elif name == "header_mismatch":
         body["user"] = "someone"
         case.session = case.session or "header-session"
+    elif name == "prediction":
+        body["prediction"] = r.choice([{"type": "text", "content": "x"}, {"type": "content"}, "x", 5, None,
+                                       {"type": "content", "content": [{"type": "image_url"}]},
+                                       {"type": "content", "content": "word " * 2000}])
+    elif name == "region":
+        body[r.choice(["region_start", "region_end", "cursor"])] = r.choice([-1, 10**9, 2**64, "3", 1.5, None])
     else:
         case.kind = r.choice(["/v1/embeddings", "/v2/completions", "/slots", "/v1"])
     return name
@@ -498,7 +558,7 @@ def mutate_http(case: Case, r: random.Random) -> str:
 
 # ---- the generator ------------------------------------------------------------------------------------------------
 
-HTTP_PATHS = ["/v1/chat/completions", "/v1/completions", "/infill", "/completion"]
+HTTP_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/rewrite", "/infill", "/completion"]
 
 
 def next_case(r: random.Random, t: Target, worker: int) -> Case:
@@ -514,7 +574,9 @@ def next_case(r: random.Random, t: Target, worker: int) -> Case:
             case.mutation = mutate_conversation(script, r, t)
         return case
     if roll < 0.55:
-        msg: Any = build_infill(r, t, session) if t.layouts and maybe(r) else build_generate(r, t, session)
+        pick = r.random()
+        msg: Any = (build_rewrite(r, t, session) if pick < 0.3 else build_infill(r, t, session)
+                    if t.layouts and pick < 0.6 else build_generate(r, t, session))
         case = Case(type(msg).__name__.removesuffix("Request"), t.name, msg, session, cancel=maybe(r, CANCEL))
         if mutate:
             case.mutation = mutate_proto(msg, r, t)
@@ -533,7 +595,7 @@ def next_case(r: random.Random, t: Target, worker: int) -> Case:
 # ---- sending ------------------------------------------------------------------------------------------------------
 
 async def run_unary_stream(stub: pb_grpc.GeneratorStub, case: Case) -> tuple[grpc.StatusCode, str, bool]:
-    method = stub.Generate if case.kind == "Generate" else stub.Infill
+    method = {"Generate": stub.Generate, "Infill": stub.Infill, "Rewrite": stub.Rewrite}[case.kind]
     metadata = (("x-session-id", case.session),) if case.session and not case.mutation else ()
     call = method(case.payload, timeout=60, metadata=metadata)
     summary = False
@@ -624,7 +686,7 @@ async def worker(case_of: Callable[[int], Case], index: int, channels: dict[str,
     """Send `case_of(index)`'s requests one after another while `more()`."""
     while more():
         case = case_of(index)
-        if case.kind in ("Generate", "Infill", "Converse"):
+        if case.kind in ("Generate", "Infill", "Rewrite", "Converse"):
             stub = pb_grpc.GeneratorStub(channels[case.server])
             run = run_converse if case.kind == "Converse" else run_unary_stream
             code, details, completed = await run(stub, case)

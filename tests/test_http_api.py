@@ -23,6 +23,7 @@ from service_helpers import LONG_TOKENS, Conversation, base_url, collect, text_o
 
 from specrpc.config import build_config
 from specrpc.edges.auth import StreamQuota, TokenAuth
+from specrpc.edges.gateway import Gateway
 from specrpc.edges.http.api import HttpApi, HttpServer
 from specrpc.edges.server import Running
 from specrpc.prompts.fim import ExtraFile, InfillInput
@@ -107,6 +108,55 @@ async def test_sdk_streams_completion_with_suffix_equal_to_grpc_infill(client: o
     whole = await client.completions.create(model="any", prompt=prefix, suffix=suffix, max_tokens=10, temperature=0)
     assert whole.choices[0].text == text and whole.usage is not None
     assert whole.usage.completion_tokens == summary.completion_tokens
+
+
+async def test_sdk_sends_a_prediction_and_reads_the_accepted_and_rejected_prediction_tokens(
+        client: openai.AsyncOpenAI, stub: Stub) -> None:
+    """OpenAI's Predicted Outputs through the official SDK: the same output as without a prediction, the counts in
+    usage (whole and streamed, with include_usage) and, over gRPC, in the summary. The prediction is the plain
+    output with one line changed: most of its tokens appear in the completion, the changed line's do not."""
+    messages: list[Any] = [{"role": "user", "content": "Write a Python class for a stack."}]
+    plain = await client.chat.completions.create(model="any", messages=messages, max_tokens=60, temperature=0)
+    text = plain.choices[0].message.content or ""
+    assert plain.usage is not None and plain.usage.completion_tokens_details is not None
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    lines = text.split("\n")
+    predicted = "\n".join([*lines[:1], "    unrelated = 12345", *lines[2:]]) if len(lines) > 2 else text + " extra"
+    whole = await client.chat.completions.create(model="any", messages=messages, max_tokens=60, temperature=0,
+                                                 prediction={"type": "content", "content": predicted})
+    assert whole.choices[0].message.content == text
+    details = whole.usage.completion_tokens_details if whole.usage is not None else None
+    assert details is not None and details.accepted_prediction_tokens and details.rejected_prediction_tokens
+    assert details.accepted_prediction_tokens > details.rejected_prediction_tokens
+    stream = await client.chat.completions.create(
+        model="any", messages=messages, max_tokens=60, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        prediction={"type": "content", "content": [{"type": "text", "text": predicted[:10]},
+                                                   {"type": "text", "text": predicted[10:]}]})
+    streamed, usage = "", None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            streamed += choice.delta.content or ""
+    assert streamed == text and usage is not None and usage.completion_tokens_details == details
+    # the legacy completions route takes it too (the SDK sends it as an extra field), as does gRPC Generate
+    completion = await client.completions.create(model="any", prompt="class Stack:\n", max_tokens=40,
+                                                 temperature=0)
+    again = await client.completions.create(model="any", prompt="class Stack:\n", max_tokens=40, temperature=0,
+                                            extra_body={"prediction": {"type": "content",
+                                                                       "content": completion.choices[0].text}})
+    assert again.choices[0].text == completion.choices[0].text
+    assert again.usage is not None and again.usage.completion_tokens_details is not None
+    assert again.usage.completion_tokens_details.accepted_prediction_tokens
+    chunks, summary = await collect(stub.Generate(pb.GenerateRequest(
+        prompt="class Stack:\n", max_new_tokens=40, prediction=completion.choices[0].text)))
+    assert text_of(chunks) == completion.choices[0].text
+    assert summary.accepted_prediction_tokens == again.usage.completion_tokens_details.accepted_prediction_tokens
+    assert summary.rejected_prediction_tokens == again.usage.completion_tokens_details.rejected_prediction_tokens
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect(stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=4, prediction="word " * 2000)))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prediction" in str(refused.value.details())
 
 
 async def test_session_second_turn_reuses_the_first_despite_other_clients(
@@ -343,6 +393,39 @@ async def test_unauthenticated_requests_get_401_when_tokens_are_configured(serve
         await http_server.stop()
 
 
+async def test_one_tenants_outputs_never_draft_for_another(server: Running, tmp_path: Path) -> None:
+    """With auth tokens each token's requests draft from their own earlier outputs only (the suffix source): after
+    one tenant's request, the other's trie holds nothing of its text. Without tokens, a session's own, or every
+    client's with --shared-suffix-drafts."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice-token\nbob-token\n")
+    base = server.service.config
+    config = replace(base, server=replace(base.server, http_port=free_port(), auth_tokens_file=str(tokens)))
+    gateway = Gateway(config, server.service.gateway.metrics, server.runtime)
+    alice, bob = ([("authorization", f"Bearer {name}-token")] for name in ("alice", "bob"))
+    scope_a, scope_b = gateway.draft_scope(alice, "s"), gateway.draft_scope(bob, "s")
+    assert scope_a is not None and scope_b is not None and scope_a != scope_b
+    http_server = HttpServer(config, HttpApi(config, gateway, TokenAuth(tokens)))
+    port = await http_server.start()
+    body = {"prompt": "def tool_call(name, arguments):\n", "max_tokens": 30, "temperature": 0}
+    try:
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+            first = await c.post("/v1/completions", json=body, headers=dict(alice))
+            assert first.status_code == 200, first.text
+            trie_a, trie_b = server.runtime.suffixes.trie(scope_a), server.runtime.suffixes.trie(scope_b)
+            output = server.runtime.encode_plain(first.json()["choices"][0]["text"])
+            assert trie_a.nodes > 0 and trie_a.draft(output[:8], 4)[0], "alice's output drafts for alice"
+            assert trie_b.nodes == 0 and trie_b.draft(output[:8], 4) == ([], 0), "and never for bob"
+            second = await c.post("/v1/completions", json=body, headers=dict(bob))
+            assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    finally:
+        await http_server.stop()
+    off = server.service.gateway
+    assert off.draft_scope(alice, "") is None and off.draft_scope(alice, "s") == "session:s"
+    shared = Gateway(replace(base, server=replace(base.server, shared_suffix_drafts=True)), off.metrics, server.runtime)
+    assert shared.draft_scope(None, "") == shared.draft_scope(None, "other") == "shared"
+
+
 @pytest.mark.skipif(not have_openssl(), reason="no openssl")
 async def test_tls_and_mutual_tls_from_the_same_certificate_flags(server: Running, tmp_path: Path) -> None:
     await asyncio.to_thread(make_certs, tmp_path)
@@ -443,6 +526,14 @@ BAD_REQUESTS: list[tuple[str, Any, int, tuple[str, ...]]] = [
     ("/completion", {"prompt": "x", "top_k": -1}, 400, ("top_k",)),
     ("/infill", {"input_prefix": "x", "n_predict": 10**6}, 400, ("n_predict", "--max-new-tokens")),
     ("/infill", {"input_extra": [{"filename": "a", "text": "b"}] * 1000}, 400, ("input_extra", "--max-extra-files")),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "prediction": {"type": "text", "content": "x"}}, 400, ("prediction.type", "content")),
+    ("/v1/completions", {"prompt": "x", "prediction": {"type": "content"}}, 400, ("prediction.content",)),
+    ("/v1/completions", {"prompt": "x", "prediction": "x"}, 400, ("prediction",)),
+    ("/v1/completions", {"prompt": "x", "prediction": {"type": "content", "content": [{"type": "image_url"}]}}, 400,
+     ("prediction.content[0].type",)),
+    ("/v1/completions", {"prompt": "x", "prediction": {"type": "content", "content": "word " * 2000}}, 400,
+     ("prediction", "context length")),
 ]
 
 

@@ -28,7 +28,9 @@ def test_openai_chat_stream_opens_with_the_role_and_ends_with_usage() -> None:
     last, usage = reply.end(done(), "ab", stream=True)
     assert last["choices"][0]["finish_reason"] == "length" and usage["choices"] == []
     assert usage["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-                              "prompt_tokens_details": {"cached_tokens": 4}}
+                              "prompt_tokens_details": {"cached_tokens": 4},
+                              "completion_tokens_details": {"accepted_prediction_tokens": 0,
+                                                            "rejected_prediction_tokens": 0}}
     [whole] = reply.end(done(), "ab", stream=False)
     assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["content"] == "ab"
 

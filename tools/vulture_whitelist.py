@@ -9,6 +9,7 @@ from specrpc.edges.grpc.wire import DecodeGuard
 TokenAuth.intercept_service  # grpc.aio.ServerInterceptor
 DecodeGuard.intercept_service  # grpc.aio.ServerInterceptor
 GeneratorService.Converse  # the Generator servicer's RPC
+GeneratorService.Rewrite  # the same
 _.fim_default_layout  # a ModelInfo protobuf field
 _.lifespan  # uvicorn.Config
 _.should_exit  # uvicorn.Server

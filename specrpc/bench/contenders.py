@@ -13,6 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from specrpc.engine.engine import Engine
 from specrpc.engine.generation import GenerationRequest
+from specrpc.engine.policy import AdaptivePolicy
 from specrpc.engine.sampling import SamplingParams
 
 
@@ -46,29 +47,33 @@ def engine_runner(engine: Engine, k: int | None, proposer: str, stop_token_ids: 
     policy = engine.new_policy()
 
     def run(prompt: list[int], n: int, params: SamplingParams) -> Run:
-        slot = engine.new_slot(slot_index, policy)
-        t0 = time.perf_counter()
-        request = GenerationRequest(prompt, n, params, num_draft_tokens=k, proposer=proposer,
-                                    stop_token_ids=stop_token_ids)
-        gen = engine.start(slot, request)
-        out: list[int] = []
-        times: list[float] = []
-        sizes: list[int] = []
-        ks: list[int] = []
-        trials = 0
-        while not gen.finished:
-            result = engine.step_one(gen)
-            if result.token_ids:
-                out += result.token_ids
-                times.append(time.perf_counter() - t0)
-                sizes.append(len(result.token_ids))
-                ks.append(result.proposed)
-                trials += result.accepted + (1 if result.accepted < result.proposed else 0)
-        s = gen.stats
-        return Run(out, times[0], times[-1], times, sizes, s.proposed, s.accepted, s.verify_steps, ks[1:],
-                   s.accepted_lengths, trials)
+        return measure(engine, slot_index, policy, GenerationRequest(
+            prompt, n, params, num_draft_tokens=k, proposer=proposer, stop_token_ids=stop_token_ids))
 
     return run
+
+
+def measure(engine: Engine, slot_index: int, policy: AdaptivePolicy, request: GenerationRequest) -> Run:
+    """One request on slot `slot_index` emptied first, with `policy` (carried over by the caller), timed per step."""
+    slot = engine.new_slot(slot_index, policy)
+    t0 = time.perf_counter()
+    gen = engine.start(slot, request)
+    out: list[int] = []
+    times: list[float] = []
+    sizes: list[int] = []
+    ks: list[int] = []
+    trials = 0
+    while not gen.finished:
+        result = engine.step_one(gen)
+        if result.token_ids:
+            out += result.token_ids
+            times.append(time.perf_counter() - t0)
+            sizes.append(len(result.token_ids))
+            ks.append(result.proposed)
+            trials += result.accepted + (1 if result.accepted < result.proposed else 0)
+    s = gen.stats
+    return Run(out, times[0], times[-1], times, sizes, s.proposed, s.accepted, s.verify_steps, ks[1:],
+               s.accepted_lengths, trials)
 
 
 class _Clock(BaseStreamer):

@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from specrpc.config import Config, parse_networks
-from specrpc.edges.auth import StreamQuota
+from specrpc.edges.auth import StreamQuota, bearer_token, client_id_of_token
 from specrpc.edges.metrics import Metrics
 from specrpc.serving.runtime import DecodeParams, Runtime
 from specrpc.serving.scheduler import Chunk, Done, Failed
@@ -111,13 +111,25 @@ class Gateway:
 
     # ---- generation --------------------------------------------------------------------------------------------
 
+    def draft_scope(self, metadata: Iterable[tuple[str, str | bytes]] | None, session_id: str) -> str | None:
+        """Whose earlier outputs may draft for a request (the suffix source): its auth token's clients' with auth
+        tokens (one tenant's text never drafts for another's), else every client's where the operator shares them
+        (--shared-suffix-drafts), else its session's own (None: no session, nothing to draft from)."""
+        if self.quota.by_token:
+            token = bearer_token(metadata)
+            return client_id_of_token(token) if token is not None else None
+        if self.config.server.shared_suffix_drafts:
+            return "shared"
+        return f"session:{session_id}" if session_id else None
+
     async def stream(self, prompt: list[int], params: DecodeParams, session_id: str, rpc: str,
-                     cancel: asyncio.Event | None = None) -> AsyncGenerator[Chunk | Done]:
+                     cancel: asyncio.Event | None = None, scope: str | None = None) -> AsyncGenerator[Chunk | Done]:
         """Run one generation and yield its chunks and final Done (accounted in `_account`, even when the client
-        goes away before reading it). A failed generation raises DeviceOutOfMemory or EngineFailure."""
+        goes away before reading it); `scope`: whose earlier outputs draft for it (`draft_scope`). A failed
+        generation raises DeviceOutOfMemory or EngineFailure."""
         last = 0.0
         account = functools.partial(self._account, rpc, session_id)
-        async for event in self.runtime.generate(prompt, params, session_id, cancel, account):
+        async for event in self.runtime.generate(prompt, params, session_id, cancel, account, scope):
             if isinstance(event, Failed):
                 if is_out_of_memory(event.error):
                     raise DeviceOutOfMemory(f"the device ran out of memory on this stream ({event.error}); retry "
@@ -131,14 +143,16 @@ class Gateway:
             yield event
 
     async def stream_choices(self, prompt: list[int], params: DecodeParams, n: int, session_id: str, rpc: str,
-                             cancel: asyncio.Event) -> AsyncGenerator[tuple[int, Chunk | Done]]:
+                             cancel: asyncio.Event, scope: str | None = None
+                             ) -> AsyncGenerator[tuple[int, Chunk | Done]]:
         """`n` independent choices of one prompt, each event with its choice's index: the prompt is prefilled once
         (a prefill-only generation, in the session's slot when one is named), then the choices run together, each
         in a slot of its own that copies the prompt's KV prefix from there. Choice i samples with seed + i when a
-        seed is given. Yields the prefill's Done first as index -1 (its figures: the prompt computed once)."""
+        seed is given; `scope` as for `stream`. Yields the prefill's Done first as index -1 (its figures: the prompt
+        computed once)."""
         prefill = replace(params, prefill_only=True, constraint=None, logprobs=False, top_logprobs=0, n_indent=0,
-                          max_time_ms=0)
-        async for event in self.stream(prompt, prefill, session_id, rpc, cancel):
+                          max_time_ms=0, prediction=())
+        async for event in self.stream(prompt, prefill, session_id, rpc, cancel, scope):
             if isinstance(event, Done):
                 yield -1, event
         queue: asyncio.Queue[tuple[int, Chunk | Done] | BaseException] = asyncio.Queue()
@@ -147,7 +161,7 @@ class Gateway:
             seed = params.sampling.seed
             sampling = params.sampling if seed is None else replace(params.sampling, seed=(seed + i) % 2**63)
             try:
-                async for event in self.stream(prompt, replace(params, sampling=sampling), "", rpc, cancel):
+                async for event in self.stream(prompt, replace(params, sampling=sampling), "", rpc, cancel, scope):
                     queue.put_nowait((i, event))
             except Exception as exc:
                 queue.put_nowait(exc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import structlog
@@ -275,3 +275,16 @@ def editor_params(params: DecodeParams, *, n_indent: int, max_time_ms: int, pref
                                  f"{name('prefill_only')} off")
     return replace(params, n_indent=n_indent, max_time_ms=max_time_ms, prefill_only=prefill_only, logprobs=logprobs,
                    top_logprobs=top_logprobs)
+
+
+def prediction(params: DecodeParams, text: str, encode: Callable[[str], list[int]], context_limit: int,
+               name: str = "prediction") -> DecodeParams:
+    """`params` with the predicted output `text` as tokens (empty: none), at most the context length: more could
+    never be generated, so it is a mistake, not a prediction."""
+    if not text:
+        return params
+    ids = encode(text)
+    if len(ids) > context_limit:
+        raise InvalidRequest(f"{name} has {len(ids)} tokens; at most {context_limit} (the context length) can be "
+                             f"generated: send only the output you predict")
+    return replace(params, prediction=tuple(ids))

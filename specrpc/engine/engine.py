@@ -19,7 +19,7 @@ from specrpc.engine.generation import FINISH_LENGTH, Generation, GenerationReque
 from specrpc.engine.plan import Drafting, Plan, draft_lag, plan, plan_batch
 from specrpc.engine.policy import AdaptivePolicy, BatchCosts, BatchGuard, CostModel, host_kind
 from specrpc.engine.prefix import reuse_prefix
-from specrpc.engine.proposers import DraftModelProposer, DraftRequest, PromptLookupProposer, Proposal, feed
+from specrpc.engine.proposers import GIVEN, DraftModelProposer, DraftRequest, PromptLookupProposer, Proposal, feed
 from specrpc.engine.sampling import SamplingParams
 from specrpc.engine.verify import VerifyResult, verify
 from specrpc.models import BatchRow, CausalLM
@@ -401,7 +401,7 @@ class Engine:
 
     def _observe_share(self, gens: list[Generation], proposals: dict[int, Proposal]) -> None:
         """The guard learns how many of the streams the policy planned for drafted with the draft model."""
-        planned = [i for i, p in proposals.items() if gens[i].fixed_k is None and p.source != "suggestion"]
+        planned = [i for i, p in proposals.items() if gens[i].fixed_k is None and p.source not in GIVEN]
         self.batch_guard.observe_share(len(gens), sum(proposals[i].source == "draft" for i in planned), len(planned))
 
     def _observe_guard(self, gens: list[Generation], decoding: list[int], proposals: dict[int, Proposal],
@@ -411,7 +411,7 @@ class Engine:
         if not all(isinstance(results[i], StepResult) for i in decoding):
             return
         committed = sum(len(r.token_ids) for r in results.values() if isinstance(r, StepResult))
-        policy_drafted = any(len(p) and gens[i].fixed_k is None and p.source != "suggestion"
+        policy_drafted = any(len(p) and gens[i].fixed_k is None and p.source not in GIVEN
                              for i, p in proposals.items())  # what the guard decides on; the rest is given
         self.batch_guard.observe(len(decoding), policy_drafted, seconds - catch_up_s, committed, catch_up_s)
 

@@ -15,8 +15,10 @@ import torch
 from specrpc.engine.constraint import Constraint, Grammar
 from specrpc.engine.logits_transform import Cursor, LogitsTransform
 from specrpc.engine.policy import AdaptivePolicy
+from specrpc.engine.prediction import PredictionProposer
 from specrpc.engine.proposers import Proposal, Proposer
 from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, mask_logits, sample
+from specrpc.engine.suffix import SuffixProposer
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
@@ -57,6 +59,8 @@ class GenerationRequest:
     logprobs: bool = False  # report each emitted token's TokenLogprob
     top_logprobs: int = 0  # with logprobs: alternatives per token, 0..MAX_TOP_LOGPROBS
     suggestion: Proposer | None = None  # the session's last completion as a draft (proposers.SuggestionProposer)
+    prediction: PredictionProposer | None = None  # the client's predicted output as a draft
+    suffix: SuffixProposer | None = None  # drafts from earlier outputs of the request's scope
     grammar: Grammar | None = None  # what the output must match (constraint.py); it ends (stop) when complete
 
 
@@ -74,6 +78,8 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     tokens_cached: int = 0  # positions of the slot's context in the target's KV cache when the request ended
     suggestion_accepted: int = 0  # draft tokens accepted from the session's last suggestion
+    accepted_prediction_tokens: int = 0  # prediction tokens that appear in the completion (`count_prediction`)
+    rejected_prediction_tokens: int = 0  # prediction tokens that do not
 
     @property
     def mean_accepted_length(self) -> float:
@@ -239,6 +245,16 @@ class Generation:
         self.stats.verify_steps += 1
         self.stats.last_k = len(proposal)
         self.stats.accepted_lengths.append(committed)
+
+    def count_prediction(self) -> None:
+        """The prediction's accepted and rejected tokens against the completion so far, as OpenAI counts them
+        (`PredictionProposer.count`): once, when the request ends, whatever ended it."""
+        prediction = self.request.prediction
+        if prediction is None:
+            return
+        start = len(self.request.prompt_ids)
+        completion = self.slot.tokens[start : start + self.stats.completion_tokens] if self.started else []
+        self.stats.accepted_prediction_tokens, self.stats.rejected_prediction_tokens = prediction.count(completion)
 
     def _logprobs(self, logits: torch.Tensor, tokens: list[int]) -> tuple[TokenLogprob, ...]:
         """TokenLogprob of each token from the target's raw logits [>= n, V_t] at its position (row i: token i)."""

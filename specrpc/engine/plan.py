@@ -1,5 +1,5 @@
-"""What each decoding stream drafts this step: the session's suggestion, prompt lookup or the draft model, and how
-many tokens (k per stream from the policy, the batch's costs and the batch guard)."""
+"""What each decoding stream drafts this step: the request's prediction, the session's suggestion, prompt lookup or
+the draft model, and how many tokens (k per stream from the policy, the batch's costs and the batch guard)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,22 @@ from dataclasses import dataclass
 
 from specrpc.engine.generation import Generation
 from specrpc.engine.policy import BatchCosts, BatchLoad
-from specrpc.engine.proposers import EMPTY, STEADY_CATCH_UP, DraftModelProposer, PromptLookupProposer, Proposal
+from specrpc.engine.proposers import (
+    EMPTY,
+    STEADY_CATCH_UP,
+    DraftModelProposer,
+    PromptLookupProposer,
+    Proposal,
+    Proposer,
+)
 from specrpc.models import CausalLM
 
 MAX_SUGGESTION_TOKENS = 64
-"""Most tokens of the session's last suggestion verified in one step (it is a draft the editor already shows, so
-it is drafted whole rather than in the policy's k)."""
+"""Most tokens of the session's last suggestion (drafted whole: the editor already shows it) or of a request's
+prediction (as long as the policy expects it to pay) verified in one step."""
+
+PREDICTION_PROBE = 2
+"""Fewest tokens of an aligned prediction drafted, whatever the policy's estimate (`_prediction_k`)."""
 
 
 @dataclass(frozen=True)
@@ -54,18 +64,13 @@ def draft_lag(drafting: Drafting, gen: Generation) -> int:
 
 
 def plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
-    """The session's last suggestion while it still matches, then prompt lookup when allowed (free to draft), else
-    the draft model's k; PLAIN for plain decoding. `load`: the rest of a batched step (None: the stream is alone,
-    and its policy judges its own steps)."""
-    suggestion = gen.request.suggestion
-    if suggestion is not None and drafting.max_k > 0:
-        asked = gen.request.num_draft_tokens  # a request's own k bounds it; the policy's and `fixed` do not
-        cap = MAX_SUGGESTION_TOKENS if asked is None else asked
-        k = max(0, min(cap, gen.room()))
-        found = suggestion.propose(gen.slot.tokens, gen.slot.index, k, gen.params, gen.generator) if k else EMPTY
-        found = allowed(gen, found)
-        if found.token_ids:
-            return Plan(found)
+    """The request's prediction while aligned with the output, the session's last suggestion while it still
+    matches, then prompt lookup (or the suffix source) when allowed (free to draft), else the draft model's k; PLAIN
+    for plain decoding. `load`: the rest of a batched step (None: the stream is alone, and its policy judges its
+    own steps)."""
+    given = _given(drafting, gen, load)
+    if given.token_ids:
+        return Plan(given)
     guard_off = load is not None and load.k_limit == 0
     if gen.fixed_k is None and load is None and gen.slot.policy.plain_due():
         return PLAIN  # a measured plain step now and then (`AdaptivePolicy.plain_due`)
@@ -82,8 +87,8 @@ def plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
 
 
 def allowed(gen: Generation, found: Proposal) -> Proposal:
-    """A point-mass draft (suggestion, prompt lookup) cut at its first token the stream's grammar forbids: such a
-    token could never be accepted, nor anything after it."""
+    """A point-mass draft (prediction, suggestion, prompt lookup, suffix source) cut at its first token the stream's
+    grammar forbids: such a token could never be accepted, nor anything after it."""
     if gen.constraint is None or not found.token_ids:
         return found
     n = gen.constraint.valid_prefix(found.token_ids)
@@ -122,6 +127,35 @@ def plan_batch(drafting: Drafting, costs: BatchCosts, gens: list[Generation], pr
     return plans
 
 
+def _given(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Proposal:
+    """A draft the request brings (EMPTY: none here): its prediction, cut where the policy expects the most of it
+    (`_prediction_k`), else the session's suggestion whole. A request's own k bounds either; the policy's, the batch
+    guard's and `fixed` do not (they draft whatever plan chooses for the rest)."""
+    asked = gen.request.num_draft_tokens
+    cap = max(0, min(MAX_SUGGESTION_TOKENS if asked is None else asked, gen.room()))
+    if drafting.max_k == 0 or cap == 0:
+        return EMPTY
+    prediction = gen.request.prediction
+    if prediction is not None:
+        found = allowed(gen, prediction.propose(gen.slot.tokens, gen.slot.index, cap, gen.params, gen.generator))
+        if found.token_ids:
+            return found if asked is not None else _prediction_k(gen, found, load)
+    suggestion = gen.request.suggestion
+    if suggestion is not None:
+        return allowed(gen, suggestion.propose(gen.slot.tokens, gen.slot.index, cap, gen.params, gen.generator))
+    return EMPTY
+
+
+def _prediction_k(gen: Generation, found: Proposal, load: BatchLoad | None) -> Proposal:
+    """The prediction's span cut where the policy's expected speed-up peaks: its acceptance is kept apart from the
+    other sources' (a client's draft is right far more often), and the verify's cost over k decides how long a span
+    pays. At least `PREDICTION_PROBE` tokens: it costs nothing to draft and is re-aligned every step, so a low
+    estimate after a divergence recovers where the output copies again."""
+    speedups = gen.slot.policy.speedups(found.estimate, len(found), batch=load)
+    k = max(range(1, len(found) + 1), key=speedups.__getitem__)
+    return found.first(max(k, min(PREDICTION_PROBE, len(found))))
+
+
 def _k(drafting: Drafting, gen: Generation, source: str, load: BatchLoad | None) -> int:
     """Draft tokens for `source` this step: the request's fixed k or the policy's, within the room left."""
     if gen.fixed_k is not None:
@@ -147,14 +181,22 @@ def _catch_up_pays(drafting: Drafting, gen: Generation) -> bool:
 
 
 def _lookup(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Proposal:
-    """Prompt lookup's match, cut to the k the policy chooses for its kind (the match's n-gram size)."""
+    """Prompt lookup's match, or the suffix source's where the request has one (earlier outputs of its scope), each
+    cut to the k the policy chooses for its kind (the match's size): the one expected to yield the most per cost."""
     room = max(0, min(gen.room(), drafting.max_k if gen.fixed_k is None else gen.fixed_k))
-    found = drafting.lookup.propose(gen.slot.tokens, gen.slot.index, room, gen.params, gen.generator) if room else EMPTY
-    found = allowed(gen, found)
-    if not found.token_ids:
+    if not room:
         return EMPTY
-    k = min(_k(drafting, gen, found.estimate, load), len(found))
-    return found.first(k) if k else EMPTY
+    sources: list[Proposer] = [drafting.lookup]
+    if gen.request.suffix is not None:
+        sources.append(gen.request.suffix)
+    best, best_speedup = EMPTY, 0.0
+    for source in sources:
+        found = allowed(gen, source.propose(gen.slot.tokens, gen.slot.index, room, gen.params, gen.generator))
+        k = min(_k(drafting, gen, found.estimate, load), len(found)) if found.token_ids else 0
+        speedup = gen.slot.policy.speedup(k, found.estimate, batch=load) if k else 0.0
+        if speedup > best_speedup:
+            best, best_speedup = found.first(k), speedup
+    return best
 
 
 def _draft_pays_more(drafting: Drafting, gen: Generation, found: Proposal, load: BatchLoad | None) -> bool:

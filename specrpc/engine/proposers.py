@@ -46,6 +46,10 @@ class Proposal:
 
 EMPTY = Proposal([], None, "none")
 
+GIVEN = frozenset({"suggestion", "prediction"})
+"""Sources of drafts a request brings (the session's suggestion, the client's prediction): drafted whatever the
+batch guard decides, so it judges steps by the policy's own drafts alone."""
+
 STEADY_CATCH_UP = 2
 """Tokens a drafting stream's draft feeds at the start of a step in steady state (the last draft token and the
 target's); more is a catch-up after sitting out steps or on a new prompt (timed apart here, budgeted per batched
@@ -337,9 +341,7 @@ class SuggestionProposer:
         self.prompt_len = prompt_len
         self.alive = True
         self._decode = decode
-        self._ends: dict[int, int] = {0: 0}  # characters of rest_text → tokens of rest whose text ends exactly there
-        self._scanned = 0  # prefixes of rest decoded so far
-        self._reach = 0  # the longest text among them
+        self._ends = TokenEnds(rest, rest_text, decode)
 
     @classmethod
     def follow(cls, previous: list[int], previous_prompt_len: int, prompt: list[int],
@@ -383,17 +385,39 @@ class SuggestionProposer:
         if not self.rest_text.startswith(done):
             self.alive = False
             return EMPTY
-        at = self._token_end(len(done))
+        at = self._ends.tokens_at(len(done))
         ids = self.rest[at : at + k] if at is not None else []
         return Proposal(ids, None, self.name) if ids else EMPTY
 
-    def _token_end(self, chars: int) -> int | None:
-        """How many tokens of `rest` decode to exactly its first `chars` characters, None if no token ends there
-        (prefixes are decoded lazily, each once)."""
-        while self._scanned < len(self.rest) and self._reach < chars:
+
+class TokenEnds:
+    """Where the tokens of `ids` end in their text `text` (= decode(ids)): typing or generating inside a token
+    retokenizes it, so drafts given as text are aligned by characters and proposed from a token that ends there.
+
+    Found lazily, only as far as asked, in linear time: each token's text is the difference of two short decodes
+    from a boundary a few tokens back (the context a SentencePiece decoder needs to keep a leading space), not a
+    decode of the whole prefix each time."""
+
+    def __init__(self, ids: list[int], text: str, decode: Callable[[list[int]], str]) -> None:
+        self.ids = ids
+        self.text = text
+        self._decode = decode
+        self._ends: dict[int, int] = {0: 0}  # characters of text → tokens of ids whose text ends exactly there
+        self._bounds: list[tuple[int, int]] = [(0, 0)]  # (tokens, characters) of each boundary found, in order
+        self._scanned = 0  # tokens of ids looked at so far
+
+    def tokens_at(self, chars: int) -> int | None:
+        """How many tokens of `ids` decode to exactly the first `chars` characters of `text`, None if no token
+        ends there."""
+        while self._scanned < len(self.ids) and self._bounds[-1][1] < chars:
             self._scanned += 1
-            text = self._decode(self.rest[: self._scanned])
-            if not text.endswith(REPLACEMENT) and self.rest_text.startswith(text):
-                self._ends.setdefault(len(text), self._scanned)
-                self._reach = max(self._reach, len(text))
+            (base, _), (last, last_chars) = self._bounds[max(0, len(self._bounds) - 3)], self._bounds[-1]
+            context = self._decode(self.ids[base:last]) if last > base else ""
+            grown = self._decode(self.ids[base : self._scanned])
+            if grown.endswith(REPLACEMENT) or not grown.startswith(context):
+                continue  # an unfinished character: its token ends no text
+            end = last_chars + len(grown) - len(context)
+            if self.text.startswith(grown[len(context) :], last_chars) and end > last_chars:
+                self._ends.setdefault(end, self._scanned)
+                self._bounds.append((self._scanned, end))
         return self._ends.get(chars)

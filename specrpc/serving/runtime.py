@@ -22,12 +22,16 @@ from specrpc.engine.constraint import ConstraintSpec, Grammar, GrammarCompiler, 
 from specrpc.engine.engine import Engine
 from specrpc.engine.generation import GenerationRequest, GenerationStats
 from specrpc.engine.policy import CostModel
+from specrpc.engine.prediction import PredictionProposer
 from specrpc.engine.proposers import SuggestionProposer
 from specrpc.engine.sampling import SamplingParams
+from specrpc.engine.suffix import SuffixProposer, SuffixStore
 from specrpc.models import CausalLM, load_model, load_tokenizer, padded_sizes
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.openmp import release_workers
 from specrpc.prompts.fim import FimFormat, InfillInput, InfillPrompt, NoInfillSupport, load_format
+from specrpc.prompts.rewrite import RewriteInput, RewritePrompt
+from specrpc.prompts.rewrite import render as render_rewrite
 from specrpc.prompts.text import IncrementalDetokenizer, LineGuard, StopMatcher
 from specrpc.serving.scheduler import FINISH_CANCELLED, Done, Event, Failed, Job, Scheduler
 from specrpc.serving.sessions import LastCompletion, Lease, SessionRegistry, Superseded
@@ -60,6 +64,7 @@ class DecodeParams:
     prefill_only: bool = False  # cache the prompt in the session's slot and generate nothing
     logprobs: bool = False  # each emitted token's log-probability (Chunk.logprobs)
     top_logprobs: int = 0  # with logprobs: this many most likely alternatives per token (at most 20)
+    prediction: tuple[int, ...] = ()  # the client's predicted output, tokens of its text (a draft; empty: none)
     constraint: ConstraintSpec | None = None  # what the output must match (JSON schema, regex, grammar)
 
 
@@ -185,6 +190,7 @@ class Runtime:
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
         self.scheduler = Scheduler(self.engine, batching=ec.batching == "on")
+        self.suffixes = SuffixStore()  # recent outputs per draft scope (the suffix source)
         self.stop_token_ids = self._stop_token_ids()
         file_sep = [self._special_id(n) for n in FILE_SEP_NAMES]
         self.file_sep_id = next((i for i in file_sep if i is not None), None)
@@ -295,6 +301,12 @@ class Runtime:
         """`encode_plain` of each text, in one tokenizer call."""
         return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
 
+    def rewrite_prompt(self, rewrite: RewriteInput) -> tuple[list[int], RewritePrompt]:
+        """A next-edit rewrite's prompt tokens (the generic format, `prompts/rewrite.py`) and what frames it (the
+        region as the prediction, the stop marker); BadRewrite when its offsets do not fit the file."""
+        framed = render_rewrite(rewrite)
+        return self.encode(framed.text), framed
+
     def infill_prompt(self, infill: InfillInput, truncate: bool = False, max_new_tokens: int = 0) -> InfillPrompt:
         """The fill-in-the-middle prompt for `infill` in the loaded model's template (specrpc/fim.py), at most
         `prompt_cap` tokens; with `truncate`, trimmed in coarse steps to also leave `max_new_tokens` of room.
@@ -360,6 +372,33 @@ class Runtime:
             return None
         return SuggestionProposer.follow(last.tokens, last.prompt_len, prompt, self.decode_text, self.special_ids)
 
+    def _prediction(self, prompt: list[int], params: DecodeParams, num_draft_tokens: int | None
+                    ) -> PredictionProposer | None:
+        """The request's predicted output as a draft, unless it generates nothing or speculates not at all. Unlike
+        the suggestion it does not depend on the session's history, so a seeded request may draft from it too, and
+        it serves whichever proposer the request pinned (that one drafts where the prediction is not aligned)."""
+        if not params.prediction or params.prefill_only or num_draft_tokens == 0 or self.engine.max_k == 0:
+            return None
+        return PredictionProposer(list(params.prediction), len(prompt), self.decode_text)
+
+    def _suffix(self, scope: str | None, params: DecodeParams, num_draft_tokens: int | None) -> SuffixProposer | None:
+        """Drafts from the scope's earlier outputs, unless the request generates nothing, speculates not at all or
+        must repeat its seeded samples (a draft that depends on other requests would change how its random stream
+        is consumed)."""
+        if (scope is None or params.prefill_only or num_draft_tokens == 0 or self.engine.max_k == 0
+                or (not params.sampling.greedy and params.sampling.seed is not None)):
+            return None
+        return SuffixProposer(self.suffixes.trie(scope))
+
+    @staticmethod
+    def _index(suffix: SuffixProposer, lease: Lease, job: Job) -> None:
+        """Add a request's output to its scope's trie, to draft for the scope's next requests. Called before the
+        slot is released, so its context still ends with the output."""
+        generated = job.generation.stats.completion_tokens if job.generation is not None else 0
+        prompt_len = len(job.request.prompt_ids)
+        if generated and len(lease.slot.tokens) == prompt_len + generated:
+            suffix.trie.add(lease.slot.tokens[prompt_len:])
+
     def _remember(self, lease: Lease, job: Job) -> None:
         """Keep a session's completion (its slot's context: the prompt, then what was generated) as the draft for
         its next request. Called before the slot is released, so nothing has changed the context since."""
@@ -383,10 +422,12 @@ class Runtime:
 
     async def generate(self, prompt: list[int], params: DecodeParams, session_id: str = "",
                        cancel: asyncio.Event | None = None,
-                       on_done: Callable[[Done], None] | None = None) -> AsyncIterator[Event]:
+                       on_done: Callable[[Done], None] | None = None,
+                       scope: str | None = None) -> AsyncIterator[Event]:
         """Stream events for one request, ending with Done or Failed; the slot is released when the device thread
         has let go of it. Setting `cancel` (or closing the iterator) stops the generation before its next step.
-        `on_done` gets the final Done even when the consumer has gone (client cancel), for accounting."""
+        `on_done` gets the final Done even when the consumer has gone (client cancel), for accounting. `scope`:
+        whose earlier outputs draft for it, and whom its output will draft for (None: nobody's)."""
         arrival = time.perf_counter()
         if params.constraint is not None and (params.sampling.min_tokens or params.sampling.ignore_eos):
             raise InvalidConstraint("a constraint decides where the reply ends: min_tokens and ignore_eos cannot "
@@ -414,6 +455,8 @@ class Runtime:
             logprobs=params.logprobs,
             top_logprobs=params.top_logprobs,
             suggestion=self._suggestion(lease, prompt, params, num_draft_tokens, proposer),
+            prediction=self._prediction(prompt, params, num_draft_tokens),
+            suffix=self._suffix(scope, params, num_draft_tokens),
             grammar=grammar,
         )
         job = Job(lease.slot, request, IncrementalDetokenizer(self.stream_decoder, prompt), StopMatcher(params.stop),
@@ -422,6 +465,8 @@ class Runtime:
         def finished() -> None:
             try:
                 self._remember(lease, job)
+                if request.suffix is not None:
+                    self._index(request.suffix, lease, job)
             finally:
                 self.registry.release(lease)
 

@@ -359,6 +359,8 @@ class Scheduler:
         return None
 
     def _done(self, job: Job, finish: str, stop_sequence: str) -> Done:
+        if job.generation is not None and job.request.prediction is not None:
+            job.generation.count_prediction()  # once, whatever ended the request
         stats = job.generation.stats if job.generation is not None else GenerationStats()
         return Done(finish, stats, stop_sequence, "".join(job.text), time.perf_counter(), job.arrival,
                     job.first_token_at, job.started_at)

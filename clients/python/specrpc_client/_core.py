@@ -199,6 +199,7 @@ class EditorFields:
     prefill_only: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prediction: str = ""  # the output as the client predicts it: a draft, verified token by token
 
 
 def generate_request(prompt: str | Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling | None = None,
@@ -207,7 +208,9 @@ def generate_request(prompt: str | Sequence[int], *, max_new_tokens: int = 0, sa
                      editor: EditorFields = EditorFields()) -> pb.GenerateRequest:
     """A GenerateRequest; `prompt` is text or token ids; `path`: the file the prompt text opens. `editor`:
     n_indent (end before a new line indented less), max_time_ms (a time budget from the first token, ended at the
-    next newline), prefill_only (only cache the prompt in the session), logprobs and top_logprobs (0..20)."""
+    next newline), prefill_only (only cache the prompt in the session), logprobs and top_logprobs (0..20),
+    prediction (the output as predicted, for example the text being rewritten: the server drafts from it; the
+    output is the same without it, and the summary counts its accepted and rejected tokens)."""
     text, ids = (prompt, []) if isinstance(prompt, str) else ("", list(prompt))
     return pb.GenerateRequest(prompt=text, prompt_token_ids=ids, session_id=session_id,
                               truncate_prompt=truncate_prompt, path=path, **vars(editor),
@@ -228,6 +231,21 @@ def infill_request(prefix: str, suffix: str = "", *, extra_files: Sequence[Extra
                             session_id=session_id, typed_line=typed_line, repo_name=repo_name, truncate=truncate,
                             layout=cast("pb.FimLayout.ValueType", int(kind)), **vars(editor),
                             **_common(max_new_tokens, sampling, stop, speculation))  # type: ignore[arg-type]
+
+
+def rewrite_request(path: str, text: str, region_start: int, region_end: int, cursor: int, *,
+                    recent_edits: Sequence[str] = (), max_new_tokens: int = 0, sampling: Sampling | None = None,
+                    speculation: Speculation | None = None, session_id: str = "") -> pb.RewriteRequest:
+    """A RewriteRequest (next-edit prediction): offsets in characters of `text`, the cursor within the region;
+    `recent_edits`: unified diffs, oldest first."""
+    request = pb.RewriteRequest(path=path, text=text, region_start=region_start, region_end=region_end,
+                                cursor=cursor, recent_edits=list(recent_edits), max_new_tokens=max_new_tokens,
+                                session_id=session_id)
+    if sampling is not None:
+        request.sampling.CopyFrom(sampling.to_proto())
+    if speculation is not None:
+        request.speculation.CopyFrom(speculation.to_proto())
+    return request
 
 
 def session_start(session_id: str, *, system: str = "", phrase_mode: bool = True, sampling: Sampling | None = None,

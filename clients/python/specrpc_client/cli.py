@@ -54,6 +54,9 @@ def _editor_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", action="store_true", help="print each token's log-probability to stderr")
     g.add_argument("--top-logprobs", type=int, default=0,
                    help="with --logprobs: also the N most likely tokens at each position (N <= 20)")
+    g.add_argument("--prediction", type=Path, default=None, metavar="FILE",
+                   help="the output as you predict it (for example the text being rewritten): a draft, verified "
+                        "token by token; the stats count its accepted and rejected tokens")
 
 
 def add_commands(commands: Any) -> None:
@@ -119,8 +122,10 @@ def stats_line(summary: Any, ttft_ms: float | None, elapsed_s: float) -> str:
     tps = summary.completion_tokens / elapsed_s if elapsed_s > 0 else 0.0
     cached = f" · cached {summary.cached_prompt_tokens}" if summary.cached_prompt_tokens else ""
     trimmed = f" · trimmed {summary.trimmed_prompt_tokens} prompt tokens" if summary.trimmed_prompt_tokens else ""
+    predicted = summary.accepted_prediction_tokens + summary.rejected_prediction_tokens
+    prediction = f" · prediction {summary.accepted_prediction_tokens}/{predicted} used" if predicted else ""
     return (f"[{summary.completion_tokens} tokens · TTFT {ttft:.1f} ms · {tps:.1f} tokens/s · acceptance {rate} · "
-            f"{summary.finish_reason.name.lower()}{cached}{trimmed}]")
+            f"{summary.finish_reason.name.lower()}{cached}{trimmed}{prediction}]")
 
 
 def logprob_lines(chunks: list[Any]) -> list[str]:
@@ -144,7 +149,8 @@ def run_complete(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     options = _request_options(args)
     options.update(n_indent=args.n_indent, max_time_ms=args.max_time_ms, prefill_only=args.prefill_only,
-                   logprobs=args.logprobs, top_logprobs=args.top_logprobs)
+                   logprobs=args.logprobs, top_logprobs=args.top_logprobs,
+                   prediction=args.prediction.read_text() if args.prediction is not None else "")
     chunks = []
     try:
         with _client(args) as client:

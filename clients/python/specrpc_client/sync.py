@@ -22,15 +22,16 @@ from specrpc_client.types import (
     ModelInfo,
     Phrase,
     Rewound,
+    RewriteResult,
     Sampling,
     SessionStarted,
     Speculation,
     Summary,
     TurnSummary,
     chunk_from,
+    ended,
     model_info_from,
     phrase_from,
-    summary_from,
     turn_summary_from,
 )
 
@@ -55,6 +56,7 @@ class Generation:
         self.ended_at: float | None = None
         self.chunks: list[Chunk] = []
         self.summary: Summary | None = None
+        self.rewrite: RewriteResult | None = None  # a Rewrite's region and changed lines, once it ends
         self.error: SpecrpcError | None = None
         self._call = open_call(0, timeout)
 
@@ -108,7 +110,7 @@ class Generation:
                             self.chunks.append(chunk)
                             yield chunk
                         else:
-                            self.summary = summary_from(msg.summary)
+                            self.summary, self.rewrite = ended(msg.summary)
                             self.ended_at = time.perf_counter()
                     return
                 except grpc.RpcError as exc:
@@ -212,20 +214,32 @@ class Client:
                  stop: Sequence[str] = (), speculation: Speculation | None = None, session_id: str = "",
                  truncate_prompt: bool = False, path: str = "", n_indent: int = 0, max_time_ms: int = 0,
                  prefill_only: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                 timeout: Timeout = UNSET) -> Generation:
+                 prediction: str = "", timeout: Timeout = UNSET) -> Generation:
         request = _core.generate_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                          speculation=speculation, session_id=session_id,
                                          truncate_prompt=truncate_prompt, path=path,
                                          editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
-                                                                   top_logprobs))
+                                                                   top_logprobs, prediction))
         return self._stream("Generate", request, session_id, self._timeout(timeout))
+
+    def rewrite(self, path: str, text: str, region_start: int, region_end: int, cursor: int, *,
+                recent_edits: Sequence[str] = (), max_new_tokens: int = 0, sampling: Sampling | None = None,
+                speculation: Speculation | None = None, session_id: str = "",
+                timeout: Timeout = UNSET) -> Generation:
+        """Next-edit prediction: the region [region_start, region_end) of `text` (characters) rewritten as the user
+        will edit it next, given the cursor and `recent_edits` (unified diffs, oldest first). Chunks stream the
+        rewritten region; when it ends, `rewrite` holds the region whole and its changed lines."""
+        request = _core.rewrite_request(path, text, region_start, region_end, cursor, recent_edits=recent_edits,
+                                        max_new_tokens=max_new_tokens, sampling=sampling, speculation=speculation,
+                                        session_id=session_id)
+        return self._stream("Rewrite", request, session_id, self._timeout(timeout))
 
     def infill(self, prefix: str, suffix: str = "", *, extra_files: Sequence[ExtraFile | tuple[str, str]] = (),
                path: str = "", max_new_tokens: int = 0, sampling: Sampling | None = None, stop: Sequence[str] = (),
                speculation: Speculation | None = None, session_id: str = "", typed_line: str = "",
                repo_name: str = "", truncate: bool = False, layout: FimLayout | str = FimLayout.UNSPECIFIED,
                n_indent: int = 0, max_time_ms: int = 0, prefill_only: bool = False, logprobs: bool = False,
-               top_logprobs: int = 0,
+               top_logprobs: int = 0, prediction: str = "",
                timeout: Timeout = UNSET) -> Generation:
         """Fill in the middle between prefix and suffix (the parameters of AsyncClient.infill)."""
         request = _core.infill_request(prefix, suffix, extra_files=extra_files, path=path,
@@ -233,7 +247,7 @@ class Client:
                                        speculation=speculation, session_id=session_id, typed_line=typed_line,
                                        repo_name=repo_name, truncate=truncate, layout=layout,
                                        editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
-                                                                 top_logprobs))
+                                                                 top_logprobs, prediction))
         return self._stream("Infill", request, session_id, self._timeout(timeout))
 
     def conversation(self, session_id: str | None = None, **options: Any) -> Conversation:

@@ -175,6 +175,10 @@ class Summary:
     fim_layout: FimLayout = FimLayout.UNSPECIFIED
     tokens_cached: int = 0
     suggestion_tokens_accepted: int = 0
+    accepted_prediction_tokens: int = 0
+    """With a prediction: its tokens that appear in the completion (OpenAI's accepted_prediction_tokens)."""
+    rejected_prediction_tokens: int = 0
+    """With a prediction: its tokens that do not."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +286,32 @@ def summary_from(msg: pb.GenerationSummary) -> Summary:
     return _flat(Summary, msg, finish_reason=FinishReason(msg.finish_reason),
                  speculation=_flat(SpeculationStats, msg.speculation), timing=_flat(Timing, msg.timing),
                  fim_layout=FimLayout(msg.fim_layout))
+
+
+@dataclass(frozen=True)
+class LineChange:
+    """Lines [old_start, old_end) of a rewritten region became lines [new_start, new_end) of the rewrite."""
+
+    old_start: int
+    old_end: int
+    new_start: int
+    new_end: int
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    """What a Rewrite ended with besides its summary: the rewritten region, whole, and the lines it changed."""
+
+    region: str
+    changes: tuple[LineChange, ...]
+
+
+def ended(msg: pb.GenerationSummary | pb.RewriteSummary) -> tuple[Summary, RewriteResult | None]:
+    """A stream's last event: its summary, and a Rewrite's result (None for Generate and Infill)."""
+    if isinstance(msg, pb.RewriteSummary):
+        changes = tuple(_flat(LineChange, change) for change in msg.changes)
+        return summary_from(msg.generation), RewriteResult(msg.region, changes)
+    return summary_from(msg), None
 
 
 def phrase_from(msg: pb.Phrase, received_ms: float = 0.0) -> Phrase:

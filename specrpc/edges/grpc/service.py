@@ -35,6 +35,7 @@ from specrpc.engine.constraint import ConstraintSpec, InvalidConstraint
 from specrpc.engine.generation import FINISH_LENGTH, FINISH_STOP
 from specrpc.engine.sampling import SamplingParams
 from specrpc.prompts.fim import ExtraFile, InfillInput, InfillPrompt, NoInfillSupport, PromptTooLong
+from specrpc.prompts.rewrite import BadRewrite, RewriteInput, changed_lines
 from specrpc.prompts.text import FINISH_INDENT, FINISH_TIME_LIMIT
 from specrpc.prompts.tools import Tool, ToolCall, ToolChoice
 from specrpc.serving.runtime import CheckpointInfo, DecodeParams, Runtime
@@ -72,6 +73,7 @@ ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (MalformedRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidConstraint, grpc.StatusCode.INVALID_ARGUMENT),
     (PromptTooLong, grpc.StatusCode.INVALID_ARGUMENT),
+    (BadRewrite, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownSession, grpc.StatusCode.INVALID_ARGUMENT),
     (SlotsExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TooManyStreams, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -281,6 +283,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                                         top_logprobs=request.top_logprobs, max_new_tokens=request.max_new_tokens,
                                         stop_count=len(request.stop))
 
+    def _prediction(self, text: str, params: DecodeParams) -> DecodeParams:
+        """`params` with the request's predicted output, checked (validation.prediction)."""
+        return validation.prediction(params, text, self.runtime.encode_plain, self.runtime.context_limit)
+
     def _fit_prompt(self, ids: list[int], truncate: bool, too_long: str = "shorten it or set truncate_prompt"
                     ) -> list[int]:
         return validation.fit_prompt(ids, self.runtime.context_limit, self.limits, truncate, too_long)
@@ -330,6 +336,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             fim_layout=FIM_LAYOUT_VALUES[fim.layout] if fim is not None else pb.FIM_LAYOUT_UNSPECIFIED,
             tokens_cached=s.tokens_cached,
             suggestion_tokens_accepted=s.suggestion_accepted,
+            accepted_prediction_tokens=s.accepted_prediction_tokens,
+            rejected_prediction_tokens=s.rejected_prediction_tokens,
         )
 
     def _chunk(self, chunk: Chunk) -> pb.TokenChunk:
@@ -347,7 +355,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def _generate_responses(self, prompt: list[int], params: DecodeParams, session_id: str,
                                   rpc: str, context: Context, fim: InfillPrompt | None = None
                                   ) -> AsyncIterator[pb.GenerateResponse]:
-        async for event in self.gateway.stream(prompt, params, session_id, rpc, rpc_gone(context)):
+        scope = self.gateway.draft_scope(context.invocation_metadata(), session_id)
+        async for event in self.gateway.stream(prompt, params, session_id, rpc, rpc_gone(context), scope):
             if isinstance(event, Chunk):
                 yield pb.GenerateResponse(chunk=self._chunk(event))
             else:
@@ -363,6 +372,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             request.max_new_tokens, request.sampling if request.HasField("sampling") else None, list(request.stop),
             request.speculation if request.HasField("speculation") else None))
         prompt = self._prompt_ids(request)
+        params = self._prediction(request.prediction, params)
         async for response in self._generate_responses(prompt, params, session_id, "Generate", context):
             yield response
 
@@ -375,7 +385,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             request.max_new_tokens, request.sampling if request.HasField("sampling") else None, list(request.stop),
             request.speculation if request.HasField("speculation") else None))
         fim = self.runtime.infill_prompt(self._infill_input(request), request.truncate, params.max_new_tokens)
-        params = replace(params, stop_token_ids=params.stop_token_ids | fim.stop_ids)
+        params = self._prediction(request.prediction,
+                                  replace(params, stop_token_ids=params.stop_token_ids | fim.stop_ids))
         async for response in self._generate_responses(fim.ids, params, session_id, "Infill", context, fim):
             yield response
 
@@ -387,6 +398,29 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                            extra=tuple(ExtraFile(f.path, f.text) for f in request.extra), path=request.path,
                            repo_name=validation.repo_name(request.repo_name), typed_line=request.typed_line,
                            layout=FIM_LAYOUTS[request.layout])
+
+    @stream_errors("Rewrite")
+    async def Rewrite(self, request: pb.RewriteRequest, context: Context) -> AsyncIterator[pb.RewriteResponse]:
+        session_id = validation.session_id(request.session_id, header=session_header(context))
+        params = self._decode_params(
+            request.max_new_tokens, request.sampling if request.HasField("sampling") else None, [],
+            request.speculation if request.HasField("speculation") else None)
+        ids, framed = self.runtime.rewrite_prompt(RewriteInput(
+            request.path, request.text, request.region_start, request.region_end, request.cursor,
+            tuple(request.recent_edits)))
+        prompt = self._fit_prompt(ids, False, too_long="send a shorter file, region or fewer edits")
+        params = replace(self._prediction(framed.prediction, params), stop=(framed.stop,))
+        text: list[str] = []
+        async for response in self._generate_responses(prompt, params, session_id, "Rewrite", context):
+            if response.WhichOneof("event") == "chunk":
+                text.append(response.chunk.text)
+                yield pb.RewriteResponse(chunk=response.chunk)
+                continue
+            region = "".join(text).removesuffix("\n")  # the line break before the end marker
+            changes = [pb.LineChange(old_start=c.old_start, old_end=c.old_end, new_start=c.new_start,
+                                     new_end=c.new_end) for c in changed_lines(framed.region, region)]
+            yield pb.RewriteResponse(summary=pb.RewriteSummary(generation=response.summary, region=region,
+                                                               changes=changes))
 
     @unary_errors("GetModelInfo")
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

@@ -38,7 +38,7 @@ from specrpc.edges.auth import TokenAuth, bearer_token
 from specrpc.edges.conversation import chat_prompt, reply_stops, tool_format
 from specrpc.edges.gateway import Gateway, NotReady, ShuttingDown
 from specrpc.edges.history import Message
-from specrpc.edges.http.replies import ChoicesReply, LlamaReply, OpenAIReply, Reply
+from specrpc.edges.http.replies import ChoicesReply, LlamaReply, OpenAIReply, Reply, RewriteReply
 from specrpc.edges.http.wire import (
     INTERNAL,
     NOT_FOUND,
@@ -58,6 +58,7 @@ from specrpc.edges.http.wire import (
 from specrpc.edges.validation import SESSION_HEADER
 from specrpc.engine.constraint import ConstraintSpec
 from specrpc.prompts.fim import ExtraFile, InfillInput, Trimmed
+from specrpc.prompts.rewrite import RewriteInput
 from specrpc.prompts.tools import Tool, ToolCall, ToolCallParser, ToolChoice
 from specrpc.serving.runtime import DecodeParams
 
@@ -258,12 +259,14 @@ class HttpApi:
             Route("/health", self._endpoint("Health", self.health, exempt=True), methods=["GET"]),
             Route("/infill", self._endpoint("LlamaInfill", self.llama_infill), methods=["POST"]),
             Route("/completion", self._endpoint("LlamaCompletion", self.llama_completion), methods=["POST"]),
+            Route("/v1/rewrite", self._endpoint("Rewrite", self.rewrite), methods=["POST"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed})
 
     @staticmethod
     async def _not_found(request: Request, exc: Exception) -> Response:
         return JSONResponse(error_body(NOT_FOUND, f"no route {request.url.path}; use /v1/chat/completions, "
-                                                  f"/v1/completions, /v1/models, /infill, /completion or /health"),
+                                                  f"/v1/completions, /v1/models, /v1/rewrite, /infill, /completion "
+                                                  f"or /health"),
                             status_code=404)
 
     @staticmethod
@@ -355,6 +358,7 @@ class HttpApi:
         prompt = chat_prompt(self.gateway, messages, tools)
         params = apply_editor_options(decode(self, sampling, budget, reply_stops(rt)), options)
         params = replace(params, constraint=calls or response_format(body))
+        params = validation.prediction(params, prediction_text(body), rt.encode_plain, rt.context_limit)
         stream, usage = stream_flags(body)
         reply = OpenAIReply(chat=True, model=rt.target_info.name, include_usage=usage, text=rt.token_text,
                             tools=ToolCallParser(fmt) if calls is not None else None)
@@ -376,6 +380,7 @@ class HttpApi:
         options = openai_editor_options(body, chat=False)
         params = replace(apply_editor_options(decode(self, sampling, budget), options),
                          constraint=response_format(body))
+        params = validation.prediction(params, prediction_text(body), rt.encode_plain, rt.context_limit)
         if body.has("suffix"):  # fill-in-the-middle, as gRPC Infill: the model family's template
             fim = rt.infill_prompt(InfillInput(prefix=text, suffix=body.text("suffix")))
             ids, params = fim.ids, replace(params, stop_token_ids=params.stop_token_ids | fim.stop_ids)
@@ -385,6 +390,34 @@ class HttpApi:
         stream, usage = stream_flags(body)
         reply = OpenAIReply(chat=False, model=rt.target_info.name, include_usage=usage, text=rt.token_text)
         return self._generation(request, "Completions", ids, params, session, reply, stream, sampling.n)
+
+    # ---- next-edit rewrites ----------------------------------------------------------------------------------------
+
+    async def rewrite(self, request: Request) -> Response:
+        """gRPC Rewrite over HTTP: `path`, `text`, `region_start`, `region_end`, `cursor` (characters),
+        `recent_edits` (unified diffs, oldest first), `max_tokens`, `temperature` (default 0: greedy), `top_p`,
+        `seed`, `stream`; the region is the prediction (docs/editors.md)."""
+        body = await read_json(request, self.config.limits.max_message_bytes)
+        session = self._session(request, body, use_user=False)
+        rt, limits = self.gateway.runtime, self.config.limits
+        edits = body.items("recent_edits")
+        bad_edit = next((i for i, edit in enumerate(edits) if not isinstance(edit, str)), None)
+        if bad_edit is not None:
+            raise bad(f"recent_edits[{bad_edit}]", f"recent_edits[{bad_edit}] must be a string (a unified diff)")
+        start, end, cursor = (body.integer(key, 0, 0, 2**31 - 1) for key in ("region_start", "region_end", "cursor"))
+        ids, framed = rt.rewrite_prompt(RewriteInput(body.text("path"), body.text("text"), start, end, cursor,
+                                                     tuple(edits)))
+        ids = validation.fit_prompt(ids, rt.context_limit, limits, truncate=False,
+                                    too_long="send a shorter file, region or fewer edits", empty="set text")
+        seed = body.integer("seed", 0, 0, 2**64 - 1) if body.has("seed") else None
+        sampling = Sampling(max_tokens=body.integer("max_tokens", 0, 0, limits.max_new_tokens),
+                            temperature=body.number("temperature", 0.0), top_p=body.number("top_p", 1.0),
+                            seed=None if seed is None else seed % 2**63)
+        params = validation.prediction(decode(self, sampling, "max_tokens"), framed.prediction, rt.encode_plain,
+                                       rt.context_limit)
+        params = replace(params, stop=(framed.stop,))
+        return self._generation(request, "Rewrite", ids, params, session, RewriteReply(framed.region),
+                                body.flag("stream"))
 
     # ---- llama.cpp -------------------------------------------------------------------------------------------------
 
@@ -469,7 +502,8 @@ class HttpApi:
         """The response running the generation (`n` choices of an OpenAI reply when n > 1)."""
         choices = ChoicesReply.of(reply, n) if n > 1 and isinstance(reply, OpenAIReply) else None
         client = self.gateway.admit(peer_of(request.scope), request.headers.items())
-        return GenerationResponse(self.gateway, rpc, client, prompt, params, session, reply, stream, choices)
+        scope = self.gateway.draft_scope(request.headers.items(), session)
+        return GenerationResponse(self.gateway, rpc, client, prompt, params, session, reply, stream, scope, choices)
 
 
 def stream_flags(body: Body) -> tuple[bool, bool]:
@@ -477,6 +511,21 @@ def stream_flags(body: Body) -> tuple[bool, bool]:
     stream = body.flag("stream")
     options = Body(body.data.get("stream_options") or {}, "stream_options")
     return stream, options.flag("include_usage")
+
+
+def prediction_text(body: Body) -> str:
+    """OpenAI's Predicted Outputs: `prediction` {"type": "content", "content": a string or a list of text parts};
+    '' when absent."""
+    if not body.has("prediction"):
+        return ""
+    prediction = Body(body.data["prediction"], "prediction")
+    kind = prediction.text("type")
+    if kind != "content":
+        raise bad("prediction.type", f'prediction.type must be "content" (the one kind of prediction); got {kind!r}')
+    if not prediction.has("content"):
+        raise bad("prediction.content", "prediction.content is required: the output you predict, a string or a "
+                                        "list of text parts")
+    return message_text(prediction)
 
 
 def message_text(message: Body) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specrpc.engine.generation import FINISH_LENGTH, FINISH_STOP, TokenLogprob
+from specrpc.prompts.rewrite import changed_lines
 from specrpc.prompts.text import FINISH_INDENT, FINISH_TIME_LIMIT
 from specrpc.prompts.tools import ArgumentsPart, CallStarted, ReplyPart, TextPart, ToolCallParser
 from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk, Done
@@ -231,11 +232,31 @@ def usage_of(prefill: Done | None, dones: Sequence[Done]) -> dict[str, Any]:
 
 
 def usage(done: Done) -> dict[str, Any]:
-    """OpenAI's usage, with the prompt tokens found in the session's (or a free slot's) KV cache."""
+    """OpenAI's usage, with the prompt tokens found in the session's (or a free slot's) KV cache and the
+    prediction's tokens that did and did not appear in the completion (0 without a prediction, as OpenAI's)."""
     s = done.stats
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
             "total_tokens": s.prompt_tokens + s.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": s.accepted_prediction_tokens,
+                                          "rejected_prediction_tokens": s.rejected_prediction_tokens}}
+
+
+@dataclass
+class RewriteReply(Reply):
+    """POST /v1/rewrite: streamed `{"text": …}` events, then (or, without streaming, only) `{"region": the rewrite,
+    "changes": the changed line ranges, "finish_reason", "usage"}`, usage as OpenAI's (the prediction counted)."""
+
+    region: str  # the editable region before the rewrite
+
+    def chunk(self, text: str, chunk: Chunk) -> list[dict[str, Any]]:
+        return [{"text": text}] if text else []
+
+    def end(self, done: Done, text: str, stream: bool) -> list[dict[str, Any]]:
+        rewritten = text.removesuffix("\n")  # the line break before the end marker
+        return [{"region": rewritten,
+                 "changes": [dataclasses.asdict(c) for c in changed_lines(self.region, rewritten)],
+                 "finish_reason": OPENAI_FINISH.get(done.finish, done.finish), "usage": usage(done)}]
 
 
 @dataclass

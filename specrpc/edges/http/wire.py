@@ -25,6 +25,7 @@ from specrpc.edges.http.replies import ChoicesReply, Reply
 from specrpc.edges.validation import InvalidRequest
 from specrpc.engine.constraint import InvalidConstraint
 from specrpc.prompts.fim import NoInfillSupport, PromptTooLong
+from specrpc.prompts.rewrite import BadRewrite
 from specrpc.serving.runtime import DecodeParams
 from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk, Done
 from specrpc.serving.sessions import SlotsExhausted, UnknownSession
@@ -53,6 +54,7 @@ ERRORS: list[tuple[type[BaseException], ErrorKind]] = [
     (InvalidRequest, ErrorKind(400, "invalid_request_error", "invalid_value", "INVALID_ARGUMENT")),
     (InvalidConstraint, ErrorKind(400, "invalid_request_error", "invalid_schema", "INVALID_ARGUMENT")),
     (PromptTooLong, ErrorKind(400, "invalid_request_error", "prompt_too_long", "INVALID_ARGUMENT")),
+    (BadRewrite, ErrorKind(400, "invalid_request_error", "invalid_value", "INVALID_ARGUMENT")),
     (UnknownSession, ErrorKind(400, "invalid_request_error", "unknown_session", "INVALID_ARGUMENT")),
     (NoInfillSupport, ErrorKind(400, "invalid_request_error", "infill_unsupported", "FAILED_PRECONDITION")),
     (SlotsExhausted, ErrorKind(429, "rate_limit_error", "kv_slots_exhausted", "RESOURCE_EXHAUSTED")),
@@ -246,7 +248,8 @@ class GenerationResponse(Response):
     `data: {"error": …}` event. The admitted stream is released and the request counted when it ends."""
 
     def __init__(self, gateway: Gateway, rpc: str, client: str, prompt: list[int], params: DecodeParams,
-                 session: str, reply: Reply, stream: bool, choices: ChoicesReply | None = None) -> None:
+                 session: str, reply: Reply, stream: bool, scope: str | None = None,
+                 choices: ChoicesReply | None = None) -> None:
         """`choices`: several choices of the prompt (OpenAI `n` > 1), answered by it instead of `reply`."""
         super().__init__(status_code=200)
         self.choices = choices
@@ -258,6 +261,7 @@ class GenerationResponse(Response):
         self.session = session
         self.reply = reply
         self.stream = stream
+        self.scope = scope  # whose earlier outputs draft for it (Gateway.draft_scope)
         self.opened = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -276,7 +280,7 @@ class GenerationResponse(Response):
         """Stream or collect the generation; returns the final status as a gRPC code name."""
         if self.choices is not None:
             return await self._answer_choices(self.choices, send, gone)
-        events = self.gateway.stream(self.prompt, self.params, self.session, self.rpc, gone)
+        events = self.gateway.stream(self.prompt, self.params, self.session, self.rpc, gone, self.scope)
         text: list[str] = []
         try:
             async for event in events:
@@ -303,7 +307,7 @@ class GenerationResponse(Response):
         """`_answer` for several choices: their events as they come, each with its index; the usage (or the whole
         reply) once every choice has ended."""
         events = self.gateway.stream_choices(self.prompt, self.params, len(choices.replies), self.session, self.rpc,
-                                             gone)
+                                             gone, self.scope)
         cancelled = False
         try:
             async for index, event in events:

@@ -88,6 +88,12 @@ class RealizedRate:
         return self.seconds / self.tokens if self.tokens > 0 else float("inf")
 
 
+PRIORS = {"draft": (3.0, 4.0), "prediction": (9.0, 10.0)}
+"""(accepted, trials) a source's acceptance starts from: the draft at 0.75, a client's prediction at 0.9 (where it is
+aligned with the output it is mostly right; a long first span is what it is sent for), prompt lookup's kinds at
+0.5."""
+
+
 def default_acceptance() -> dict[str, AcceptanceEstimate]:
     """Optimistic priors, so a new session tries speculating: the draft at α 0.75; each kind of prompt lookup match
     at 0.5 when first met (`AdaptivePolicy._alpha`)."""
@@ -114,10 +120,11 @@ class AdaptivePolicy:
     _since_plain: int = 0  # solo steps with drafts since the last plain one
 
     def _alpha(self, source: str) -> AcceptanceEstimate:
-        """The estimate for `source`; a kind not seen yet starts from the draft's prior, or prompt lookup's."""
+        """The estimate for `source`; a kind not seen yet starts from its prior (`PRIORS`), else prompt lookup's."""
         estimate = self.acceptance.get(source)
         if estimate is None:
-            prior = AcceptanceEstimate() if source == "draft" else AcceptanceEstimate(accepted=1.0, trials=2.0)
+            accepted, trials = PRIORS.get(source, (1.0, 2.0))
+            prior = AcceptanceEstimate(accepted=accepted, trials=trials)
             estimate = self.acceptance[source] = prior
         return estimate
 
