@@ -128,7 +128,8 @@ def test_envoy_routes_sessions_by_ring_hash_to_the_headless_service() -> None:
         "containerPort"]
 
 
-HTTP_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/infill", "/completion", "/health")
+HTTP_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/rewrite", "/v1/models", "/infill", "/completion",
+               "/health")
 """Every route of specrpc/edges/http/api.py."""
 
 

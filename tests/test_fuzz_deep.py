@@ -248,6 +248,9 @@ def build_conversation(r: random.Random, t: Target, session: str) -> list[tuple[
         if (s := sampling(r)) is not None:
             turn.sampling.CopyFrom(s)
         script.append(("turn", turn))
+        if start.tools:  # tool calls are a constraint, which decides where a reply ends
+            for s in (start.sampling, turn.sampling):
+                s.min_tokens, s.ignore_eos = 0, False
         step = r.random()
         if step < 0.25:
             script.append(("barge_in", pb.Cancel()))
@@ -396,6 +399,11 @@ def build_http(r: random.Random, t: Target, path: str) -> dict[str, Any]:
     else:
         body = {"prompt": code(r)}
         llama_fields(r, body)
+    if any(key in body for key in ("tools", "response_format", "json_schema", "grammar")):
+        body.pop("min_tokens", None)  # a constraint decides where the reply ends
+        body.pop("ignore_eos", None)
+    if "tools" in body:
+        body.pop("n", None)  # one choice with tools
     return body
 
 
