@@ -93,4 +93,4 @@ gpu-check:
 	tools/gpu_check.sh $(ARGS) $(OUT)
 
 clean:
-	rm -rf $(VENV) specrpc/v1 clients/python/specrpc_client/_gen .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) $(PIPECAT) specrpc/v1 clients/python/specrpc_client/_gen .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
