@@ -248,6 +248,12 @@ class LlamaLM:
         self.truncate(0, 0)
         return packed
 
+    def chunks_native(self) -> bool:
+        """Whether forwards longer than the native step takes run in native chunks rather than through torch: with
+        int8 weights (half torch's time on dequantized weights, and the same arithmetic as decoding) and under
+        `deterministic`."""
+        return self.native is not None and (self.native.int8 or self.deterministic)
+
     def forward(self, ids: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
         """ids [T] at positions start..start+T-1 of `slot` → float32 logits [num_logits, V] of the last positions."""
         count = ids.shape[0]
@@ -259,8 +265,7 @@ class LlamaLM:
                 logits = self.graphs.forward(ids, start, slot, num_logits)
             elif self.native is not None and count <= self.native_rows:
                 logits = self.native.run(ids, start, slot, num_logits)  # [num_logits, V]
-            elif self.native is not None and (self.native.int8 or self.deterministic) \
-                    and num_logits <= native.MAX_TOKENS:
+            elif self.native is not None and self.chunks_native() and num_logits <= native.MAX_TOKENS:
                 # int8 prefill: native chunks take half the time of torch's products on dequantized weights, and
                 # compute as decoding does (which --deterministic needs too)
                 logits = self.native.run_chunks(ids, start, slot, num_logits)  # [num_logits, V]
@@ -282,7 +287,7 @@ class LlamaLM:
         with torch.inference_mode():
             step = self.native
             if step is not None and (sum(r.ids.shape[0] for r in rows) <= self.native_rows or (
-                    (step.int8 or self.deterministic) and all(r.num_logits <= native.MAX_TOKENS for r in rows))):
+                    self.chunks_native() and all(r.num_logits <= native.MAX_TOKENS for r in rows))):
                 logits = step.run_rows(rows)  # each row's tokens through the products they take alone
             else:
                 logits = eager.run_rows(self.weights, self.cache, rows)  # [num_logits, V] per row
@@ -346,7 +351,7 @@ class LlamaLM:
         out = [("1", f"native, prefetch {step.prefetch_one}")]
         if rows > 1:
             out.append((f"2-{rows}" if rows > 2 else "2", f"native, prefetch {step.prefetch_many}"))
-        longer = "native in chunks" if step.int8 or self.deterministic else torch_path
+        longer = "native in chunks" if self.chunks_native() else torch_path
         out.append((f"{rows + 1}+", longer))
         return out
 
