@@ -17,7 +17,7 @@ from specrpc.edges.server import Running
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
-LARGE = "x = 1\n" * (4 * INLINE_BYTES // 6)  # four times the inline bound, and over the context: refused after tokenizing
+LARGE = "x = 1\n" * (4 * INLINE_BYTES // 6)  # four times the inline bound; over the context: refused once tokenized
 
 
 class WhereTokenized:
