@@ -13,6 +13,7 @@ from typing import Any
 
 from specrpc.edges.gateway import Gateway
 from specrpc.edges.history import Message, bounded, check_role, fit
+from specrpc.edges.offload import prepared
 from specrpc.edges.validation import InvalidRequest, prompt_room
 from specrpc.prompts.text import PhraseSegmenter
 from specrpc.prompts.tools import (
@@ -340,7 +341,9 @@ class Conversation:
         # the history changes only once its prompt is rendered: a turn the template refuses leaves it as it was
         tools, choice = self.turn_tools(message)
         newest = Message(message.role, message.text, tool_call_id=message.tool_call_id)
-        self.messages, prompt = turn_prompt(self.gateway, [*self.messages, newest], "turn.text", tools)
+        history = [*self.messages, newest]
+        self.messages, prompt = await prepared(lambda: turn_prompt(self.gateway, history, "turn.text", tools),
+                                               sum(m.size for m in history) + sum(len(t.parameters) for t in tools))
         started = time.perf_counter()
         segmenter = PhraseSegmenter() if self.phrase_mode else None
         parser = ToolCallParser(tool_format(self.runtime)) if tools and choice.mode != "none" else None

@@ -30,12 +30,13 @@ from specrpc.edges.conversation import (
 from specrpc.edges.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
 from specrpc.edges.grpc.wire import MalformedRequest
 from specrpc.edges.metrics import Metrics
+from specrpc.edges.offload import prepared
 from specrpc.edges.validation import SESSION_HEADER, InvalidRequest
 from specrpc.engine.constraint import ConstraintSpec, InvalidConstraint
 from specrpc.engine.generation import FINISH_LENGTH, FINISH_STOP
 from specrpc.engine.sampling import SamplingParams
 from specrpc.prompts.fim import ExtraFile, InfillInput, InfillPrompt, NoInfillSupport, PromptTooLong
-from specrpc.prompts.rewrite import BadRewrite, RewriteInput, changed_lines
+from specrpc.prompts.rewrite import BadRewrite, RewriteInput, RewritePrompt, changed_lines
 from specrpc.prompts.text import FINISH_INDENT, FINISH_TIME_LIMIT
 from specrpc.prompts.tools import Tool, ToolCall, ToolChoice
 from specrpc.serving.runtime import CheckpointInfo, DecodeParams, Runtime
@@ -368,11 +369,14 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: Context) -> AsyncIterator[pb.GenerateResponse]:
         session_id = validation.session_id(request.session_id, header=session_header(context))
-        params = self._editor_params(request, self._decode_params(
-            request.max_new_tokens, request.sampling if request.HasField("sampling") else None, list(request.stop),
-            request.speculation if request.HasField("speculation") else None))
-        prompt = self._prompt_ids(request)
-        params = self._prediction(request.prediction, params)
+
+        def build() -> tuple[list[int], DecodeParams]:
+            params = self._editor_params(request, self._decode_params(
+                request.max_new_tokens, request.sampling if request.HasField("sampling") else None,
+                list(request.stop), request.speculation if request.HasField("speculation") else None))
+            return self._prompt_ids(request), self._prediction(request.prediction, params)
+
+        prompt, params = await prepared(build, request.ByteSize())
         async for response in self._generate_responses(prompt, params, session_id, "Generate", context):
             yield response
 
@@ -381,12 +385,16 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                      context: Context) -> AsyncIterator[pb.GenerateResponse]:
         session_id = validation.session_id(request.session_id, header=session_header(context))
         validation.extra_files(len(request.extra), self.limits)
-        params = self._editor_params(request, self._decode_params(
-            request.max_new_tokens, request.sampling if request.HasField("sampling") else None, list(request.stop),
-            request.speculation if request.HasField("speculation") else None))
-        fim = self.runtime.infill_prompt(self._infill_input(request), request.truncate, params.max_new_tokens)
-        params = self._prediction(request.prediction,
-                                  replace(params, stop_token_ids=params.stop_token_ids | fim.stop_ids))
+
+        def build() -> tuple[InfillPrompt, DecodeParams]:
+            params = self._editor_params(request, self._decode_params(
+                request.max_new_tokens, request.sampling if request.HasField("sampling") else None,
+                list(request.stop), request.speculation if request.HasField("speculation") else None))
+            fim = self.runtime.infill_prompt(self._infill_input(request), request.truncate, params.max_new_tokens)
+            return fim, self._prediction(request.prediction,
+                                         replace(params, stop_token_ids=params.stop_token_ids | fim.stop_ids))
+
+        fim, params = await prepared(build, request.ByteSize())
         async for response in self._generate_responses(fim.ids, params, session_id, "Infill", context, fim):
             yield response
 
@@ -402,14 +410,18 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     @stream_errors("Rewrite")
     async def Rewrite(self, request: pb.RewriteRequest, context: Context) -> AsyncIterator[pb.RewriteResponse]:
         session_id = validation.session_id(request.session_id, header=session_header(context))
-        params = self._decode_params(
-            request.max_new_tokens, request.sampling if request.HasField("sampling") else None, [],
-            request.speculation if request.HasField("speculation") else None)
-        ids, framed = self.runtime.rewrite_prompt(RewriteInput(
-            request.path, request.text, request.region_start, request.region_end, request.cursor,
-            tuple(request.recent_edits)))
-        prompt = self._fit_prompt(ids, False, too_long="send a shorter file, region or fewer edits")
-        params = replace(self._prediction(framed.prediction, params), stop=(framed.stop,))
+
+        def build() -> tuple[list[int], DecodeParams, RewritePrompt]:
+            params = self._decode_params(
+                request.max_new_tokens, request.sampling if request.HasField("sampling") else None, [],
+                request.speculation if request.HasField("speculation") else None)
+            ids, framed = self.runtime.rewrite_prompt(RewriteInput(
+                request.path, request.text, request.region_start, request.region_end, request.cursor,
+                tuple(request.recent_edits)))
+            prompt = self._fit_prompt(ids, False, too_long="send a shorter file, region or fewer edits")
+            return prompt, replace(self._prediction(framed.prediction, params), stop=(framed.stop,)), framed
+
+        prompt, params, framed = await prepared(build, request.ByteSize())
         text: list[str] = []
         async for response in self._generate_responses(prompt, params, session_id, "Rewrite", context):
             if response.WhichOneof("event") == "chunk":

@@ -55,6 +55,7 @@ from specrpc.edges.http.wire import (
     kind_of,
     read_json,
 )
+from specrpc.edges.offload import prepared
 from specrpc.edges.validation import SESSION_HEADER
 from specrpc.engine.constraint import ConstraintSpec
 from specrpc.prompts.fim import ExtraFile, InfillInput, Trimmed
@@ -259,6 +260,19 @@ def chat_message(message: Body) -> Message:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+@dataclass(frozen=True)
+class Run:
+    """A generation a route prepared (off the loop when the request is large: offload.py), ready to admit and run."""
+
+    rpc: str
+    prompt: list[int]
+    params: DecodeParams
+    session: str
+    reply: Reply
+    stream: bool
+    n: int = 1
+
+
 class HttpApi:
     """The routes, over one gateway (runtime, admission, accounting) shared with the gRPC service."""
 
@@ -352,6 +366,9 @@ class HttpApi:
 
     async def chat(self, request: Request) -> Response:
         body = await read_json(request, self.config.limits.max_message_bytes)
+        return self._generation(request, await prepared(lambda: self._chat(request, body), body.size))
+
+    def _chat(self, request: Request, body: Body) -> Run:
         session = self._session(request, body, use_user=True)
         messages = [chat_message(Body(item, f"messages[{i}]")) for i, item in enumerate(body.items("messages"))]
         if not messages:
@@ -376,10 +393,13 @@ class HttpApi:
         stream, usage = stream_flags(body)
         reply = OpenAIReply(chat=True, model=rt.target_info.name, include_usage=usage, text=rt.token_text,
                             tools=ToolCallParser(fmt) if calls is not None else None)
-        return self._generation(request, "ChatCompletions", prompt, params, session, reply, stream, sampling.n)
+        return Run("ChatCompletions", prompt, params, session, reply, stream, sampling.n)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.config.limits.max_message_bytes)
+        return self._generation(request, await prepared(lambda: self._completions(request, body), body.size))
+
+    def _completions(self, request: Request, body: Body) -> Run:
         session = self._session(request, body, use_user=True)
         prompt_field = body.data.get("prompt")
         if isinstance(prompt_field, list) and len(prompt_field) == 1 and isinstance(prompt_field[0], str):
@@ -403,7 +423,7 @@ class HttpApi:
                                         too_long="send a shorter prompt", empty="set prompt")
         stream, usage = stream_flags(body)
         reply = OpenAIReply(chat=False, model=rt.target_info.name, include_usage=usage, text=rt.token_text)
-        return self._generation(request, "Completions", ids, params, session, reply, stream, sampling.n)
+        return Run("Completions", ids, params, session, reply, stream, sampling.n)
 
     # ---- next-edit rewrites ----------------------------------------------------------------------------------------
 
@@ -412,6 +432,9 @@ class HttpApi:
         `recent_edits` (unified diffs, oldest first), `max_tokens`, `temperature` (default 0: greedy), `top_p`,
         `seed`, `stream`; the region is the prediction (docs/editors.md)."""
         body = await read_json(request, self.config.limits.max_message_bytes)
+        return self._generation(request, await prepared(lambda: self._rewrite(request, body), body.size))
+
+    def _rewrite(self, request: Request, body: Body) -> Run:
         session = self._session(request, body, use_user=False)
         rt, limits = self.gateway.runtime, self.config.limits
         edits = body.items("recent_edits")
@@ -430,14 +453,16 @@ class HttpApi:
         params = validation.prediction(decode(self, sampling, "max_tokens"), framed.prediction, rt.encode_plain,
                                        rt.context_limit)
         params = replace(params, stop=(framed.stop,))
-        return self._generation(request, "Rewrite", ids, params, session, RewriteReply(framed.region),
-                                body.flag("stream"))
+        return Run("Rewrite", ids, params, session, RewriteReply(framed.region), body.flag("stream"))
 
     # ---- llama.cpp -------------------------------------------------------------------------------------------------
 
     async def llama_infill(self, request: Request) -> Response:
         """llama.cpp's /infill, as llama.vim and llama.vscode call it."""
         body = await read_json(request, self.config.limits.max_message_bytes)
+        return self._generation(request, await prepared(lambda: self._llama_infill(request, body), body.size))
+
+    def _llama_infill(self, request: Request, body: Body) -> Run:
         session = self._session(request, body, use_user=False)
         rt = self.gateway.runtime
         extra_items = body.items("input_extra")
@@ -453,18 +478,21 @@ class HttpApi:
         fim = rt.infill_prompt(infill, truncate=True, max_new_tokens=params.max_new_tokens)
         reply.prompt_ids, reply.truncated = len(fim.ids), fim.trimmed != Trimmed()
         params = replace(params, stop_token_ids=params.stop_token_ids | fim.stop_ids)
-        return self._generation(request, "LlamaInfill", fim.ids, params, session, reply, body.flag("stream"))
+        return Run("LlamaInfill", fim.ids, params, session, reply, body.flag("stream"))
 
     async def llama_completion(self, request: Request) -> Response:
         """llama.cpp's /completion: a plain prompt, the same reply shape as /infill."""
         body = await read_json(request, self.config.limits.max_message_bytes)
+        return self._generation(request, await prepared(lambda: self._llama_completion(request, body), body.size))
+
+    def _llama_completion(self, request: Request, body: Body) -> Run:
         session = self._session(request, body, use_user=False)
         rt = self.gateway.runtime
         ids = validation.fit_prompt(rt.encode(body.text("prompt")), rt.context_limit, self.config.limits,
                                     truncate=False, too_long="send a shorter prompt", empty="set prompt")
         params, reply = self._llama_params(body)
         reply.prompt_ids = len(ids)
-        return self._generation(request, "LlamaCompletion", ids, params, session, reply, body.flag("stream"))
+        return Run("LlamaCompletion", ids, params, session, reply, body.flag("stream"))
 
     def _llama_params(self, body: Body) -> tuple[DecodeParams, LlamaReply]:
         """llama.cpp's generation fields (its defaults where absent), and the reply they shape."""
@@ -514,13 +542,14 @@ class HttpApi:
 
     # ---- running a generation ------------------------------------------------------------------------------------
 
-    def _generation(self, request: Request, rpc: str, prompt: list[int], params: DecodeParams, session: str,
-                    reply: Reply, stream: bool, n: int = 1) -> GenerationResponse:
-        """The response running the generation (`n` choices of an OpenAI reply when n > 1)."""
-        choices = ChoicesReply.of(reply, n) if n > 1 and isinstance(reply, OpenAIReply) else None
+    def _generation(self, request: Request, run: Run) -> GenerationResponse:
+        """The response running the generation (`n` choices of an OpenAI reply when n > 1), on the loop: admission
+        counts streams."""
+        choices = ChoicesReply.of(run.reply, run.n) if run.n > 1 and isinstance(run.reply, OpenAIReply) else None
         client = self.gateway.admit(peer_of(request.scope), request.headers.items())
-        scope = self.gateway.draft_scope(request.headers.items(), session)
-        return GenerationResponse(self.gateway, rpc, client, prompt, params, session, reply, stream, scope, choices)
+        scope = self.gateway.draft_scope(request.headers.items(), run.session)
+        return GenerationResponse(self.gateway, run.rpc, client, run.prompt, run.params, run.session, run.reply,
+                                  run.stream, scope, choices)
 
 
 def stream_flags(body: Body) -> tuple[bool, bool]:

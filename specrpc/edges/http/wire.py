@@ -114,11 +114,12 @@ def bad(param: str, message: str) -> HttpError:
 class Body:
     """A JSON object's fields, read with type and range checks that name the field on failure."""
 
-    def __init__(self, data: Any, where: str = "") -> None:
+    def __init__(self, data: Any, where: str = "", size: int = 0) -> None:
         if not isinstance(data, dict):
             raise bad(where or "body", f"{where or 'the request body'} must be a JSON object")
         self.data = data
         self.where = where
+        self.size = size  # bytes of the request body it was read from (0: a nested object)
 
     def name(self, key: str) -> str:
         """The field's path as errors name it."""
@@ -233,7 +234,7 @@ async def read_json(request: Request, limit: int) -> Body:
         if len(data) > limit:
             raise too_large
     try:
-        return Body(json.loads(data))
+        return Body(json.loads(data), size=len(data))
     except (ValueError, RecursionError) as exc:
         raise bad("body", f"the request body is not valid JSON ({exc}); send a JSON object") from None
 
