@@ -60,6 +60,10 @@ def _bench(argv: list[str]) -> int:
         from specrpc.bench.given import main as given_main
 
         return given_main(argv[1:])
+    if argv[:1] == ["ties"]:  # how often greedy speculation leaves target-only's tokens, default and deterministic
+        from specrpc.bench.ties import main as ties_main
+
+        return ties_main(argv[1:])
     if argv[:1] == ["realistic"]:  # random-weight models of published shapes, simulated acceptance
         from specrpc.bench.realistic import main as realistic_main
 

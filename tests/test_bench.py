@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import random
@@ -178,3 +179,55 @@ def test_given_bench_runs_every_row(tmp_path: Path) -> None:
         for c in contenders:
             assert figures[c.name]["identical"] == 1.0, (row, c.name)  # greedy: target-only's tokens
     assert "Goal: prompt lookup + suffix" in (tmp_path / "given.md").read_text()
+
+
+def test_ties_bench_counts_divergences_and_deterministic_has_none(tmp_path: Path) -> None:
+    """`specrpc bench ties` at tiny settings, on a tiny random pair with the shipped tokenizer and prompts cut from
+    this package's files (loading the shipped pair and the held-out split takes longer than the rest): every
+    contender of both modes is counted against its mode's target-only, each divergence carries its position and the
+    target's top-2 gap, and --deterministic diverges nowhere (the exit status says so too)."""
+    import shutil
+
+    from engine_helpers import requires_native
+    from test_engine import tiny_llama
+
+    from specrpc.bench import ties
+
+    requires_native()
+    pair = []
+    for name, seed, hidden in (("target", 1, 64), ("draft", 2, 32)):
+        path = tiny_llama(tmp_path / name, seed=seed, hidden=hidden, vocab=8192, positions=2048)
+        for spec in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(ASSETS / "target" / spec, path / spec)
+        pair.append(str(path))
+    files = [str(Path(ties.__file__)), str(Path(ties.__file__).with_name("given.py"))]
+    out = tmp_path / "out"
+    assert ties.main(["--target", pair[0], "--draft", pair[1], "--files", *files, "--cases", "1", "--workloads",
+                      "code,text", "--ks", "5", "--streams", "2", "--max-new-tokens", "12", "--threads", "1",
+                      "--calibration-s", "0.1", "--out", str(out)]) == 0
+    results = json.loads((out / "ties.json").read_text())
+    expected = {"adaptive", "k=5", "2 streams, target-only", "2 streams, adaptive"}
+    for mode in ("default", "deterministic"):
+        rows = results["modes"][mode]
+        assert set(rows) == expected, mode
+        for row in rows.values():
+            assert row["streams"] == 2 and row["identical"] + row["diverged"] == 2
+        found = results["divergences"][mode]
+        assert len(found) == sum(r["diverged"] for r in rows.values())
+        assert all(d["position"] >= 0 and (d["gap"] is None or d["gap"] >= 0) for d in found)
+    assert not results["divergences"]["deterministic"]
+    assert results["speed"]["deterministic_tokens_per_s"] > 0 and results["speed"]["ratio"] > 0
+    table = (out / "ties.md").read_text()
+    assert "| deterministic | 2 streams, adaptive | 2 | 2 | 0 | 0 | - |" in table
+    assert "--deterministic, adaptive on one stream" in table
+    # a divergence's report: its first differing position and the target's top-2 logit gap there
+    rt = ties.load(argparse.Namespace(target=pair[0], draft=pair[1], streams=1, threads=1, calibration_s=0.1), False)
+    prompt = rt.encode("def f(x):\n")
+    reference = ties.run_together(rt, [ties.request(rt, prompt, 6, 0)])[0]
+    assert len(reference) >= 3 and ties.divergence(rt, "c", "k=5", prompt, reference, reference) is None
+    other = [*reference[:2], (reference[2] + 1) % 8192]
+    d = ties.divergence(rt, "c", "k=5", prompt, reference, other)
+    assert d is not None and (d.position, d.reference, d.token) == (2, reference[2], other[2])
+    assert d.gap is not None and d.gap > 0  # the reference token is the target's most likely one there
+    shorter = ties.divergence(rt, "c", "k=5", prompt, reference, reference[:2])
+    assert shorter is not None and shorter.position == 2 and shorter.gap is None

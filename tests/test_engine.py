@@ -464,6 +464,36 @@ def test_speculation_off_on_the_server_wins_over_a_request_k(pair: tuple[Path, P
     assert on.start(on.new_slot(0), GenerationRequest([1, 2, 3], 12, GREEDY, 4, "draft")).fixed_k == 4
 
 
+def proposed_per_step(engine: Engine, request: GenerationRequest) -> tuple[list[int], list[int]]:
+    """The tokens `request` generates on a fresh slot 0, and each step's number of draft tokens verified."""
+    gen = engine.start(engine.new_slot(0), request)
+    tokens: list[int] = []
+    proposed: list[int] = []
+    while not gen.finished:
+        result = engine.step_one(gen)
+        tokens += result.token_ids
+        proposed.append(result.proposed)
+    return tokens, proposed
+
+
+def test_a_requests_draft_cap_and_floor_bound_every_step(pair: tuple[Path, Path]) -> None:
+    """llama.cpp's per-request `speculative.n_max` / `n_min` (GenerationRequest.max_draft_tokens / min_draft_tokens):
+    under `--speculation fixed` (k 8) a cap of 3 verifies 3 draft tokens a step, a cap of 0 none (target-only), and
+    a floor above the request's k leaves every step plain; the greedy tokens stay target-only's throughout."""
+    engine = make_engine(pair, speculation="fixed")
+    prompt = [1, 2, 3, 1, 2]
+    plain, none = proposed_per_step(engine, GenerationRequest(prompt, 16, GREEDY, 0, "draft"))
+    uncapped, eights = proposed_per_step(engine, GenerationRequest(prompt, 16, GREEDY, None, "draft"))
+    capped, threes = proposed_per_step(engine, GenerationRequest(prompt, 16, GREEDY, None, "draft",
+                                                                 max_draft_tokens=3))
+    off, zeros = proposed_per_step(engine, GenerationRequest(prompt, 16, GREEDY, None, "draft", max_draft_tokens=0))
+    floored, below = proposed_per_step(engine, GenerationRequest(prompt, 16, GREEDY, 2, "draft", min_draft_tokens=3))
+    drafted, twos = proposed_per_step(engine, GenerationRequest(prompt, 16, GREEDY, 2, "draft"))
+    assert plain == uncapped == capped == off == floored == drafted
+    assert max(eights) == 8 and max(threes) == 3 and 3 in threes[1:-1] and max(twos) == 2
+    assert not any(none) and not any(zeros) and not any(below)
+
+
 def logprob_run(engine: Engine, prompt: list[int], n: int, k: int, top: int, params: SamplingParams = GREEDY,
                 proposer: str = "draft") -> tuple[list[int], list[TokenLogprob]]:
     gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, n, params, k, proposer, logprobs=True,

@@ -330,6 +330,15 @@ TOOL_MUTATIONS: list[Callable[[dict[str, Any], random.Random], None]] = [
 ]
 
 
+def speculative_fields(r: random.Random, body: dict[str, Any]) -> None:
+    """llama.cpp's per-request speculation, taken on every generation route: n_max 0 (target-only) to 3, n_min up
+    to it (within the servers' --max-draft-tokens of 8)."""
+    if maybe(r, 0.2):
+        body["speculative.n_max"] = most = r.choice([0, 1, 3])
+        if maybe(r):
+            body["speculative.n_min"] = r.randint(0, most)
+
+
 def openai_fields(r: random.Random, body: dict[str, Any], chat: bool) -> None:
     body["max_tokens" if maybe(r) else "max_completion_tokens"] = r.randint(1, 4)
     for key, values in (("temperature", [0, 0.7, 1.0]), ("top_p", [0.5, 1.0]), ("seed", [0, 7, 2**31]),
@@ -349,6 +358,7 @@ def openai_fields(r: random.Random, body: dict[str, Any], chat: bool) -> None:
         body["logprobs"] = True if chat else r.randint(0, 3)
         if chat and maybe(r):
             body["top_logprobs"] = r.randint(0, 3)
+    speculative_fields(r, body)
     if maybe(r, 0.25):
         content: Any = code(r)
         body["prediction"] = {"type": "content",
@@ -369,6 +379,7 @@ def llama_fields(r: random.Random, body: dict[str, Any]) -> None:
     if body["n_predict"] == 0:  # prefill only: the generation fields do not apply
         for key in ("n_probs", "t_max_predict_ms", "n_indent", "stop"):
             body.pop(key, None)
+    speculative_fields(r, body)
     body["stream"] = maybe(r, 0.4)
 
 
@@ -460,7 +471,7 @@ CONVERSE_MUTATIONS = ["role", "no_start", "second_start", "empty_action", "rewin
                       "system_huge", "turn_sampling", "tools"]
 HTTP_MUTATIONS = ["drop_required", "wrong_type", "bad_number", "unknown_field_only", "garbage", "not_object",
                   "wrong_method", "content_type", "bad_role", "n", "header_mismatch", "bad_control", "unknown_path",
-                  "tools", "prediction", "region"]
+                  "tools", "prediction", "region", "speculative"]
 HOSTILE_CONTROLS: list[tuple[str, Any]] = [
     ("presence_penalty", 2.5), ("frequency_penalty", -1e30), ("min_p", -0.1), ("min_p", "0.1"), ("min_keep", -4),
     ("repetition_penalty", 0), ("repeat_penalty", -1), ("repeat_last_n", -7), ("ignore_eos", "yes"),
@@ -557,6 +568,10 @@ def mutate_http(case: Case, r: random.Random) -> str:
         body["prediction"] = r.choice([{"type": "text", "content": "x"}, {"type": "content"}, "x", 5, None,
                                        {"type": "content", "content": [{"type": "image_url"}]},
                                        {"type": "content", "content": "word " * 2000}])
+    elif name == "speculative":
+        body.update(r.choice([{"speculative.n_max": r.choice([-1, 9, 2**64, "3", 1.5, True, [3]])},
+                              {"speculative.n_min": r.choice([-1, 9, "0", {}])},
+                              {"speculative.n_max": 1, "speculative.n_min": 2}]))
     elif name == "region":
         body[r.choice(["region_start", "region_end", "cursor"])] = r.choice([-1, 10**9, 2**64, "3", 1.5, None])
     else:

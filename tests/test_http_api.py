@@ -332,6 +332,36 @@ async def test_llama_infill_streams_when_asked(http: httpx2.AsyncClient, server:
     assert events[-1]["timings"]["predicted_n"] == whole.json()["timings"]["predicted_n"]
 
 
+async def test_llama_speculative_n_max_caps_each_steps_draft_and_0_is_target_only(
+    http: httpx2.AsyncClient, client: openai.AsyncOpenAI, stub: Stub
+) -> None:
+    """llama.cpp's per-request `speculative.n_max`: 0 decodes target-only (gRPC num_draft_tokens 0's tokens, and no
+    `draft_n` in `timings`, as llama.cpp leaves it out when nothing was drafted); 3 verifies at most 3 draft tokens
+    a step (a streamed event is one step's tokens: at most 4) with the same greedy tokens. The OpenAI routes take
+    it as an extra body field."""
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
+    body = {"prompt": prompt, "n_predict": 40, "temperature": 0}
+    off = (await http.post("/completion", json={**body, "speculative.n_max": 0})).json()
+    assert "draft_n" not in off["timings"] and off["generation_settings"]["speculative.n_max"] == 0
+    chunks, summary = await collect(stub.Generate(pb.GenerateRequest(
+        prompt=prompt, max_new_tokens=40, sampling=pb.SamplingParams(temperature=0),
+        speculation=pb.SpeculationParams(num_draft_tokens=0))))
+    assert off["content"] == "".join(c.text for c in chunks) and summary.speculation.draft_tokens_proposed == 0
+    events = []
+    async with http.stream("POST", "/completion", json={**body, "speculative.n_max": 3, "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    timings = events[-1]["timings"]
+    assert "".join(e["content"] for e in events) == off["content"]
+    assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+    assert max(len(e["tokens"]) for e in events[:-1]) <= 4 and events[-1]["generation_settings"][
+        "speculative.n_max"] == 3
+    sdk = await client.completions.create(model="any", prompt=prompt, max_tokens=40, temperature=0,
+                                          extra_body={"speculative.n_max": 0, "speculative.n_min": 0})
+    assert sdk.choices[0].text == off["content"]
+
+
 # ---- cancel, auth, bad requests ------------------------------------------------------------------------------------
 
 
@@ -534,6 +564,14 @@ BAD_REQUESTS: list[tuple[str, Any, int, tuple[str, ...]]] = [
      ("prediction.content[0].type",)),
     ("/v1/completions", {"prompt": "x", "prediction": {"type": "content", "content": "word " * 2000}}, 400,
      ("prediction", "context length")),
+    ("/completion", {"prompt": "x", "speculative.n_max": -1}, 400, ("speculative.n_max", "--max-draft-tokens")),
+    ("/infill", {"input_prefix": "x", "speculative.n_max": 10**6}, 400, ("speculative.n_max", "--max-draft-tokens")),
+    ("/completion", {"prompt": "x", "speculative.n_max": "8"}, 400, ("speculative.n_max", "integer")),
+    ("/completion", {"prompt": "x", "speculative.n_max": 2, "speculative.n_min": 3}, 400,
+     ("speculative.n_min", "at most speculative.n_max")),
+    ("/v1/completions", {"prompt": "x", "speculative.n_min": -2}, 400, ("speculative.n_min",)),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "speculative.n_max": 1.5}, 400,
+     ("speculative.n_max", "integer")),
 ]
 
 

@@ -88,10 +88,11 @@ def text_cases(files: list[SourceFile], n: int, rng: random.Random) -> list[Case
 WORKLOADS = ("code", "infill", "text")
 
 
-def build_cases(per_workload: int, seed: int = 0, workloads: tuple[str, ...] = WORKLOADS) -> list[Case]:
-    """The benchmark set, deterministic for a seed."""
+def build_cases(per_workload: int, seed: int = 0, workloads: tuple[str, ...] = WORKLOADS,
+                files: list[SourceFile] | None = None) -> list[Case]:
+    """The benchmark set, deterministic for a seed, cut from `files` (default: the held-out split)."""
     rng = random.Random(seed)
-    files = heldout_files()
+    files = heldout_files() if files is None else files
     makers = {"code": completion_cases, "infill": infill_cases}
     cases: list[Case] = []
     for name in workloads:

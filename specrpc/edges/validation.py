@@ -169,6 +169,24 @@ def decode_params(config: Config, proposers: Collection[str], max_new_tokens: in
     )
 
 
+def draft_lengths(params: DecodeParams, config: Config, most: int | None, least: int,
+                  names: tuple[str, str] = ("speculative.n_max", "speculative.n_min")) -> DecodeParams:
+    """DecodeParams with the request's cap on any step's draft (`most`; None: the server's; 0: target-only) and the
+    shortest draft worth verifying (`least`: a step whose draft would be shorter decodes plainly, as llama.cpp's
+    speculative.n_min), after checking both against the server's --max-draft-tokens and least <= most. `names`: how
+    the edge spells them."""
+    cap = config.engine.max_draft_tokens
+    most_name, least_name = names
+    if most is not None and not 0 <= most <= cap:
+        raise InvalidRequest(f"{most_name} must be in [0, {cap}] (server --max-draft-tokens; 0 turns speculation "
+                             f"off); got {most}")
+    upper = cap if most is None else most
+    if not 0 <= least <= upper:
+        bound = most_name if most is not None else "server --max-draft-tokens"
+        raise InvalidRequest(f"{least_name} must be in [0, {upper}] (at most {bound}); got {least}")
+    return replace(params, max_draft_tokens=most, min_draft_tokens=least)
+
+
 def constraint(kind: ConstraintKind, text: str, strict: bool, name: str) -> ConstraintSpec:
     """A request's output constraint, checked for what needs no compiling: a schema, regex or grammar is given and at
     most MAX_GRAMMAR_BYTES (whether it compiles is the runtime's check, in a worker thread). `name`: how the edge

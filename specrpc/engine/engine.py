@@ -128,9 +128,10 @@ class Engine:
         if name not in self.proposers:
             raise ValueError(f"proposer {name!r} is not available; loaded: {sorted(self.proposers)}")
         # the server's `--speculation off` wins over a request's num_draft_tokens: the operator turned it off
-        fixed_k = 0 if self.max_k == 0 else request.num_draft_tokens
+        # and a request's cap of 0 (llama.cpp's `speculative.n_max: 0`) is target-only, as num_draft_tokens 0 is
+        fixed_k = 0 if self.max_k == 0 or request.max_draft_tokens == 0 else request.num_draft_tokens
         if self.config.speculation == "fixed" and fixed_k is None:
-            fixed_k = self.max_k
+            fixed_k = self.max_k if request.max_draft_tokens is None else min(self.max_k, request.max_draft_tokens)
         return Generation(slot, request, proposer=name, fixed_k=fixed_k, capacity=self.capacity,
                           device=self.target.device)
 

@@ -55,6 +55,8 @@ class GenerationRequest:
     num_draft_tokens: int | None = None
     proposer: str | None = None
     stop_token_ids: frozenset[int] = frozenset()
+    max_draft_tokens: int | None = None  # the most draft tokens any step verifies (None: the server's; 0: none)
+    min_draft_tokens: int = 0  # a step whose draft would be shorter decodes plainly (llama.cpp's speculative.n_min)
     prefill_only: bool = False  # cache the prompt (target and draft) and generate nothing
     logprobs: bool = False  # report each emitted token's TokenLogprob
     top_logprobs: int = 0  # with logprobs: alternatives per token, 0..MAX_TOP_LOGPROBS

@@ -64,6 +64,19 @@ def draft_lag(drafting: Drafting, gen: Generation) -> int:
 
 
 def plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
+    """`_plan`'s draft, or PLAIN where it is shorter than the request's `min_draft_tokens` (llama.cpp's
+    speculative.n_min: a short draft is not verified, the step decodes one token)."""
+    p = _plan(drafting, gen, load)
+    return PLAIN if 0 < p.k < gen.request.min_draft_tokens else p
+
+
+def _cap(drafting: Drafting, gen: Generation) -> int:
+    """The most draft tokens the stream verifies in a step: the server's k max, within the request's own cap."""
+    limit = gen.request.max_draft_tokens
+    return drafting.max_k if limit is None else min(drafting.max_k, limit)
+
+
+def _plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
     """The request's prediction while aligned with the output, the session's last suggestion while it still
     matches, then prompt lookup (or the suffix source) when allowed (free to draft), else the draft model's k; PLAIN
     for plain decoding. `load`: the rest of a batched step (None: the stream is alone, and its policy judges its
@@ -129,20 +142,21 @@ def plan_batch(drafting: Drafting, costs: BatchCosts, gens: list[Generation], pr
 
 def _given(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Proposal:
     """A draft the request brings (EMPTY: none here): its prediction, cut where the policy expects the most of it
-    (`_prediction_k`), else the session's suggestion whole. A request's own k bounds either; the policy's, the batch
-    guard's and `fixed` do not (they draft whatever plan chooses for the rest)."""
-    asked = gen.request.num_draft_tokens
-    cap = max(0, min(MAX_SUGGESTION_TOKENS if asked is None else asked, gen.room()))
-    if drafting.max_k == 0 or cap == 0:
+    (`_prediction_k`), else the session's suggestion whole. A request's own k or cap bounds either; the policy's, the
+    batch guard's and `fixed` do not (they draft whatever plan chooses for the rest)."""
+    asked, limit = gen.request.num_draft_tokens, gen.request.max_draft_tokens
+    room = max(0, min(MAX_SUGGESTION_TOKENS if asked is None else asked, gen.room(),
+                      MAX_SUGGESTION_TOKENS if limit is None else limit))
+    if drafting.max_k == 0 or room == 0:
         return EMPTY
     prediction = gen.request.prediction
     if prediction is not None:
-        found = allowed(gen, prediction.propose(gen.slot.tokens, gen.slot.index, cap, gen.params, gen.generator))
+        found = allowed(gen, prediction.propose(gen.slot.tokens, gen.slot.index, room, gen.params, gen.generator))
         if found.token_ids:
             return found if asked is not None else _prediction_k(gen, found, load)
     suggestion = gen.request.suggestion
     if suggestion is not None:
-        return allowed(gen, suggestion.propose(gen.slot.tokens, gen.slot.index, cap, gen.params, gen.generator))
+        return allowed(gen, suggestion.propose(gen.slot.tokens, gen.slot.index, room, gen.params, gen.generator))
     return EMPTY
 
 
@@ -166,7 +180,7 @@ def _k(drafting: Drafting, gen: Generation, source: str, load: BatchLoad | None)
         k = gen.slot.policy.choose(source, batch=load)
         if load is not None and load.k_limit is not None:
             k = min(k, load.k_limit)  # the guard is measuring what drafting costs at this width
-    return max(0, min(k, gen.room(), drafting.max_k))
+    return max(0, min(k, gen.room(), _cap(drafting, gen)))
 
 
 def _catch_up_pays(drafting: Drafting, gen: Generation) -> bool:
@@ -183,7 +197,7 @@ def _catch_up_pays(drafting: Drafting, gen: Generation) -> bool:
 def _lookup(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Proposal:
     """Prompt lookup's match, or the suffix source's where the request has one (earlier outputs of its scope), each
     cut to the k the policy chooses for its kind (the match's size): the one expected to yield the most per cost."""
-    room = max(0, min(gen.room(), drafting.max_k if gen.fixed_k is None else gen.fixed_k))
+    room = max(0, min(gen.room(), _cap(drafting, gen) if gen.fixed_k is None else gen.fixed_k))
     if not room:
         return EMPTY
     sources: list[Proposer] = [drafting.lookup]
@@ -207,11 +221,11 @@ def _draft_pays_more(drafting: Drafting, gen: Generation, found: Proposal, load:
         return False
     if gen.fixed_k is None and policy.realized_speedup("draft") <= policy.min_speedup:
         return False  # the draft is off in fact (its probes still come through `_k`)
-    cap = min(gen.room(), drafting.max_k if gen.fixed_k is None else gen.fixed_k)
+    most = min(gen.room(), _cap(drafting, gen) if gen.fixed_k is None else gen.fixed_k)
     if load is not None and load.k_limit is not None:
-        cap = min(cap, load.k_limit)
+        most = min(most, load.k_limit)
     if gen.fixed_k is None:
-        draft = max(policy.speedups("draft", cap, batch=load)[1:], default=0.0)
+        draft = max(policy.speedups("draft", most, batch=load)[1:], default=0.0)
     else:
-        draft = policy.speedup(cap, "draft", batch=load)
+        draft = policy.speedup(most, "draft", batch=load)
     return draft > policy.speedup(len(found), found.estimate, batch=load)

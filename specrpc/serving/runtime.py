@@ -58,6 +58,8 @@ class DecodeParams:
     stop: tuple[str, ...] = ()
     num_draft_tokens: int | None = None
     proposer: str | None = None
+    max_draft_tokens: int | None = None  # the most draft tokens a step verifies (None: the server's; 0: none)
+    min_draft_tokens: int = 0  # a shorter draft is not verified: that step decodes plainly
     stop_token_ids: frozenset[int] = frozenset()  # end tokens besides the model's own (a FIM family's)
     n_indent: int = 0  # end at a new line indented less than this many characters (spaces and tabs); 0: off
     max_time_ms: int = 0  # from the first token, end at the next newline once this many ms have passed; 0: off
@@ -350,12 +352,15 @@ class Runtime:
         """k and proposer for a request. A seeded sampled request must give the same output every time, but how
         many draft tokens a step verifies changes how its random stream is consumed, and the adaptive k and the
         combined proposer's pick follow live timings and acceptance: such a request runs at a fixed k
-        (SEEDED_DRAFT_TOKENS unless it set one) with a fixed proposer (the draft model for `combined`)."""
-        k, proposer = params.num_draft_tokens, params.proposer
+        (SEEDED_DRAFT_TOKENS unless it set one, within its cap) with a fixed proposer (the draft model for
+        `combined`). A cap of 0 is k 0: no draft of any source."""
+        k, proposer, limit = params.num_draft_tokens, params.proposer, params.max_draft_tokens
+        if limit == 0:
+            return 0, proposer
         if params.sampling.greedy or params.sampling.seed is None:
             return k, proposer
         if k is None and self.config.engine.speculation == "adaptive":
-            k = min(SEEDED_DRAFT_TOKENS, self.engine.max_k)
+            k = min(SEEDED_DRAFT_TOKENS, self.engine.max_k, SEEDED_DRAFT_TOKENS if limit is None else limit)
         if (proposer or self.engine.default_proposer) == "combined":
             proposer = "draft"
         return k, proposer
@@ -451,6 +456,8 @@ class Runtime:
             num_draft_tokens=num_draft_tokens,
             proposer=proposer,
             stop_token_ids=self.stop_token_ids | params.stop_token_ids,
+            max_draft_tokens=params.max_draft_tokens,
+            min_draft_tokens=params.min_draft_tokens,
             prefill_only=params.prefill_only,
             logprobs=params.logprobs,
             top_logprobs=params.top_logprobs,

@@ -158,6 +158,20 @@ def openai_editor_options(body: Body, chat: bool) -> EditorOptions:
     return EditorOptions(logprobs=n > 0 or body.has("logprobs"), top_logprobs=n)
 
 
+SPECULATIVE = ("speculative.n_max", "speculative.n_min")
+"""llama.cpp's per-request speculation fields, in its spelling (a dot inside the key), on every generation route."""
+
+
+def speculative(body: Body, params: DecodeParams, config: Config) -> DecodeParams:
+    """llama.cpp's `speculative.n_max` (the most draft tokens a step verifies; 0: target-only, as gRPC's
+    num_draft_tokens 0) and `speculative.n_min` (a step whose draft would be shorter decodes plainly), checked
+    against the server's --max-draft-tokens (validation.draft_lengths)."""
+    most_name, least_name = SPECULATIVE
+    most = body.integer(most_name, 0, -(2**63), 2**63) if body.has(most_name) else None
+    least = body.integer(least_name, 0, -(2**63), 2**63)
+    return validation.draft_lengths(params, config, most, least, SPECULATIVE)
+
+
 def response_format(body: Body) -> ConstraintSpec | None:
     """OpenAI's `response_format`: `{"type": "text"}` (free text), `{"type": "json_object"}` (any JSON object) or
     `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`; unset: free text."""
@@ -374,7 +388,7 @@ class HttpApi:
                                          "exclusive: send one, or set tool_choice to none")
         prompt = chat_prompt(self.gateway, messages, tools)
         params = apply_editor_options(decode(self, sampling, budget, reply_stops(rt)), options)
-        params = replace(params, constraint=calls or response_format(body))
+        params = speculative(body, replace(params, constraint=calls or response_format(body)), self.config)
         params = validation.prediction(params, prediction_text(body), rt.encode_plain, rt.context_limit)
         stream, usage = stream_flags(body)
         reply = OpenAIReply(chat=True, model=rt.target_info.name, include_usage=usage, text=rt.token_text,
@@ -398,8 +412,8 @@ class HttpApi:
         sampling, budget = openai_sampling(body, 16, self.config.limits.max_new_tokens,  # OpenAI's default: 16
                                            self.config.limits.max_choices)
         options = openai_editor_options(body, chat=False)
-        params = replace(apply_editor_options(decode(self, sampling, budget), options),
-                         constraint=response_format(body))
+        params = speculative(body, replace(apply_editor_options(decode(self, sampling, budget), options),
+                                           constraint=response_format(body)), self.config)
         params = validation.prediction(params, prediction_text(body), rt.encode_plain, rt.context_limit)
         if body.has("suffix"):  # fill-in-the-middle, as gRPC Infill: the model family's template
             fim = rt.infill_prompt(InfillInput(prefix=text, suffix=body.text("suffix")))
@@ -511,13 +525,16 @@ class HttpApi:
                                 prefill_only=n_predict == 0, logprobs=n_probs > 0, top_logprobs=n_probs)
         params = replace(apply_editor_options(decode(self, sampling, "n_predict", names=LLAMA_SAMPLING_NAMES), options,
                                               LLAMA_NAMES), constraint=llama_constraint(body))
+        params = speculative(body, params, self.config)
         fields = [str(f) for f in body.items("response_fields")]
         settings = {"n_predict": n_predict, "temperature": sampling.temperature, "top_k": sampling.top_k,
                     "top_p": sampling.top_p, "seed": sampling.seed, "n_indent": options.n_indent,
                     "t_max_predict_ms": options.max_time_ms, "stop": sampling.stop,
                     "repeat_penalty": controls.repetition_penalty, "repeat_last_n": last_n,
                     "presence_penalty": controls.presence_penalty, "frequency_penalty": controls.frequency_penalty,
-                    "min_p": controls.min_p, "min_keep": controls.min_keep, "ignore_eos": controls.ignore_eos}
+                    "min_p": controls.min_p, "min_keep": controls.min_keep, "ignore_eos": controls.ignore_eos,
+                    "speculative.n_max": self.config.engine.max_draft_tokens if params.max_draft_tokens is None
+                    else params.max_draft_tokens, "speculative.n_min": params.min_draft_tokens}
         reply = LlamaReply(model=self.gateway.runtime.target_info.name, fields=fields,
                            prefill_only=options.prefill_only, settings=settings, prompt_ids=0,
                            text=self.gateway.runtime.token_text)

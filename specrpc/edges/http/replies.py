@@ -311,6 +311,8 @@ class LlamaReply(Reply):
                 "predicted_per_second": predicted / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
             },
         }
+        if s.proposed:  # as llama.cpp: the draft tokens verified and accepted, where any were drafted
+            final["timings"] |= {"draft_n": s.proposed, "draft_n_accepted": s.accepted}
         if self.logprobs and not stream:
             final["completion_probabilities"] = llama_probabilities(self.logprobs, self.text)
         return [flatten(final, self.fields) if self.fields else final]
