@@ -115,11 +115,11 @@ def code_cases(n: int, seed: int) -> list[ControlCase]:
     return [ControlCase(c.name, c.prompt, c.max_new_tokens) for c in build_cases(n, seed, ("code",))]
 
 
-Shape = Callable[[list[int], int, Contender], GenerationRequest]
+MakeRequest = Callable[[list[int], int, Contender], GenerationRequest]
 """(prompt ids, max new tokens, contender) → the contender's request under the row's controls or without them."""
 
 
-def request_maker(runtime: Runtime, row: str) -> Shape:
+def request_maker(runtime: Runtime, row: str) -> MakeRequest:
     """How the row's contenders ask: greedy, the server's default proposer, its stop tokens; the control is the
     json row's compiled schema or the penalty row's sampling parameters."""
     engine = runtime.engine
