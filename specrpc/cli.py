@@ -54,7 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _bench(argv: list[str]) -> int:
     from specrpc.training.lock import refuse_beside_training
 
-    refuse_beside_training("specrpc bench")
+    if not {"-h", "--help"} & set(argv):  # reading the options measures nothing
+        refuse_beside_training("specrpc bench")
     if argv[:1] == ["given"]:  # drafts a request brings (prediction) or earlier ones left (suffix source)
         from specrpc.bench.given import main as given_main
 

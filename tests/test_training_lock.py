@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from specrpc.cli import main
 from specrpc.models.fingerprint import pair_hash
 from specrpc.training.lock import hold, holder, refuse_beside_training
 
@@ -55,6 +56,17 @@ def test_a_paused_training_lets_a_measurement_start_and_a_dead_one_is_stale(tmp_
         trainer.kill()
         trainer.wait()
     assert holder(tmp_path) is None  # the process is gone: its file is stale
+
+
+def test_bench_help_answers_beside_a_training_and_a_run_refuses(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("SPECRPC_BESIDE_TRAINING", raising=False)
+    with hold():  # this process stands for the training, in the folder `specrpc bench` reads
+        with pytest.raises(SystemExit) as help_exit:
+            main(["bench", "given", "--help"])
+        assert help_exit.value.code == 0 and "--cases" in capsys.readouterr().out
+        with pytest.raises(SystemExit, match="specrpc bench refuses to start: a training run"):
+            main(["bench", "given", "--cases", "1"])
 
 
 def test_pair_hash_follows_the_files(tmp_path: Path) -> None:
