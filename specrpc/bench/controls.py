@@ -2,9 +2,9 @@
 contenders of each row interleaved case by case (machine drift hits them alike), each with its own policy carried
 from request to request as a server slot's is. Rows:
 
-- json (issue 32): functions whose docstring asks for a JSON object and whose body starts `return json.dumps(`;
-  target-only and the default, each without and with a JSON schema (an object of typed fields, an enum and an
-  array). Goal: the default's speed-up over target-only with the schema ≥ 0.9× its speed-up without.
+- json (issue 32): a module's components' settings as JSON strings, two given, the next one opened; target-only
+  and the default, each without and with a JSON schema (an object of typed fields, an enum and an array). Goal:
+  the default's speed-up over target-only with the schema ≥ 0.9× its speed-up without.
 - penalty (issue 36): the usual code-completion prompts (`workloads.build_cases`); the same four contenders without
   and with a repetition penalty over the context's last 64 tokens. Goal: ratio of speed-ups ≥ 0.9.
 - costs: along drafted paths of k = 8 tokens (the target's own greedy outputs under the controls, one position
@@ -64,10 +64,11 @@ SCHEMA: dict[str, Any] = {
 }
 """The json row's schema: a few typed fields, an enum and an array, every field required."""
 
-JSON_TASKS = [("service_config", "The service's settings"), ("build_info", "The build's metadata"),
-              ("plugin_manifest", "The plugin's manifest"), ("job_spec", "The batch job's description"),
-              ("dataset_card", "The data set's card"), ("cache_policy", "The cache's policy"),
-              ("release_summary", "The release's summary"), ("feature_flag", "The feature flag's state")]
+JSON_TASKS = ["SCHEDULER", "GATEWAY", "INDEXER", "MAILER", "BILLING", "UPLOADER", "SEARCH", "REPORTS"]
+"""The components whose settings the json row's prompts ask for."""
+JSON_EXAMPLES = ('''API = '{"name": "api", "version": 3, "mode": "release", "enabled": true, "tags": ["web"]}'\n'''
+                 '''WORKER = '{"name": "worker", "version": 1, "mode": "debug", "enabled": false, "tags": []}'\n''')
+"""Two components' settings before the one a json prompt opens."""
 
 COST_K = 8
 COST_PARAMS = SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2,
@@ -102,12 +103,11 @@ def contenders(control: str) -> tuple[Contender, ...]:
 
 
 def json_cases(n: int, max_new_tokens: int) -> list[ControlCase]:
-    """`n` functions (at most len(JSON_TASKS)) whose docstring asks for the schema's fields as JSON and whose body
-    starts `return json.dumps(`: the object comes next."""
-    return [ControlCase(f"json:{fn}", f'import json\n\n\ndef {fn}():\n    """{desc} as a JSON object: name, version, '
-                        f'mode (debug, release or test), enabled and tags."""\n    return json.dumps(',
-                        max_new_tokens)
-            for fn, desc in JSON_TASKS[:n]]
+    """`n` prompts (at most len(JSON_TASKS)): a module's components' settings as JSON strings, two examples, then
+    another component's string opened: a JSON object comes next, with or without the schema."""
+    return [ControlCase(f"json:{name}", f"# Settings of each component as JSON: name, version, mode (debug, release or "
+                        f"test), enabled and tags.\n{JSON_EXAMPLES}{name} = '", max_new_tokens)
+            for name in JSON_TASKS[:n]]
 
 
 def code_cases(n: int, seed: int) -> list[ControlCase]:
