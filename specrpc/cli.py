@@ -64,6 +64,10 @@ def _bench(argv: list[str]) -> int:
         from specrpc.bench.ties import main as ties_main
 
         return ties_main(argv[1:])
+    if argv[:1] == ["controls"]:  # what a JSON schema and a repetition penalty cost speculation
+        from specrpc.bench.controls import main as controls_main
+
+        return controls_main(argv[1:])
     if argv[:1] == ["realistic"]:  # random-weight models of published shapes, simulated acceptance
         from specrpc.bench.realistic import main as realistic_main
 

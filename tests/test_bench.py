@@ -231,3 +231,27 @@ def test_ties_bench_counts_divergences_and_deterministic_has_none(tmp_path: Path
     assert d.gap is not None and d.gap > 0  # the reference token is the target's most likely one there
     shorter = ties.divergence(rt, "c", "k=5", prompt, reference, reference[:2])
     assert shorter is not None and shorter.position == 2 and shorter.gap is None
+
+
+@SHIPPED
+def test_controls_bench_runs_every_row(tmp_path: Path) -> None:
+    """Both rows with their four contenders, each identical to target-only under the same controls; the control's
+    own work counted inside the runs (nothing without it); the k = 8 costs measured at the positions asked for."""
+    from specrpc.bench.controls import contenders
+    from specrpc.bench.controls import main as controls_main
+
+    assert controls_main(["--cases", "1", "--rounds", "1", "--max-new-tokens", "12", "--cost-positions", "2",
+                          "--threads", "1", "--no-native-decode", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "controls.json").read_text())
+    for row in ("json", "penalty"):
+        figures = results["rows"][row]
+        assert {c.name for c in contenders(row)} <= set(figures) and figures["goal"]["ratio"] > 0
+        for c in contenders(row):
+            assert figures[c.name]["identical"] == 1.0, (row, c.name)  # greedy: target-only's tokens
+            assert (figures[c.name]["control_share"] > 0) == c.controlled, (row, c.name)
+    assert results["samples"]["json"]["target-only + json"].startswith("{")  # the schema's object, from its start
+    costs = results["costs"]
+    assert costs["positions"] == {"mask": 2, "transform": 2} and costs["step_ms"] > 0
+    assert costs["mask"]["ms"] > 0 and costs["transform"]["along_ms"] > 0
+    text = (tmp_path / "controls.md").read_text()
+    assert "Goal: speed-up with json" in text and "Goal: speed-up with penalty" in text and "costs at k = 8" in text

@@ -34,6 +34,8 @@ class Run:
     trials: int = 0  # draft tokens tested: accepted ones plus the first rejection of each step
     server_ttft_s: float = 0.0  # through gRPC: the server's own TTFT (request at the engine → first token)
     reported_tokens_per_s: float = 0.0  # another server's own decode rate as it reports it (llama.cpp's timings)
+    mask_s: float = 0.0  # host seconds in the grammar matcher (`Constraint.work_s`)
+    transform_s: float = 0.0  # host seconds in the logits transform (`LogitsTransform.work_s`)
 
 
 Runner = Callable[[list[int], int, SamplingParams], Run]
@@ -73,7 +75,9 @@ def measure(engine: Engine, slot_index: int, policy: AdaptivePolicy, request: Ge
             trials += result.accepted + (1 if result.accepted < result.proposed else 0)
     s = gen.stats
     return Run(out, times[0], times[-1], times, sizes, s.proposed, s.accepted, s.verify_steps, ks[1:],
-               s.accepted_lengths, trials)
+               s.accepted_lengths, trials,
+               mask_s=gen.constraint.work_s if gen.constraint is not None else 0.0,
+               transform_s=gen.transform.work_s if gen.transform is not None else 0.0)
 
 
 class _Clock(BaseStreamer):

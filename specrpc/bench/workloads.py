@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import random
 from dataclasses import dataclass
 
@@ -23,6 +24,12 @@ class Case:
 def heldout_files() -> list[SourceFile]:
     """Standard-library files of the held-out split, plus third-party code the models never saw (the evaluation
     packages, `corpus.EVALUATION_PACKAGES`)."""
+    return list(_heldout())
+
+
+@functools.cache
+def _heldout() -> tuple[SourceFile, ...]:
+    """`heldout_files`, read and parsed once per process (seconds: every bench row and its tests start here)."""
     files = [f for f in iter_sources() if is_heldout(f.relpath) and len(f.text) > 2000]
     try:
         from specrpc.training.evaluate import third_party_sources
@@ -30,7 +37,7 @@ def heldout_files() -> list[SourceFile]:
         files += [f for f in third_party_sources() if len(f.text) > 2000]
     except ImportError:  # pragma: no cover - the evaluation packages come with the project's dependencies
         pass
-    return files
+    return tuple(files)
 
 
 def completion_cases(files: list[SourceFile], n: int, rng: random.Random, context_chars: int = 1200) -> list[Case]:

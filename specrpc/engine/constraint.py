@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -62,11 +63,14 @@ def unpack_mask(bitmask: bytes, vocab: int) -> torch.Tensor:
 
 class Constraint:
     """One request's matcher, at its committed tokens between steps. Drafting advances it token by token
-    (`advance`) and rewinds (`rewind`); `masks` gives the allowed tokens at each position along a draft."""
+    (`advance`) and rewinds (`rewind`); `masks` gives the allowed tokens at each position along a draft. `work_s`
+    counts the host seconds spent in the matcher (mask fills, advances, rollbacks, prefix checks): `specrpc bench
+    controls` reports its share of a step."""
 
     def __init__(self, matcher: llg.LLMatcher, vocab: int) -> None:
         self._matcher = matcher
         self.vocab = vocab
+        self.work_s = 0.0
 
     @property
     def done(self) -> bool:
@@ -75,22 +79,35 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """Tokens allowed next: bool [V]; all of them once the grammar is done (what follows is never committed)."""
+        t0 = time.perf_counter()
         if self._matcher.is_stopped():
-            return torch.ones(self.vocab, dtype=torch.bool)  # [V]
-        return unpack_mask(self._matcher.compute_bitmask(), self.vocab)  # [V]
+            mask = torch.ones(self.vocab, dtype=torch.bool)  # [V]
+        else:
+            mask = unpack_mask(self._matcher.compute_bitmask(), self.vocab)  # [V]
+        self.work_s += time.perf_counter() - t0
+        return mask
 
     def advance(self, token: int) -> None:
         """Take a drafted token (one the mask allowed)."""
-        self._check(self._matcher.consume_token(token))
+        t0 = time.perf_counter()
+        ok = self._matcher.consume_token(token)
+        self.work_s += time.perf_counter() - t0
+        self._check(ok)
 
     def rewind(self, n: int) -> None:
         """Undo the last `n` drafted tokens."""
         if n:
-            self._check(self._matcher.rollback(n))
+            t0 = time.perf_counter()
+            ok = self._matcher.rollback(n)
+            self.work_s += time.perf_counter() - t0
+            self._check(ok)
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading `tokens` the grammar allows (a point-mass draft is cut there)."""
-        return int(self._matcher.validate_tokens(tokens))
+        t0 = time.perf_counter()
+        n = int(self._matcher.validate_tokens(tokens))
+        self.work_s += time.perf_counter() - t0
+        return n
 
     def masks(self, draft: list[int]) -> torch.Tensor:
         """Allowed tokens at each position of a verify along `draft` (which the grammar allows): bool [k+1, V], row

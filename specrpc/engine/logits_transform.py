@@ -11,6 +11,7 @@ on them stays exact."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 
 import torch
@@ -20,7 +21,9 @@ from specrpc.engine.sampling import SamplingParams
 
 class LogitsTransform:
     """One generation's transform: its parameters, its end-of-text ids and where its generated tokens start;
-    counts of the committed window are kept up to date as the context grows (committed tokens never go away)."""
+    counts of the committed window are kept up to date as the context grows (committed tokens never go away).
+    `work_s` counts the host seconds spent transforming, along a verify and while drafting: `specrpc bench
+    controls` reports its share of a step."""
 
     def __init__(self, params: SamplingParams, end_ids: Collection[int], prompt_len: int) -> None:
         self.params = params
@@ -31,6 +34,7 @@ class LogitsTransform:
         self._tensors: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._counts: torch.Tensor | None = None  # [V] counts of context[_lo:_hi]
         self._lo = self._hi = 0
+        self.work_s = 0.0
 
     def window_start(self, length: int) -> int:
         """First context position the penalties count when the context has `length` tokens."""
@@ -41,6 +45,7 @@ class LogitsTransform:
 
     def along(self, logits: torch.Tensor, context: list[int], drafted: list[int]) -> torch.Tensor:
         """Logits [k+1, V] at the positions after `context` + drafted[:i] (row i), transformed; float32."""
+        t0 = time.perf_counter()
         k = len(drafted)
         assert logits.shape[0] == k + 1, "one row per drafted token, and one after them"
         vocab, device = logits.shape[-1], logits.device
@@ -62,11 +67,15 @@ class LogitsTransform:
             else:
                 counts = base.unsqueeze(0)  # [1, V]
         generated = len(context) - self.prompt_len
-        return self.apply(logits, counts, list(range(generated, generated + k + 1)))
+        out = self.apply(logits, counts, list(range(generated, generated + k + 1)))  # [k+1, V]
+        self.work_s += time.perf_counter() - t0
+        return out
 
     def cursor(self, context: list[int], vocab: int, device: torch.device) -> Cursor:
         """A running transform for drafting one token at a time after `context`."""
+        t0 = time.perf_counter()
         base = self._window_counts(context, vocab, device).clone() if self.params.penalized else None
+        self.work_s += time.perf_counter() - t0
         return Cursor(self, list(context), base)
 
     def _window_counts(self, context: list[int], vocab: int, device: torch.device) -> torch.Tensor:
@@ -135,9 +144,12 @@ class Cursor:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [1, V] at this position, transformed (as row len(drafted) of `LogitsTransform.along`)."""
+        t0 = time.perf_counter()
         counts = None if self.counts is None else self.counts.unsqueeze(0)  # [1, V]
         generated = len(self.context) - self.transform.prompt_len + len(self.drafted)
-        return self.transform.apply(logits, counts, [generated])
+        out = self.transform.apply(logits, counts, [generated])  # [1, V]
+        self.transform.work_s += time.perf_counter() - t0
+        return out
 
     def advance(self, token: torch.Tensor) -> None:
         """Count the drafted `token` [1] (and let what slides out of a last-N window go)."""
@@ -145,9 +157,11 @@ class Cursor:
         self.drafted.append(token)
         if self.counts is None:
             return
+        t0 = time.perf_counter()
         self.counts.index_add_(0, token.view(1), torch.ones(1, device=self.counts.device))
         lo_before, lo = self.transform.window_start(n + i), self.transform.window_start(n + i + 1)
         for pos in range(lo_before, lo):
             gone = (torch.tensor([self.context[pos]], device=self.counts.device) if pos < n
                     else self.drafted[pos - n].view(1))  # [1]
             self.counts.index_add_(0, gone, torch.full((1,), -1.0, device=self.counts.device))
+        self.transform.work_s += time.perf_counter() - t0
