@@ -77,13 +77,23 @@ def _cap(drafting: Drafting, gen: Generation) -> int:
 
 
 def _plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
-    """The request's prediction while aligned with the output, the session's last suggestion while it still
-    matches, then prompt lookup (or the suffix source) when allowed (free to draft), else the draft model's k; PLAIN
-    for plain decoding. `load`: the rest of a batched step (None: the stream is alone, and its policy judges its
-    own steps)."""
+    """The request's prediction while aligned with the output, unless what the policy would draft instead is
+    expected to pay more (a prediction the output has left commits less than prompt lookup or the draft model); the
+    session's last suggestion while it still matches; then prompt lookup (or the suffix source) when allowed (free
+    to draft), else the draft model's k; PLAIN for plain decoding. `load`: the rest of a batched step (None: the
+    stream is alone, and its policy judges its own steps)."""
     given = _given(drafting, gen, load)
+    if given.source == "prediction" and gen.request.num_draft_tokens is None:
+        rest = _policy_plan(drafting, gen, load)  # a prediction joins the choice by expected speed-up
+        return rest if _expected_speedup(gen, rest, load) > _expected_speedup(gen, Plan(given), load) else Plan(given)
     if given.token_ids:
         return Plan(given)
+    return _policy_plan(drafting, gen, load)
+
+
+def _policy_plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
+    """What the stream drafts without a given draft: prompt lookup (or the suffix source) when allowed, else the
+    draft model's k; PLAIN for plain decoding."""
     guard_off = load is not None and load.k_limit == 0
     if gen.fixed_k is None and load is None and gen.slot.policy.plain_due():
         return PLAIN  # a measured plain step now and then (`AdaptivePolicy.plain_due`)
@@ -97,6 +107,11 @@ def _plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:
         return PLAIN
     k = _k(drafting, gen, "draft", load)
     return Plan(draft_k=k) if k > 0 else PLAIN
+
+
+def _expected_speedup(gen: Generation, p: Plan, load: BatchLoad | None) -> float:
+    """The policy's expected speed-up of plan `p` over plain decoding (1 for PLAIN)."""
+    return gen.slot.policy.speedup(p.k, p.source, batch=load) if p.k else 1.0
 
 
 def allowed(gen: Generation, found: Proposal) -> Proposal:
