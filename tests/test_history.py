@@ -71,6 +71,15 @@ def test_when_the_newest_message_alone_is_too_long_its_prompt_keeps_the_last_tok
     assert kept == [messages[0], messages[-1]] and ids == render(kept)[-100:]
 
 
+def test_a_prompt_declaring_tools_is_refused_rather_than_cut() -> None:
+    """Cutting the front of a prompt that declares tools would drop declarations (a 20,000-value enum renders to
+    131,000 tokens): refused, naming `tools`, where a plain prompt keeps its last tokens."""
+    messages = [*history(2), Message("user", "y" * 500)]
+    with pytest.raises(InvalidRequest, match=r"^tools: .* take \d+ prompt tokens, over the 100"):
+        fit(messages, render, 100, tools=True)
+    assert fit(messages, render, 10_000, tools=True) == (messages, render(messages))
+
+
 def test_limits_on_messages_and_bytes() -> None:
     messages = [*history(100), Message("user", "now")]
     kept = bounded(messages, Limits(max_history_messages=50), "turn.text")

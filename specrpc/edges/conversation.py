@@ -141,7 +141,7 @@ def turn_prompt(gateway: Gateway, messages: Sequence[Message], newest: str, tool
     assistant's cue. `newest` names the newest message's field in errors."""
     rt = gateway.runtime
     kept, ids = fit(bounded(messages, gateway.limits, newest), lambda m: render(rt, m, True, tools),
-                    prompt_room(rt.context_limit, gateway.limits))
+                    prompt_room(rt.context_limit, gateway.limits), tools=bool(tools))
     if not ids:
         raise InvalidRequest("the chat template renders these messages as an empty prompt; send a message with text")
     return kept, ids

@@ -87,15 +87,22 @@ def bounded(messages: Sequence[Message], limits: Limits, newest: str) -> list[Me
     return trim.kept(n)
 
 
-def fit(messages: Sequence[Message], render: Render, cap: int) -> tuple[list[Message], list[int]]:
+def fit(messages: Sequence[Message], render: Render, cap: int, tools: bool = False
+        ) -> tuple[list[Message], list[int]]:
     """The messages to keep and their prompt: all of them when their prompt has at most `cap` tokens, else with the
     oldest dropped STEP at a time until it has (how many steps is guessed from the tokens per byte of the last render,
     then checked by rendering). When the system prompt and the newest message alone are
-    over `cap`, their prompt's last `cap` tokens (the system prompt is cut from this prompt only)."""
+    over `cap`, their prompt's last `cap` tokens (the system prompt is cut from this prompt only) — unless the
+    prompt declares `tools`: cutting would drop declarations, so that is InvalidRequest naming `tools`."""
     trim, n = Trim(messages), 0
     ids = render(messages)
     while len(ids) > cap:
         if trim.start(n + STEP) == trim.start(n):
+            if tools:
+                raise InvalidRequest(f"tools: the declarations with the system prompt and the newest message take "
+                                     f"{len(ids)} prompt tokens, over the {cap} the context leaves; declare fewer "
+                                     f"or smaller tools (a long enum is a long declaration), or send a shorter "
+                                     f"message")
             return trim.kept(n), ids[-cap:]
         # guess the steps from this render's tokens per byte, so a long history is rendered about twice, not per step
         excess = (len(ids) - cap) * trim.bytes(n) / len(ids)
