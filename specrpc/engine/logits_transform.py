@@ -4,10 +4,10 @@ min-p, top-k and top-p, which `sampling.logits_to_probs` applies; after a gramma
 
 A penalty depends on the tokens before its position, so along a path of k drafted tokens each of the k+1 verified
 positions has its own counts: the committed window's counts plus the drafted tokens before it (less what slid out
-of a last-N window). The target's k+1 rows are built at once (`LogitsTransform.along`: a cumulative sum of one-hot
-steps); the draft, which samples one position at a time, keeps a running copy (`Cursor`). Both end in
-`LogitsTransform.apply` with the same integer counts, so q and p are transformed identically and rejection sampling
-on them stays exact."""
+of a last-N window). The target's k+1 rows are built at once (`LogitsTransform.along`, on the counted tokens
+only); the draft, which samples one position at a time, keeps a running copy (`Cursor`). Both apply the same
+element-wise operations (`_penalized`) with the same integer counts, so q and p are transformed identically and
+rejection sampling on them stays exact."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class LogitsTransform:
         self._bias_ids = [t for t, _ in params.logit_bias]
         self._bias_values = [b for _, b in params.logit_bias]
         self._tensors: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._counts: torch.Tensor | None = None  # [V] counts of context[_lo:_hi]
+        self._counts: dict[int, int] = {}  # counts of context[_lo:_hi]
         self._lo = self._hi = 0
         self.work_s = 0.0
 
@@ -44,52 +44,65 @@ class LogitsTransform:
         return 0 if last_n < 0 else max(0, length - last_n)
 
     def along(self, logits: torch.Tensor, context: list[int], drafted: list[int]) -> torch.Tensor:
-        """Logits [k+1, V] at the positions after `context` + drafted[:i] (row i), transformed; float32."""
+        """Logits [k+1, V] at the positions after `context` + drafted[:i] (row i), transformed; float32. Penalties
+        touch only the tokens some row has counted (the window's and the drafted ones): they are gathered into
+        [k+1, S] and changed there, by the same element-wise operations `apply` runs on [n, V], so the values equal
+        the draft's cursor's (a verify costs a few small operations, not a dozen over the whole vocabulary)."""
         t0 = time.perf_counter()
         k = len(drafted)
         assert logits.shape[0] == k + 1, "one row per drafted token, and one after them"
-        vocab, device = logits.shape[-1], logits.device
-        counts: torch.Tensor | None = None
+        out = logits.float().clone()  # [k+1, V]
+        bias_ids, bias_values, ends = self._constants(out.shape[-1], out.device)
+        if bias_ids.numel():
+            out[:, bias_ids] += bias_values
         if self.params.penalized:
-            base = self._window_counts(context, vocab, device)  # [V]
-            if k:
-                seq, n = context + drafted, len(context)
-                rows, ids, signs = list(range(1, k + 1)), list(drafted), [1.0] * k  # token i counts from row i+1
-                for i in range(1, k + 1):
-                    lo_before, lo = self.window_start(n + i - 1), self.window_start(n + i)
-                    rows += [i] * (lo - lo_before)
-                    ids += seq[lo_before:lo]  # what slid out of a last-N window
-                    signs += [-1.0] * (lo - lo_before)
-                steps = torch.zeros(k + 1, vocab, dtype=torch.float32, device=device)  # [k+1, V]
-                steps.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
-                                 torch.tensor(signs, device=device), accumulate=True)
-                counts = base + steps.cumsum(dim=0)  # [k+1, V]
-            else:
-                counts = base.unsqueeze(0)  # [1, V]
+            rows = [self._window(context)]
+            n = len(context)
+            for i in range(1, k + 1):  # token i-1 counts from row i; what slides out of a last-N window goes
+                row = dict(rows[-1])
+                row[drafted[i - 1]] = row.get(drafted[i - 1], 0) + 1
+                for pos in range(self.window_start(n + i - 1), self.window_start(n + i)):
+                    token = context[pos] if pos < n else drafted[pos - n]
+                    row[token] -= 1
+                rows.append(row)
+            ids = sorted({t for row in rows for t, c in row.items() if c > 0})
+            if ids:
+                index = torch.tensor(ids, device=out.device)  # [S]
+                counts = torch.tensor([[row.get(t, 0) for t in ids] for row in rows], dtype=torch.float32,
+                                      device=out.device)  # [k+1, S]
+                out[:, index] = self._penalized(out[:, index], counts)  # [k+1, S]
         generated = len(context) - self.prompt_len
-        out = self.apply(logits, counts, list(range(generated, generated + k + 1)))  # [k+1, V]
+        self._ban(out, ends, list(range(generated, generated + k + 1)))
         self.work_s += time.perf_counter() - t0
         return out
 
     def cursor(self, context: list[int], vocab: int, device: torch.device) -> Cursor:
         """A running transform for drafting one token at a time after `context`."""
         t0 = time.perf_counter()
-        base = self._window_counts(context, vocab, device).clone() if self.params.penalized else None
+        base = None
+        if self.params.penalized:
+            window = self._window(context)
+            base = torch.zeros(vocab, dtype=torch.float32, device=device)  # [V]
+            if window:
+                base[torch.tensor(list(window), device=device)] = torch.tensor(list(window.values()),
+                                                                               dtype=torch.float32, device=device)
         self.work_s += time.perf_counter() - t0
         return Cursor(self, list(context), base)
 
-    def _window_counts(self, context: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-        """Counts [V] float32 of the committed window, brought up to `context` from the last call's."""
+    def _window(self, context: list[int]) -> dict[int, int]:
+        """Counts of the committed window (token → count, zeros dropped), brought up to `context` from the last
+        call's: each step adds the tokens it committed and drops what slid out."""
         lo, hi = self.window_start(len(context)), len(context)
+        if hi < self._hi or lo < self._lo:  # not a later context of the same stream: count afresh
+            self._counts, self._lo, self._hi = {}, lo, lo
         counts = self._counts
-        if counts is None or counts.shape[-1] != vocab or counts.device != device or hi < self._hi or lo < self._lo:
-            counts, self._lo, self._hi = torch.zeros(vocab, dtype=torch.float32, device=device), lo, lo
-        added, removed = context[max(self._hi, lo) : hi], context[self._lo : min(lo, self._hi)]
-        if added or removed:
-            ids = torch.tensor(added + removed, dtype=torch.long, device=device)  # [a+r]
-            signs = torch.tensor([1.0] * len(added) + [-1.0] * len(removed), device=device)  # [a+r]
-            counts = counts.index_add(0, ids, signs)
-        self._counts, self._lo, self._hi = counts, lo, hi
+        for token in context[max(self._hi, lo) : hi]:
+            counts[token] = counts.get(token, 0) + 1
+        for token in context[self._lo : min(lo, self._hi)]:
+            counts[token] -= 1
+            if not counts[token]:
+                del counts[token]
+        self._lo, self._hi = lo, hi
         return counts
 
     def _constants(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,28 +121,38 @@ class LogitsTransform:
         """Logits [n, V] → float32 [n, V]: logit_bias, then the penalties by `counts` [n, V] (row i's window), then
         end-of-text banned on rows whose `generated` (tokens generated before them) is under min_tokens, or on
         every row with ignore_eos."""
-        p = self.params
         out = logits.float().clone()  # [n, V]
         bias_ids, bias_values, ends = self._constants(out.shape[-1], out.device)
         if bias_ids.numel():
             out[:, bias_ids] += bias_values
         if counts is not None:
-            seen = counts > 0  # [n, V]
-            if p.repetition_penalty != 1.0:
-                out = torch.where(seen, torch.where(out > 0, out / p.repetition_penalty,
-                                                    out * p.repetition_penalty), out)
-            if p.frequency_penalty != 0.0:
-                out = out - p.frequency_penalty * counts
-            if p.presence_penalty != 0.0:
-                out = out - p.presence_penalty * seen.float()
-        if ends.numel():
-            if p.ignore_eos:
-                out[:, ends] = float("-inf")
-            else:
-                banned = [i for i, g in enumerate(generated) if g < p.min_tokens]
-                if banned:
-                    out[torch.tensor(banned, device=out.device).unsqueeze(1), ends] = float("-inf")
+            out = self._penalized(out, counts)
+        self._ban(out, ends, generated)
         return out
+
+    def _penalized(self, values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`values` [n, S] with the penalties by `counts` [n, S] (S: the whole vocabulary, or the tokens counted)."""
+        p = self.params
+        seen = counts > 0  # [n, S]
+        if p.repetition_penalty != 1.0:
+            values = torch.where(seen, torch.where(values > 0, values / p.repetition_penalty,
+                                                   values * p.repetition_penalty), values)
+        if p.frequency_penalty != 0.0:
+            values = values - p.frequency_penalty * counts
+        if p.presence_penalty != 0.0:
+            values = values - p.presence_penalty * seen.float()
+        return values
+
+    def _ban(self, out: torch.Tensor, ends: torch.Tensor, generated: list[int]) -> None:
+        """End-of-text banned in place on rows of `out` [n, V] before min_tokens (or on all with ignore_eos)."""
+        if not ends.numel():
+            return
+        if self.params.ignore_eos:
+            out[:, ends] = float("-inf")
+            return
+        banned = [i for i, g in enumerate(generated) if g < self.params.min_tokens]
+        if banned:
+            out[torch.tensor(banned, device=out.device).unsqueeze(1), ends] = float("-inf")
 
 
 class Cursor:
