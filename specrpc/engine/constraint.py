@@ -63,14 +63,17 @@ def unpack_mask(bitmask: bytes, vocab: int) -> torch.Tensor:
 
 class Constraint:
     """One request's matcher, at its committed tokens between steps. Drafting advances it token by token
-    (`advance`) and rewinds (`rewind`); `masks` gives the allowed tokens at each position along a draft. `work_s`
-    counts the host seconds spent in the matcher (mask fills, advances, rollbacks, prefix checks): `specrpc bench
-    controls` reports its share of a step."""
+    (`advance`) and rewinds (`rewind`); `masks` gives the allowed tokens at each position along a draft. A mask is
+    computed once per state between commits: the verify's rows along a draft reuse the ones drafting computed, so a
+    step fills k + 1 masks, not 2k + 1. `work_s` counts the host seconds spent in the matcher (mask fills, advances,
+    rollbacks, prefix checks): `specrpc bench controls` reports its share of a step."""
 
     def __init__(self, matcher: llg.LLMatcher, vocab: int) -> None:
         self._matcher = matcher
         self.vocab = vocab
         self.work_s = 0.0
+        self._drafted: list[int] = []  # tokens taken beyond the committed state
+        self._known: dict[tuple[int, ...], torch.Tensor] = {}  # masks of the states since the last commit, by path
 
     @property
     def done(self) -> bool:
@@ -79,11 +82,16 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """Tokens allowed next: bool [V]; all of them once the grammar is done (what follows is never committed)."""
+        path = tuple(self._drafted)
+        mask = self._known.get(path)
+        if mask is not None:
+            return mask
         t0 = time.perf_counter()
         if self._matcher.is_stopped():
             mask = torch.ones(self.vocab, dtype=torch.bool)  # [V]
         else:
             mask = unpack_mask(self._matcher.compute_bitmask(), self.vocab)  # [V]
+        self._known[path] = mask
         self.work_s += time.perf_counter() - t0
         return mask
 
@@ -93,6 +101,7 @@ class Constraint:
         ok = self._matcher.consume_token(token)
         self.work_s += time.perf_counter() - t0
         self._check(ok)
+        self._drafted.append(token)
 
     def rewind(self, n: int) -> None:
         """Undo the last `n` drafted tokens."""
@@ -101,6 +110,7 @@ class Constraint:
             ok = self._matcher.rollback(n)
             self.work_s += time.perf_counter() - t0
             self._check(ok)
+            del self._drafted[-n:]
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading `tokens` the grammar allows (a point-mass draft is cut there)."""
@@ -122,6 +132,8 @@ class Constraint:
     def commit(self, token: int) -> bool:
         """Take a committed token; True when the grammar is done after it."""
         self.advance(token)
+        self._drafted.clear()  # the new committed state: the known masks were of the old one's paths
+        self._known.clear()
         return self.done
 
     def _check(self, ok: bool) -> None:
