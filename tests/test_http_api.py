@@ -572,6 +572,14 @@ BAD_REQUESTS: list[tuple[str, Any, int, tuple[str, ...]]] = [
     ("/v1/completions", {"prompt": "x", "speculative.n_min": -2}, 400, ("speculative.n_min",)),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "speculative.n_max": 1.5}, 400,
      ("speculative.n_max", "integer")),
+    # a lone surrogate (JSON's "\ud800") is text no tokenizer takes: a 400 naming the field, wherever it is
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, ("prompt", "lone surrogate")),
+    ("/v1/completions", b'{"prompt": ["a\\udfff"]}', 400, ("prompt", "lone surrogate")),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     ("messages[0].content", "lone surrogate")),
+    ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", '
+     b'"type": "function", "function": {"name": "f", "arguments": "\\ud800"}}]}, {"role": "user", "content": "x"}]}',
+     400, ("messages[0].tool_calls[0].function.arguments", "lone surrogate")),
 ]
 
 

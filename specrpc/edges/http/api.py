@@ -54,6 +54,7 @@ from specrpc.edges.http.wire import (
     error_response,
     kind_of,
     read_json,
+    unicode_text,
 )
 from specrpc.edges.offload import prepared
 from specrpc.edges.validation import SESSION_HEADER
@@ -249,7 +250,8 @@ def chat_message(message: Body) -> Message:
         fn = Body(call.data.get("function"), call.name("function"))
         arguments = fn.data.get("arguments", "{}")
         calls.append(ToolCall(call.text("id"), fn.text("name"),
-                              arguments if isinstance(arguments, str) else json.dumps(arguments)))
+                              unicode_text(arguments, fn.name("arguments")) if isinstance(arguments, str)
+                              else json.dumps(arguments)))
     return Message("system" if role == "developer" else role, message_text(message), tuple(calls),
                    message.text("tool_call_id"))
 
@@ -406,7 +408,7 @@ class HttpApi:
             prompt_field = prompt_field[0]
         rt = self.gateway.runtime
         if isinstance(prompt_field, str):
-            text = prompt_field
+            text = unicode_text(prompt_field, "prompt")
         else:
             raise bad("prompt", "prompt must be a string (or a list of one string)")
         sampling, budget = openai_sampling(body, 16, self.config.limits.max_new_tokens,  # OpenAI's default: 16
@@ -578,7 +580,7 @@ def message_text(message: Body) -> str:
     """A message's text: `content` as a string, or a list of text parts."""
     content = message.data.get("content")
     if content is None or isinstance(content, str):
-        return content or ""
+        return unicode_text(content, message.name("content")) if content else ""
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):

@@ -111,6 +111,17 @@ def bad(param: str, message: str) -> HttpError:
     return HttpError(BAD_REQUEST, message, param)
 
 
+def unicode_text(value: str, name: str) -> str:
+    """`value`, or a 400 naming field `name` when it holds a lone surrogate (JSON's "\ud800", or its raw bytes),
+    which no tokenizer takes."""
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise bad(name, f"{name} is not valid Unicode text (a lone surrogate)") from None
+    return value
+
+
 class Body:
     """A JSON object's fields, read with type and range checks that name the field on failure."""
 
@@ -135,12 +146,7 @@ class Body:
             return default
         if not isinstance(value, str):
             raise bad(self.name(key), f"{self.name(key)} must be a string; got {type(value).__name__}")
-        if not value.isascii():
-            try:
-                value.encode()
-            except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800", or its raw bytes): no tokenizer takes it
-                raise bad(self.name(key), f"{self.name(key)} is not valid Unicode text (a lone surrogate)") from None
-        return value
+        return unicode_text(value, self.name(key))
 
     def flag(self, key: str, default: bool = False) -> bool:
         value = self.data.get(key, default)
