@@ -56,20 +56,27 @@ class LogitsTransform:
         if bias_ids.numel():
             out[:, bias_ids] += bias_values
         if self.params.penalized:
-            rows = [self._window(context)]
-            n = len(context)
-            for i in range(1, k + 1):  # token i-1 counts from row i; what slides out of a last-N window goes
-                row = dict(rows[-1])
-                row[drafted[i - 1]] = row.get(drafted[i - 1], 0) + 1
-                for pos in range(self.window_start(n + i - 1), self.window_start(n + i)):
-                    token = context[pos] if pos < n else drafted[pos - n]
-                    row[token] -= 1
-                rows.append(row)
-            ids = sorted({t for row in rows for t, c in row.items() if c > 0})
+            window = self._window(context)
+            ids = sorted(window.keys() | set(drafted))  # the tokens any row counts
             if ids:
+                column = {t: j for j, t in enumerate(ids)}
+                counts = torch.tensor([window.get(t, 0) for t in ids], dtype=torch.float32,
+                                      device=out.device).expand(k + 1, -1)  # [k+1, S] the window's, every row
+                if k:  # token i-1 counts from row i on; what slides out of a last-N window stops counting there
+                    n, rows, cols, signs = len(context), [], [], []
+                    for i in range(1, k + 1):
+                        rows.append(i)
+                        cols.append(column[drafted[i - 1]])
+                        signs.append(1.0)
+                        for pos in range(self.window_start(n + i - 1), self.window_start(n + i)):
+                            rows.append(i)
+                            cols.append(column[context[pos] if pos < n else drafted[pos - n]])
+                            signs.append(-1.0)
+                    steps = torch.zeros(k + 1, len(ids), dtype=torch.float32, device=out.device)  # [k+1, S]
+                    steps.index_put_((torch.tensor(rows, device=out.device), torch.tensor(cols, device=out.device)),
+                                     torch.tensor(signs, device=out.device), accumulate=True)
+                    counts = counts + steps.cumsum(dim=0)  # [k+1, S]
                 index = torch.tensor(ids, device=out.device)  # [S]
-                counts = torch.tensor([[row.get(t, 0) for t in ids] for row in rows], dtype=torch.float32,
-                                      device=out.device)  # [k+1, S]
                 out[:, index] = self._penalized(out[:, index], counts)  # [k+1, S]
         generated = len(context) - self.prompt_len
         self._ban(out, ends, list(range(generated, generated + k + 1)))
