@@ -22,6 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from specrpc.edges.auth import TooManyStreams
 from specrpc.edges.gateway import DeviceOutOfMemory, EngineFailure, Gateway, NotReady, ShuttingDown
 from specrpc.edges.http.replies import ChoicesReply, Reply
+from specrpc.edges.offload import prepared
 from specrpc.edges.validation import InvalidRequest
 from specrpc.engine.constraint import InvalidConstraint
 from specrpc.prompts.fim import NoInfillSupport, PromptTooLong
@@ -240,7 +241,7 @@ async def read_json(request: Request, limit: int) -> Body:
         if len(data) > limit:
             raise too_large
     try:
-        return Body(json.loads(data), size=len(data))
+        return Body(await prepared(lambda: json.loads(data), len(data)), size=len(data))  # a megabyte: ~10 ms
     except (ValueError, RecursionError) as exc:
         raise bad("body", f"the request body is not valid JSON ({exc}); send a JSON object") from None
 
