@@ -1,12 +1,33 @@
 """Small pieces several bench modules share: nearest-rank percentiles, a free loopback port for a server the
-bench starts in another process, and the line naming the model pair a table was measured with."""
+bench starts in another process, the lines naming the machine and the model pair a table was measured with, and
+writing a bench's results."""
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import socket
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from specrpc.models.fingerprint import pair_hash
+
+
+def machine_line(device: object, dtype: object) -> str:
+    """The machine a table was measured on: architecture, processor, cores, torch, threads, device and dtype."""
+    return (f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, {device}, {dtype}")
+
+
+def write_results(out: Path, name: str, results: dict[str, Any], table: str) -> None:
+    """`name`.json (the results) and `name`.md (the table) in `out`, and the table printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / f"{name}.md").write_text(table)
+    print(table)
 
 
 def pair_line(target: str, draft: str) -> str:

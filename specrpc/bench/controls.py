@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -33,7 +31,7 @@ from typing import Any
 
 import torch
 
-from specrpc.bench.common import pair_line
+from specrpc.bench.common import machine_line, pair_line, write_results
 from specrpc.bench.contenders import Run, measure
 from specrpc.bench.run import summarize
 from specrpc.bench.workloads import build_cases
@@ -379,8 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens:
         cases["penalty"] = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases["penalty"]]
     results: dict[str, Any] = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
-                   f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.dtype}",
+        "machine": machine_line(runtime.device, runtime.dtype),
         "pair": pair_line(args.target, args.draft),
         "command": "specrpc bench controls " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cases": {}, "rows": {}, "samples": {},  # samples: each contender's first reply of a row
@@ -395,11 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         results["costs"] = costs(runtime, [runtime.encode(c.prompt) for c in cases["json"]],
                                  [runtime.encode(c.prompt) for c in cases["penalty"]], args.cost_positions,
                                  path_tokens)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "controls.json").write_text(json.dumps(results, indent=2, default=str))
-    table = markdown(results)
-    (args.out / "controls.md").write_text(table)
-    print(table)
+    write_results(args.out, "controls", results, markdown(results))
     runtime.stop()
     return 0
 

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
-import os
-import platform
 import random
 import re
 import statistics
@@ -32,7 +29,7 @@ from typing import Any
 
 import torch
 
-from specrpc.bench.common import pair_line
+from specrpc.bench.common import machine_line, pair_line, write_results
 from specrpc.bench.contenders import Run, measure
 from specrpc.bench.run import summarize
 from specrpc.bench.workloads import build_cases, heldout_files
@@ -265,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
               "repeated": lambda: repeated_cases(args.warmup + args.repeated, rng),
               "code": lambda: code_cases(args.cases, args.seed)}
     results: dict[str, Any] = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
-                   f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.dtype}",
+        "machine": machine_line(runtime.device, runtime.dtype),
         "pair": pair_line(args.target, args.draft),
         "command": "specrpc bench given " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cases": {}, "rows": {},
@@ -279,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = run_row(runtime, ROWS[workload], cases, warmup, args.rounds)
         results["cases"][workload] = (len(cases) - warmup) * args.rounds
         results["rows"][workload] = row_results(runs, workload)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "given.json").write_text(json.dumps(results, indent=2, default=str))
-    table = markdown(results)
-    (args.out / "given.md").write_text(table)
-    print(table)
+    write_results(args.out, "given", results, markdown(results))
     runtime.stop()
     return 0
 

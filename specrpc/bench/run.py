@@ -7,8 +7,6 @@ import argparse
 import asyncio
 import functools
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -20,7 +18,7 @@ from typing import Any
 
 import torch
 
-from specrpc.bench.common import pair_line, percentile
+from specrpc.bench.common import machine_line, pair_line, percentile
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs
 from specrpc.bench.workloads import Case, build_cases
@@ -633,8 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     base = summarize(runs["target-only"])["tokens_per_s"]
     reference = [r.tokens for r in runs["target-only"]]
     results: dict[str, Any] = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
-                   f"{torch.__version__}, {torch.get_num_threads()} threads, {runtime.device}, {runtime.dtype}"
+        "machine": machine_line(runtime.device, runtime.dtype)
                    + (f", {args.weights} weights" if args.weights != "dtype" else ""),
         "pair": pair_line(args.target, args.draft),
         "command": "specrpc bench " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -17,9 +17,6 @@ ties.md."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -28,7 +25,7 @@ from typing import Any
 
 import torch
 
-from specrpc.bench.common import pair_line
+from specrpc.bench.common import machine_line, pair_line, write_results
 from specrpc.bench.contenders import Run, measure
 from specrpc.bench.given import decode_rate
 from specrpc.bench.run import prompt_ids, summarize
@@ -253,20 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     files = [SourceFile(str(f), f.read_text(), "given") for f in args.files] if args.files else None
     cases = build_cases(args.cases, args.seed, workloads, files)
     results: dict[str, Any] = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
-                   f"{torch.__version__}, {torch.get_num_threads()} threads, {runtimes['default'].device}, "
-                   f"{runtimes['default'].dtype}",
+        "machine": machine_line(runtimes["default"].device, runtimes["default"].dtype),
         "pair": pair_line(args.target, args.draft),
         "command": "specrpc bench ties " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cases": len(cases), "prompts": "the files given" if files else "held-out files", "skipped": skipped,
         "streams_note": "" if args.streams > 1 else "batched rows: none (--streams 1)",
     }
     results |= measure_modes(runtimes, cases, ks, args.streams, args.max_new_tokens)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ties.json").write_text(json.dumps(results, indent=2, default=str))
-    table = markdown(results)
-    (args.out / "ties.md").write_text(table)
-    print(table)
+    write_results(args.out, "ties", results, markdown(results))
     for rt in runtimes.values():
         rt.stop()
     deterministic = results["modes"].get("deterministic", {})
