@@ -51,10 +51,7 @@ class LogitsTransform:
         t0 = time.perf_counter()
         k = len(drafted)
         assert logits.shape[0] == k + 1, "one row per drafted token, and one after them"
-        out = logits.float().clone()  # [k+1, V]
-        bias_ids, bias_values, ends = self._constants(out.shape[-1], out.device)
-        if bias_ids.numel():
-            out[:, bias_ids] += bias_values
+        out = self._biased(logits)  # [k+1, V]
         if self.params.penalized:
             window = self._window(context)
             ids = sorted(window.keys() | set(drafted))  # the tokens any row counts
@@ -79,7 +76,7 @@ class LogitsTransform:
                 index = torch.tensor(ids, device=out.device)  # [S]
                 out[:, index] = self._penalized(out[:, index], counts)  # [k+1, S]
         generated = len(context) - self.prompt_len
-        self._ban(out, ends, list(range(generated, generated + k + 1)))
+        self._ban(out, list(range(generated, generated + k + 1)))
         self.work_s += time.perf_counter() - t0
         return out
 
@@ -128,13 +125,18 @@ class LogitsTransform:
         """Logits [n, V] → float32 [n, V]: logit_bias, then the penalties by `counts` [n, V] (row i's window), then
         end-of-text banned on rows whose `generated` (tokens generated before them) is under min_tokens, or on
         every row with ignore_eos."""
-        out = logits.float().clone()  # [n, V]
-        bias_ids, bias_values, ends = self._constants(out.shape[-1], out.device)
-        if bias_ids.numel():
-            out[:, bias_ids] += bias_values
+        out = self._biased(logits)  # [n, V]
         if counts is not None:
             out = self._penalized(out, counts)
-        self._ban(out, ends, generated)
+        self._ban(out, generated)
+        return out
+
+    def _biased(self, logits: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of `logits` [n, V] with logit_bias added."""
+        out = logits.float().clone()  # [n, V]
+        bias_ids, bias_values, _ = self._constants(out.shape[-1], out.device)
+        if bias_ids.numel():
+            out[:, bias_ids] += bias_values
         return out
 
     def _penalized(self, values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -150,8 +152,9 @@ class LogitsTransform:
             values = values - p.presence_penalty * seen.float()
         return values
 
-    def _ban(self, out: torch.Tensor, ends: torch.Tensor, generated: list[int]) -> None:
+    def _ban(self, out: torch.Tensor, generated: list[int]) -> None:
         """End-of-text banned in place on rows of `out` [n, V] before min_tokens (or on all with ignore_eos)."""
+        ends = self._constants(out.shape[-1], out.device)[2]
         if not ends.numel():
             return
         if self.params.ignore_eos:
