@@ -1,6 +1,6 @@
 """Small pieces several bench modules share: nearest-rank percentiles, a free loopback port for a server the
-bench starts in another process, the lines naming the machine and the model pair a table was measured with, and
-writing a bench's results."""
+bench starts in another process, the lines naming the machine and the model pair a table was measured with,
+writing a bench's results, and the one-slot runtime of the in-process rows."""
 
 from __future__ import annotations
 
@@ -13,7 +13,26 @@ from typing import Any
 
 import torch
 
+from specrpc.config import Config, EngineConfig, Limits, ServerConfig
 from specrpc.models.fingerprint import pair_hash
+from specrpc.serving.runtime import Runtime
+
+
+def one_slot_runtime(target: str, draft: str, threads: int, dtype: str, weights: str, native_decode: bool = True
+                     ) -> Runtime:
+    """A calibrated runtime with one slot of 2,048 positions, for the in-process rows (`given`, `controls`); logs at
+    warning, torch at `threads` (0: its default)."""
+    from specrpc.logs import configure
+
+    if threads:
+        torch.set_num_threads(threads)
+    config = Config(engine=EngineConfig(target=target, draft=draft, max_sessions=1, max_context=2048, threads=threads,
+                                        dtype=dtype, weights=weights, native_decode=native_decode),
+                    server=ServerConfig(port=0, log_format="console", log_level="warning"), limits=Limits())
+    configure("console", "warning")
+    runtime = Runtime(config)
+    runtime.engine.calibrate()
+    return runtime
 
 
 def machine_line(device: object, dtype: object) -> str:

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from specrpc.bench.common import machine_line, pair_line, write_results
+from specrpc.bench.common import machine_line, one_slot_runtime, pair_line, write_results
 from specrpc.bench.contenders import Run, measure
 from specrpc.bench.run import summarize
 from specrpc.bench.workloads import build_cases
-from specrpc.config import Config, EngineConfig, Limits, ServerConfig
+from specrpc.config import EngineConfig
 from specrpc.engine.constraint import Constraint, ConstraintSpec, Grammar
 from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.logits_transform import LogitsTransform
@@ -362,17 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in rows if w not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = Config(engine=EngineConfig(target=args.target, draft=args.draft, max_sessions=1, max_context=2048,
-                                        threads=args.threads, dtype=args.dtype, weights=args.weights,
-                                        native_decode=args.native_decode),
-                    server=ServerConfig(port=0, log_format="console", log_level="warning"), limits=Limits())
-    from specrpc.logs import configure
-
-    configure("console", "warning")
-    runtime = Runtime(config)
-    runtime.engine.calibrate()
+    runtime = one_slot_runtime(args.target, args.draft, args.threads, args.dtype, args.weights, args.native_decode)
     cases = {"json": json_cases(args.cases, args.max_new_tokens or 96), "penalty": code_cases(args.cases, args.seed)}
     if args.max_new_tokens:
         cases["penalty"] = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases["penalty"]]

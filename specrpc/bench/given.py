@@ -27,13 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from specrpc.bench.common import machine_line, pair_line, write_results
+from specrpc.bench.common import machine_line, one_slot_runtime, pair_line, write_results
 from specrpc.bench.contenders import Run, measure
 from specrpc.bench.run import summarize
 from specrpc.bench.workloads import build_cases, heldout_files
-from specrpc.config import Config, EngineConfig, Limits, ServerConfig
+from specrpc.config import EngineConfig
 from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.prediction import PredictionProposer
 from specrpc.engine.sampling import SamplingParams
@@ -247,16 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in rows if w not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = Config(engine=EngineConfig(target=args.target, draft=args.draft, max_sessions=1, max_context=2048,
-                                        threads=args.threads, dtype=args.dtype, weights=args.weights),
-                    server=ServerConfig(port=0, log_format="console", log_level="warning"), limits=Limits())
-    from specrpc.logs import configure
-
-    configure("console", "warning")
-    runtime = Runtime(config)
-    runtime.engine.calibrate()
+    runtime = one_slot_runtime(args.target, args.draft, args.threads, args.dtype, args.weights)
     rng = random.Random(args.seed)
     makers = {"rewrite": lambda: rewrite_cases(heldout_files(), args.cases, rng),
               "repeated": lambda: repeated_cases(args.warmup + args.repeated, rng),
