@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import llguidance as llg
@@ -109,6 +110,52 @@ def test_constrained_streams_in_a_batch_equal_their_solo_runs(pair: tuple[Path, 
     solo = [decode(engine, engine.new_slot(0), r) for r in requests]
     together, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
     assert together == solo
+
+
+def test_forced_tokens_are_drafted_without_draft_forwards(pair: tuple[Path, Path], letters: GrammarCompiler,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `((a|b)cdeab)+` the grammar forces five letters after each a or b. A k = 8 draft after the first token
+    takes the forced run, draws one letter, takes the next run's first two: one draft forward (the catch-up with
+    the run after it) for eight tokens, not eight; the output stays masked target-only's."""
+    engine = make_engine(pair)
+    grammar = letters.compile(ConstraintSpec("regex", "((a|b)cdeab)+"))
+    prompt = Letters()("cab")
+    request = GenerationRequest(prompt, 24, GREEDY, num_draft_tokens=8, proposer="draft", grammar=grammar)
+    gen = engine.start(engine.new_slot(0), request)
+    assert spell(engine.step_one(gen).token_ids) in ("a", "b")  # the prefill's token: a choice
+    assert engine.draft is not None and engine.drafter is not None
+    forward = engine.draft.forward
+    fed: list[int] = []  # tokens per draft forward
+
+    def counted(ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        fed.append(ids.shape[0])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.draft, "forward", counted)
+    assert gen.constraint is not None
+    drafted = engine.drafter.propose(gen.slot.tokens, gen.slot.index, 8, GREEDY, None, gen.constraint).token_ids
+    assert spell(drafted[:5]) == "cdeab" and spell(drafted[5:6]) in ("a", "b") and spell(drafted[6:]) == "cd"
+    assert fed == [len(prompt) + 1 + 5], "the catch-up and the forced run in one forward, nothing per token"
+    monkeypatch.undo()
+    assert decode(engine, engine.new_slot(0), request) == masked_reference(pair[0], prompt, grammar, 24)
+
+
+def test_greedy_rows_are_masked_only_where_the_grammar_overrules_the_argmax(letters: GrammarCompiler) -> None:
+    """A greedy verify's rows along the draft `ab` under `(ab|ba|c[de])+`: where each row's argmax is allowed the
+    logits come back as they are; where the grammar forbids it, that row is masked, and every row the verify reads
+    has the fully masked logits' argmax."""
+    constraint = letters.compile(ConstraintSpec("regex", f"{UNITS}+")).start()
+    draft = Letters()("ab")
+    agreeing = torch.full((3, 6), -5.0)
+    agreeing[0, 1] = agreeing[1, 2] = agreeing[2, 3] = 5.0  # a, then b (forced), then c: all allowed
+    assert constraint.greedy_rows(agreeing, draft) is agreeing  # no row masked
+    overruled = agreeing.clone()
+    overruled[1, 5] = 9.0  # e after a: forbidden, the masked argmax is b (accepted)
+    overruled[2, 4] = 9.0  # d after ab: forbidden, the masked argmax is c
+    shaped = constraint.greedy_rows(overruled, draft)
+    assert shaped.argmax(dim=-1).tolist() == [1, 2, 3]
+    assert shaped.argmax(dim=-1).tolist() == mask_logits(overruled, constraint.masks(draft)).argmax(dim=-1).tolist()
+    assert overruled[1, 5] == 9.0, "the caller's logits are not changed"
 
 
 def test_prompt_lookup_drafts_are_cut_at_the_first_forbidden_token(pair: tuple[Path, Path],

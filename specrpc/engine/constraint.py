@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Literal
 import llguidance as llg
 import torch
 
+from specrpc.engine.sampling import mask_logits
+
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
@@ -37,7 +39,7 @@ def parser_limits() -> llg.LLParserLimits:
     return llg.LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                               max_grammar_size=200_000, verbose_errors=False)
 
-_BITS = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)  # [8] the bits of a mask byte, low first
+_BITS = torch.tensor([1 << b for b in range(32)], dtype=torch.int64).to(torch.int32)  # [32] a mask word's bits
 
 
 class InvalidConstraint(ValueError):
@@ -55,25 +57,30 @@ class ConstraintSpec:
     strict: bool = True
 
 
-def unpack_mask(bitmask: bytes, vocab: int) -> torch.Tensor:
-    """llguidance's bitmask (bit i of little-endian int32 words: token i allowed) → bool [vocab]."""
-    packed = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)  # [ceil(V/32)*4]
-    return packed.unsqueeze(-1).bitwise_and(_BITS).ne(0).flatten()[:vocab]  # [V]
+def unpack_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """llguidance's bitmask words [..., W] int32 (bit i % 32 of word i // 32: token i allowed) → bool [..., vocab]."""
+    return words.unsqueeze(-1).bitwise_and(_BITS).ne(0).flatten(-2)[..., :vocab]  # [..., V]
 
 
 class Constraint:
     """One request's matcher, at its committed tokens between steps. Drafting advances it token by token
-    (`advance`) and rewinds (`rewind`); `masks` gives the allowed tokens at each position along a draft. A mask is
-    computed once per state between commits: the verify's rows along a draft reuse the ones drafting computed, so a
-    step fills k + 1 masks, not 2k + 1. `work_s` counts the host seconds spent in the matcher (mask fills, advances,
-    rollbacks, prefix checks): `specrpc bench controls` reports its share of a step."""
+    (`advance`, `take`) and rewinds (`rewind`); `masks` gives the allowed tokens at each position along a draft.
+
+    Masks are filled in place into one preallocated int32 bitmask, a row per state since the last commit (by its
+    drafted path), and unpacked only where used: the verify's rows along a draft reuse the ones drafting filled, so
+    a sampled step fills k + 1 masks, not 2k + 1. A greedy step fills one only where the grammar overrules the
+    model (`take`, `greedy_rows`): an argmax the grammar allows is the masked argmax. `work_s` counts the host
+    seconds spent in the matcher (mask fills and unpacking, advances, rollbacks, checks, forced tokens): `specrpc
+    bench controls` reports its share of a step."""
 
     def __init__(self, matcher: llg.LLMatcher, vocab: int) -> None:
         self._matcher = matcher
         self.vocab = vocab
         self.work_s = 0.0
         self._drafted: list[int] = []  # tokens taken beyond the committed state
-        self._known: dict[tuple[int, ...], torch.Tensor] = {}  # masks of the states since the last commit, by path
+        self._words = (vocab + 31) // 32
+        self._bits = torch.empty(16, self._words, dtype=torch.int32)  # [R, W] masks filled since the last commit
+        self._rows: dict[tuple[int, ...], int] = {}  # drafted path → the row of _bits holding its state's mask
 
     @property
     def done(self) -> bool:
@@ -82,26 +89,42 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """Tokens allowed next: bool [V]; all of them once the grammar is done (what follows is never committed)."""
-        path = tuple(self._drafted)
-        mask = self._known.get(path)
-        if mask is not None:
-            return mask
+        row = self._row()
         t0 = time.perf_counter()
-        if self._matcher.is_stopped():
-            mask = torch.ones(self.vocab, dtype=torch.bool)  # [V]
-        else:
-            mask = unpack_mask(self._matcher.compute_bitmask(), self.vocab)  # [V]
-        self._known[path] = mask
+        mask = unpack_mask(self._bits[row], self.vocab)  # [V]
         self.work_s += time.perf_counter() - t0
         return mask
 
     def advance(self, token: int) -> None:
         """Take a drafted token (one the mask allowed)."""
+        self.advance_all([token])
+
+    def advance_all(self, tokens: list[int]) -> None:
+        """Take drafted tokens (ones the grammar allows, in order)."""
+        if tokens:
+            t0 = time.perf_counter()
+            ok = self._matcher.consume_tokens(tokens)
+            self.work_s += time.perf_counter() - t0
+            self._check(ok)
+            self._drafted.extend(tokens)
+
+    def take(self, token: int) -> bool:
+        """Take `token` where the grammar allows it here (True), else change nothing (False): a check of one
+        token, not a mask."""
         t0 = time.perf_counter()
-        ok = self._matcher.consume_token(token)
+        ok = token < self.vocab and self._matcher.try_consume_tokens([token]) == 1
         self.work_s += time.perf_counter() - t0
-        self._check(ok)
-        self._drafted.append(token)
+        if ok:
+            self._drafted.append(token)
+        return ok
+
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces from here (llguidance's fast-forward tokens: its tokenization of the bytes
+        that must come next, e.g. a JSON key after its opening quote); none once the grammar is done."""
+        t0 = time.perf_counter()
+        tokens = [] if self._matcher.is_stopped() else list(self._matcher.compute_ff_tokens())
+        self.work_s += time.perf_counter() - t0
+        return tokens
 
     def rewind(self, n: int) -> None:
         """Undo the last `n` drafted tokens."""
@@ -122,19 +145,80 @@ class Constraint:
     def masks(self, draft: list[int]) -> torch.Tensor:
         """Allowed tokens at each position of a verify along `draft` (which the grammar allows): bool [k+1, V], row
         i before draft token i, row k after the last; the matcher ends where it started."""
-        rows = [self.allowed()]
-        for token in draft:
-            self.advance(token)
-            rows.append(self.allowed())
-        self.rewind(len(draft))
-        return torch.stack(rows)  # [k+1, V]
+        base, taken = tuple(self._drafted), 0
+        rows: list[int] = []
+        for i in range(len(draft) + 1):
+            row = self._rows.get(base + tuple(draft[:i]))
+            if row is None:  # advance as far as a new mask needs
+                self.advance_all(draft[taken:i])
+                taken = i
+                row = self._row()
+            rows.append(row)
+        self.rewind(taken)
+        t0 = time.perf_counter()
+        first = rows[0]
+        in_order = rows == list(range(first, first + len(rows)))  # as drafting filled them: no gather
+        words = self._bits[first : first + len(rows)] if in_order else self._bits[rows]  # [k+1, W]
+        out = unpack_mask(words, self.vocab)  # [k+1, V]
+        self.work_s += time.perf_counter() - t0
+        return out
+
+    def greedy_rows(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
+        """A greedy verify's logits [k+1, V] along `draft` (transformed already, which commutes with the mask: every
+        transform keeps -inf) with the grammar's mask on the rows whose argmax the verify reads and the grammar
+        forbids; each row the verify reads then has the masked argmax. A drafted token the grammar allows that is
+        the row's argmax is accepted as it is; at the first row where it is not, a check of its argmax decides
+        (allowed: it is the masked argmax, ties too, as the first maximum), and a mask is filled only where the
+        grammar overrules the model, as llama.cpp samples before applying its grammar. The matcher ends where it
+        started; `logits` is not changed (a masked copy is returned)."""
+        t0 = time.perf_counter()
+        top: list[int] = logits.argmax(dim=-1).tolist()  # [k+1]
+        self.work_s += time.perf_counter() - t0
+        out, taken, k = logits, 0, len(draft)
+        for i in range(k + 1):
+            if i < k and top[i] == draft[i]:
+                continue
+            self.advance_all(draft[taken:i])
+            taken = i
+            if self._matcher.is_stopped() or (top[i] < self.vocab and self.valid_prefix([top[i]]) == 1):
+                break  # the argmax is allowed: the verify's decision at this row is the masked one
+            allowed = self.allowed()  # [V]
+            t0 = time.perf_counter()
+            if out is logits:
+                out = logits.clone()  # [k+1, V]
+            out[i] = mask_logits(out[i : i + 1], allowed)[0]  # [V]
+            chosen = int(out[i].argmax())
+            self.work_s += time.perf_counter() - t0
+            if i == k or chosen != draft[i]:
+                break  # rejected here, or the bonus row
+        self.rewind(taken)
+        return out
 
     def commit(self, token: int) -> bool:
         """Take a committed token; True when the grammar is done after it."""
         self.advance(token)
-        self._drafted.clear()  # the new committed state: the known masks were of the old one's paths
-        self._known.clear()
+        self._drafted.clear()  # the new committed state: the masks filled were of the old one's paths
+        self._rows.clear()
         return self.done
+
+    def _row(self) -> int:
+        """The row of `_bits` holding the current state's mask, filled in place now if it is new."""
+        path = tuple(self._drafted)
+        row = self._rows.get(path)
+        if row is not None:
+            return row
+        t0 = time.perf_counter()
+        row = len(self._rows)
+        if row == self._bits.shape[0]:
+            self._bits = torch.cat([self._bits, torch.empty_like(self._bits)])  # [2R, W]
+        target = self._bits[row]  # [W], contiguous
+        if self._matcher.is_stopped():
+            target.fill_(-1)
+        else:
+            self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), self._words * 4)
+        self._rows[path] = row
+        self.work_s += time.perf_counter() - t0
+        return row
 
     def _check(self, ok: bool) -> None:
         if not ok or self._matcher.is_error():

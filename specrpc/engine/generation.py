@@ -16,7 +16,7 @@ from specrpc.engine.constraint import Constraint, Grammar
 from specrpc.engine.logits_transform import Cursor, LogitsTransform
 from specrpc.engine.policy import AdaptivePolicy
 from specrpc.engine.prediction import PredictionProposer
-from specrpc.engine.proposers import Proposal, Proposer
+from specrpc.engine.proposers import EMPTY, Proposal, Proposer
 from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, mask_logits, sample
 from specrpc.engine.suffix import SuffixProposer
 
@@ -192,9 +192,7 @@ class Generation:
         if self.request.prefill_only:
             self.finish = FINISH_LENGTH
             return StepResult([], 0, 0, self.finish)
-        chosen = logits if self.constraint is None else mask_logits(logits, self.constraint.allowed())  # [1, V]
-        if self.transform is not None:
-            chosen = self.transform.along(chosen, self.slot.tokens, [])  # [1, V]
+        chosen = self.shaped(logits, EMPTY)  # [1, V]
         if self.params.greedy:
             token = int(chosen[0].argmax())
         else:
@@ -208,11 +206,15 @@ class Generation:
     def shaped(self, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor:
         """A verify's target logits [k+1, V] as the request samples from them at each position along the draft:
         what the grammar forbids at -inf, then the logits transform with that position's counts (unchanged
-        without either)."""
-        if self.constraint is not None:
+        without either). Greedy, the mask goes only on the rows whose argmax the verify reads and the grammar
+        forbids (`Constraint.greedy_rows`): every row read has its masked argmax, at a mask's cost only where the
+        grammar overrules the target."""
+        if self.constraint is not None and not self.params.greedy:
             logits = mask_logits(logits, self.constraint.masks(proposal.token_ids))  # [k+1, V]
         if self.transform is not None:
             logits = self.transform.along(logits, self.slot.tokens, proposal.token_ids)  # [k+1, V]
+        if self.constraint is not None and self.params.greedy:
+            logits = self.constraint.greedy_rows(logits, proposal.token_ids)  # [k+1, V]
         return logits
 
     def cursor(self, vocab: int, device: torch.device) -> Cursor | None:

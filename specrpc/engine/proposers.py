@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from specrpc.engine.constraint import Constraint
 from specrpc.engine.logits_transform import Cursor, LogitsTransform
@@ -20,8 +21,9 @@ from specrpc.models import BatchRow, CausalLM
 @dataclass(frozen=True)
 class Proposal:
     """k proposed tokens; `probs` [k, V] is the proposer's distribution (None: a point mass at each token);
-    `step_s`: a draft model's measured seconds per forward step (None: nothing measured); `catch_up_s`: seconds a
-    draft model spent catching up on more than the last step's tokens first (after sitting out, or a new prompt)."""
+    `step_s`: a draft model's measured seconds per drafted token (a forward step each, but a grammar's forced tokens
+    ride along in one; None: nothing measured); `catch_up_s`: seconds a draft model spent catching up on more than
+    the last step's tokens first (after sitting out, or a new prompt)."""
 
     token_ids: list[int]
     probs: torch.Tensor | None
@@ -98,21 +100,92 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
           constraint: Constraint | None, cursor: Cursor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft token [1] from logits [1, V] under the grammar's mask (which then takes it) and the logits
     transform at this position (which then counts it), and its distribution [V] (None when greedy: verify ignores
-    draft probabilities then)."""
-    if constraint is not None:
+    draft probabilities then). Greedy, the argmax is checked first and the mask filled only when the grammar
+    forbids it (an allowed argmax is the masked one; the transform keeps -inf, so it commutes with the mask)."""
+    if constraint is not None and not params.greedy:
         logits = mask_logits(logits, constraint.allowed())  # [1, V]
     if cursor is not None:
         logits = cursor.apply(logits)  # [1, V]
     if params.greedy:
         token, probs = logits[0].argmax().view(1), None  # [1]
+        if constraint is not None and not constraint.take(int(token)):
+            token = mask_logits(logits, constraint.allowed())[0].argmax().view(1)  # [1]
+            constraint.advance(int(token))
     else:
         p = logits_to_probs(logits, params)  # [1, V]
         token, probs = sample(p, generator), p[0]  # [1], [V]
-    if constraint is not None:
-        constraint.advance(int(token))
+        if constraint is not None:
+            constraint.advance(int(token))
     if cursor is not None:
         cursor.advance(token)
     return token, probs
+
+
+class _Stream:
+    """One stream's drafting in progress: its k, its tokens so far ([1] drawn or [F] forced each, on the device),
+    their distributions ([1, V] or [F, V] each; none when greedy) and those not yet in the draft's cache."""
+
+    def __init__(self, k: int, params: SamplingParams, generator: torch.Generator | None,
+                 constraint: Constraint | None, cursor: Cursor | None, vocab: int, device: torch.device) -> None:
+        self.k = k
+        self.params = params
+        self.generator = generator
+        self.constraint = constraint
+        self.cursor = cursor
+        self.vocab = vocab
+        self.device = device
+        self.n = 0  # tokens drafted
+        self._drafted: list[torch.Tensor] = []
+        self._probs: list[torch.Tensor] = []
+        self._unfed: list[torch.Tensor] = []
+
+    @property
+    def more(self) -> bool:
+        """Whether it drafts on: fewer than k tokens, and the grammar not ended (the bonus position is its end)."""
+        return self.n < self.k and not (self.constraint is not None and self.constraint.done)
+
+    def force(self) -> list[int]:
+        """Take the tokens the grammar forces next, up to k (returned): drafts that cost no draft forward
+        (jump-forward decoding under speculation; the target verifies them like any draft), a point mass each."""
+        if self.constraint is None or not self.more:
+            return []
+        forced = self.constraint.forced()[: self.k - self.n]
+        if forced:
+            self.constraint.advance_all(forced)
+            tokens = torch.tensor(forced, dtype=torch.long, device=self.device)  # [F]
+            if self.cursor is not None:
+                for token in tokens:
+                    self.cursor.advance(token.view(1))
+            self._add(tokens, None if self.params.greedy else F.one_hot(tokens, self.vocab).to(torch.float32))
+        return forced
+
+    def draw(self, logits: torch.Tensor) -> None:
+        """Draw a token from the draft's logits [1, V] (`_draw`), then take what the grammar forces after it."""
+        token, probs = _draw(logits, self.params, self.generator, self.constraint, self.cursor)  # [1], [V]
+        self._add(token, None if probs is None else probs.unsqueeze(0))
+        self.force()
+
+    def unfed(self) -> tuple[torch.Tensor, int]:
+        """The drafted tokens the draft's cache lacks [T] (they go in with one forward) and the index of the first
+        among the drafts; counted as fed from now on."""
+        fresh = torch.cat(self._unfed)  # [T]
+        self._unfed = []
+        return fresh, self.n - fresh.shape[0]
+
+    def proposal(self, name: str) -> Proposal:
+        """The drafts as a proposal (the one host sync), the grammar rewound to where drafting started."""
+        ids: list[int] = torch.cat(self._drafted).tolist() if self._drafted else []  # [k]
+        if self.constraint is not None:
+            self.constraint.rewind(len(ids))
+        probs = None if self.params.greedy or not ids else torch.cat(self._probs)  # [k, V]
+        return Proposal(ids, probs, name)
+
+    def _add(self, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
+        self._drafted.append(tokens)
+        self._unfed.append(tokens)
+        if probs is not None:
+            self._probs.append(probs)
+        self.n += tokens.shape[0]
 
 
 class DraftModelProposer:
@@ -130,7 +203,8 @@ class DraftModelProposer:
     ) -> Proposal:
         """Catch the draft cache up to `tokens` (chunked: it may hold only a prefix), then sample k tokens (under
         `constraint`'s mask, its matcher advancing through them and rewound after: fewer when the grammar ends;
-        and under `transform` at each position)."""
+        and under `transform` at each position). Tokens the grammar forces are drafted without drawing
+        (`_Stream.force`) and go into the draft's cache with the token before them, in one forward."""
         if k == 0:
             return EMPTY
         start = self.model.length(slot)
@@ -143,7 +217,15 @@ class DraftModelProposer:
             # a catch-up of a few more tokens (after a prompt lookup step, or a plain one) is a few more rows in the
             # first forward, part of this step's cost: timed as a draft step only in the steady state
             return Proposal(ids, None, self.name, (time.perf_counter() - t0) / k if steady else None)
-        logits = feed(self.model, slot, tokens[start:], start, self.prefill_chunk)  # [1, V]
+        model = self.model
+        cursor = None if transform is None else transform.cursor(tokens, model.vocab_size, model.device)
+        stream = _Stream(k, params, generator, constraint, cursor, model.vocab_size, model.device)
+        ahead = stream.force()  # a forced run at the start goes in with the catch-up (unless drafting ends there)
+        if ahead and stream.more:
+            stream.unfed()
+        else:
+            ahead = []
+        logits = feed(model, slot, tokens[start:] + ahead, start, self.prefill_chunk)  # [1, V]
         # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
         # (the draft sat out steps, or a new prompt) is prefill, not drafting: leave it out of the step time.
         catch_up_s = 0.0
@@ -152,38 +234,33 @@ class DraftModelProposer:
             t0 += catch_up_s
         position = len(tokens)
         looped = self._greedy_loop(logits, position, slot, k) if plain else None
-        drafted: list[torch.Tensor] = [] if looped is None else [looped]
-        rows: list[torch.Tensor] = []
-        cursor = None if transform is None else transform.cursor(tokens, logits.shape[-1], logits.device)
-        for i in range(k if looped is None else 0):  # tokens stay on the device: on a GPU the steps queue unsynced
-            token, probs = _draw(logits, params, generator, constraint, cursor)  # a grammar syncs each token
-            drafted.append(token)
-            if probs is not None:
-                rows.append(probs)
-            if constraint is not None and constraint.done:
-                break  # nothing may follow: the verify's bonus position is the grammar's end
-            if i + 1 < k:
-                logits = self.model.forward(token, position + i, slot, num_logits=1)  # [1, V]
-        ids = torch.cat(drafted).tolist()  # [k]: the one host sync of the proposal
-        if constraint is not None:
-            constraint.rewind(len(ids))
-        probs_out = None if params.greedy else torch.stack(rows)  # [k, V]
-        forwards = len(ids) if steady else len(ids) - 1
-        step_s = (time.perf_counter() - t0) / forwards if forwards else None
-        return Proposal(ids, probs_out, self.name, step_s, catch_up_s)
-
+        if looped is not None:
+            proposal = Proposal(looped.tolist(), None, self.name)  # [k]
+        else:
+            while stream.more:  # tokens stay on the device: on a GPU the steps queue unsynced (a grammar syncs each)
+                stream.draw(logits)
+                if stream.more:  # the token drawn and the forced run after it: one forward
+                    fresh, at = stream.unfed()
+                    logits = model.forward(fresh, position + at, slot, num_logits=1)  # [1, V]
+            proposal = stream.proposal(self.name)
+        timed = len(proposal) if steady else len(proposal) - 1  # drafted after the catch-up's (forced ones too)
+        step_s = (time.perf_counter() - t0) / timed if timed > 0 else None
+        return dataclasses.replace(proposal, step_s=step_s, catch_up_s=catch_up_s)
 
     def propose_batch(self, requests: list[DraftRequest]
                       ) -> tuple[list[Proposal], list[tuple[int, float]], float]:
         """`propose` for several streams (distinct slots, each k >= 1) with one batched draft forward per draft
         position: the first also catches each slot up on its new tokens (a catch-up beyond a prefill chunk is fed
-        alone first), the next ones carry one token per stream still drafting. Each stream samples from its own
+        alone first), the next ones carry each stream still drafting's last token (and the run its grammar forces
+        after it, which costs no forward of its own: the batch cost model counts rows). Each stream samples from its own
         logits with its own generator, in its own order, as alone. Returns the proposals, per batched drafting
         forward (rows, seconds) for the batch cost model, and the seconds spent catching up beyond the steady
         state (the first forward then, and any feed before it): the price of steps the drafts sat out, not what
         drafting costs, so neither the cost model nor the batch guard should count it."""
         model = self.model
         rows: list[BatchRow] = []
+        streams: list[_Stream] = []
+        steady = True
         t_catch = time.perf_counter()
         for r in requests:
             start = model.length(r.slot)
@@ -192,44 +269,43 @@ class DraftModelProposer:
                 skip = len(rest) - self.prefill_chunk
                 feed(model, r.slot, rest[:skip], start, self.prefill_chunk)
                 start, rest = start + skip, rest[skip:]
-            rows.append(BatchRow(torch.tensor(rest, dtype=torch.long, device=model.device), start, r.slot, 1))
-        steady = all(row.ids.shape[0] <= STEADY_CATCH_UP for row in rows)
+            steady = steady and len(rest) <= STEADY_CATCH_UP
+            cursor = None if r.transform is None else r.transform.cursor(r.tokens, model.vocab_size, model.device)
+            stream = _Stream(r.k, r.params, r.generator, r.constraint, cursor, model.vocab_size, model.device)
+            ahead = stream.force()  # a forced run at the start goes in with the catch-up (unless drafting ends there)
+            if ahead and stream.more:
+                stream.unfed()
+            else:
+                ahead = []
+            streams.append(stream)
+            rows.append(BatchRow(torch.tensor(rest + ahead, dtype=torch.long, device=model.device), start, r.slot,
+                                 1))
         timings: list[tuple[int, float]] = []
         t0 = time.perf_counter()
         logits = model.forward_batch(rows)  # per stream [1, V]
         if steady:
             timings.append((len(rows), time.perf_counter() - t0))
         catch_up_s = 0.0 if steady else time.perf_counter() - t_catch
-        drafted: list[list[torch.Tensor]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        ks = [r.k for r in requests]  # each stream's k, cut where its grammar ends
-        cursors = [None if r.transform is None else r.transform.cursor(r.tokens, out.shape[-1], out.device)
-                   for r, out in zip(requests, logits, strict=True)]
-        for i in range(max(ks)):
-            active = [j for j, k in enumerate(ks) if k > i]
+        active = list(range(len(requests)))  # the streams `logits` holds a row for, in order
+        while True:
             step: list[BatchRow] = []
+            drafting: list[int] = []
             for j, row_logits in zip(active, logits, strict=True):
-                r = requests[j]
-                token, p = _draw(row_logits, r.params, r.generator, r.constraint, cursors[j])
-                if p is not None:
-                    probs[j].append(p)
-                drafted[j].append(token)
-                if r.constraint is not None and r.constraint.done:
-                    ks[j] = i + 1
-                if i + 1 < ks[j]:
-                    step.append(BatchRow(token, len(r.tokens) + i, r.slot, 1))
+                stream = streams[j]
+                if not stream.more:
+                    continue
+                stream.draw(row_logits)
+                if stream.more:  # the token drawn and the forced run after it: one row
+                    fresh, at = stream.unfed()
+                    step.append(BatchRow(fresh, len(requests[j].tokens) + at, requests[j].slot, 1))
+                    drafting.append(j)
             if not step:
                 break
             t0 = time.perf_counter()
             logits = model.forward_batch(step)  # per stream still drafting [1, V]
             timings.append((len(step), time.perf_counter() - t0))
-        proposals = []
-        for r, tokens, rows_p in zip(requests, drafted, probs, strict=True):
-            ids: list[int] = torch.cat(tokens).tolist()  # [k]
-            if r.constraint is not None:
-                r.constraint.rewind(len(ids))
-            proposals.append(Proposal(ids, None if r.params.greedy else torch.stack(rows_p), self.name))
-        return proposals, timings, catch_up_s
+            active = drafting
+        return [stream.proposal(self.name) for stream in streams], timings, catch_up_s
 
     def _feed_greedy(self, tokens: list[int], start: int, slot: int, k: int) -> torch.Tensor | None:
         """The catch-up on tokens[start:] and k greedy drafts [k] in one call of the model's (a lean model's native
