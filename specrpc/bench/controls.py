@@ -8,11 +8,13 @@ from request to request as a server slot's is. Rows:
 - penalty (issue 36): the usual code-completion prompts (`workloads.build_cases`); the same four contenders without
   and with a repetition penalty over the context's last 64 tokens. Goal: ratio of speed-ups ≥ 0.9.
 - costs: along drafted paths of k = 8 tokens (the target's own greedy outputs under the controls, one position
-  further each time), the grammar matcher's work as the engine does it (mask fill and advance per drafted token,
-  rollback, the verify's k+1 masks and their application) and the logits transform on the verify's [k+1, V] logits
-  (penalties and logit_bias, plus what min_p adds to the sampling distribution), each against a k = 8 verify
-  forward of the target measured at the same positions. Goals: mask work ≤ 10 %, transform ≤ 5 % of the step. The
-  rows also report the shares measured inside their runs (`Constraint.work_s`, `LogitsTransform.work_s`).
+  further each time), the grammar matcher's work as the engine does it (greedy, as the rows run: forced runs, the
+  argmax checked per drafted token and per verify row, a mask only where the grammar forbids it; sampled: a mask
+  filled and applied per drafted token, the verify's k+1 applied; advances and rollback) and the logits transform
+  on the verify's [k+1, V] logits (penalties and logit_bias, plus what min_p adds to the sampling distribution),
+  each against a k = 8 verify forward of the target measured at the same positions. Goals: mask work ≤ 10 %,
+  transform ≤ 5 % of the step. The rows also report the shares measured inside their runs (`Constraint.work_s`,
+  `LogitsTransform.work_s`).
 
 Every contender's tokens are compared with target-only's under the same controls (greedy: identical, fp32 on CPU).
 Prints Markdown; writes controls.json and controls.md."""
@@ -193,15 +195,30 @@ def verify_step(runtime: Runtime, path: list[int], cut: int, k: int) -> tuple[to
     return logits, seconds
 
 
-def mask_work(constraint: Constraint, logits: torch.Tensor, drafted: list[int]) -> float:
-    """Seconds of the matcher's work along `drafted` as the engine does it: drafting (each position's mask applied
-    to its logits, then the token taken), the rollback, the verify's k+1 masks applied to its logits [k+1, V]."""
+def mask_work(constraint: Constraint, logits: torch.Tensor, drafted: list[int], greedy: bool) -> float:
+    """Seconds of the matcher's work along `drafted` as the engine does it: drafting (the grammar's forced run
+    taken where it is the path's next tokens, `proposers._Stream`; else a drawn token: greedy, the draft's argmax
+    checked and a mask filled only where the grammar forbids it, sampled, the position's mask filled and applied to
+    its logits), the rollback, and the verify's rows on its logits [k+1, V] (greedy: checked,
+    `Constraint.greedy_rows`; sampled: the k+1 masks, reused, applied)."""
     t0 = time.perf_counter()
-    for i, token in enumerate(drafted):  # proposers._draw
-        mask_logits(logits[i : i + 1], constraint.allowed())  # [1, V]
-        constraint.advance(token)
+    i = 0
+    while True:
+        forced = constraint.forced()[: len(drafted) - i]
+        if forced and forced == drafted[i : i + len(forced)]:
+            constraint.advance_all(forced)
+            i += len(forced)
+        if i >= len(drafted):
+            break
+        if not greedy or not constraint.take(drafted[i]):
+            mask_logits(logits[i : i + 1], constraint.allowed())  # [1, V]
+            constraint.advance(drafted[i])
+        i += 1
     constraint.rewind(len(drafted))
-    mask_logits(logits, constraint.masks(drafted))  # [k+1, V] Generation.shaped
+    if greedy:
+        constraint.greedy_rows(logits, drafted)  # [k+1, V]
+    else:
+        mask_logits(logits, constraint.masks(drafted))  # [k+1, V]
     return time.perf_counter() - t0
 
 
@@ -230,30 +247,34 @@ def median(values: list[float]) -> float:
 
 
 def mask_costs(runtime: Runtime, prompts: list[list[int]], cuts: int, path_tokens: int
-               ) -> tuple[list[float], list[float]]:
-    """Verify forwards' and the matcher's seconds (`mask_work`) at up to `cuts` positions along the target's schema
-    replies to `prompts` (JSON replies end early: as many prompts as it takes)."""
+               ) -> tuple[list[float], list[float], list[float]]:
+    """Verify forwards' seconds and the matcher's (`mask_work`, greedy as the rows run, and sampled) at up to `cuts`
+    positions along the target's schema replies to `prompts` (JSON replies end early: as many prompts as it
+    takes)."""
     grammar = runtime.grammars.compile(ConstraintSpec("json_schema", json.dumps(SCHEMA)))
     steps: list[float] = []
     works: list[float] = []
+    sampled: list[float] = []
     for ids in prompts:
         if len(works) >= cuts:
             break
         path = greedy_path(runtime, ids, path_tokens, GREEDY, grammar)
-        constraint, committed = grammar.start(), len(ids)
+        greedy_c, sampled_c, committed = grammar.start(), grammar.start(), len(ids)  # each fills its own masks
 
-        def matcher(cut: int, logits: torch.Tensor, drafted: list[int], c: Constraint = constraint,
-                    full: list[int] = ids + path) -> float:
+        def matcher(cut: int, logits: torch.Tensor, drafted: list[int], g: Constraint = greedy_c,
+                    s: Constraint = sampled_c, full: list[int] = ids + path) -> float:
             nonlocal committed
             for token in full[committed:cut]:  # the tokens committed since the last position
-                c.commit(token)
+                g.commit(token)
+                s.commit(token)
             committed = cut
-            return mask_work(c, logits, drafted)
+            sampled.append(mask_work(s, logits, drafted, greedy=False))
+            return mask_work(g, logits, drafted, greedy=True)
 
         more_steps, more_works = cost_walk(runtime, ids, path, cuts - len(works), COST_K, matcher)
         steps += more_steps
         works += more_works
-    return steps, works
+    return steps, works, sampled
 
 
 def transform_costs(runtime: Runtime, prompts: list[list[int]], cuts: int, path_tokens: int
@@ -291,13 +312,14 @@ def transform_costs(runtime: Runtime, prompts: list[list[int]], cuts: int, path_
 def costs(runtime: Runtime, json_prompts: list[list[int]], code_prompts: list[list[int]], cuts: int,
           path_tokens: int) -> dict[str, Any]:
     """The k = 8 costs of the matcher and of the transform against the verify forward (medians over positions)."""
-    mask_steps, mask_s = mask_costs(runtime, json_prompts, cuts, path_tokens)
+    mask_steps, mask_s, sampled_s = mask_costs(runtime, json_prompts, cuts, path_tokens)
     transform_steps, along_s, min_p_s = transform_costs(runtime, code_prompts, cuts, path_tokens)
     step = median(mask_steps + transform_steps)
-    mask = median(mask_s)
+    mask, sampled = median(mask_s), median(sampled_s)
     transform = median(along_s) + max(0.0, median(min_p_s))
     return {"k": COST_K, "step_ms": step * 1e3, "positions": {"mask": len(mask_s), "transform": len(along_s)},
             "mask": {"ms": mask * 1e3, "share": mask / step if step else 0.0, "at_most": 0.10},
+            "mask_sampled": {"ms": sampled * 1e3, "share": sampled / step if step else 0.0, "at_most": 0.10},
             "transform": {"ms": transform * 1e3, "share": transform / step if step else 0.0, "at_most": 0.05,
                           "along_ms": median(along_s) * 1e3, "min_p_ms": median(min_p_s) * 1e3}}
 
@@ -325,7 +347,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"**costs at k = {c['k']}** (medians over {c['positions']['mask']} and "
                   f"{c['positions']['transform']} positions; verify forward {c['step_ms']:.2f} ms)", "",
                   "| work | ms | share of the verify step | goal |", "| --- | --- | --- | --- |"]
-        for name, label in (("mask", "grammar matcher (draft and verify masks, advance, rollback)"),
+        for name, label in (("mask", "grammar matcher, greedy (forced runs, argmax checks, masks where they bite)"),
+                            ("mask_sampled", "grammar matcher, sampled (every draft and verify mask applied)"),
                             ("transform", "logits transform on [k+1, V] (penalties, logit_bias, min_p)")):
             f = c[name]
             lines.append(f"| {label} | {f['ms']:.3f} | {f['share']:.1%} | ≤ {f['at_most']:.0%}: "
