@@ -13,9 +13,9 @@ on the machine it runs on:
   of 2 to k_max + 1 tokens, batched steps of several streams), all paths of a shape interleaved round after round,
   the median of `--repeats`;
 - each path's effective weight rate: the projections' bytes it reads at that precision (the head included, the
-  embedding's one row per token not) ÷ its step time. A step also reads K/V and activations and computes attention,
-  so the rate is an upper bound on what the weights alone take, and a rate above the bandwidth of where the weights
-  live means the weights stayed in a faster cache.
+  embedding's one row per token not) ÷ its step time. The step's time also covers reading K/V and activations and
+  computing, so the weights themselves are read at least this fast; a rate above the bandwidth of the level that
+  holds them means they came from a faster one.
 
 Prints Markdown; writes floor.json and floor.md."""
 
@@ -334,8 +334,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [f"| {b['buffer']} | {mib(b['bytes'])} | {b['gb_s']:.1f} |" for b in results["bandwidth"]]
     labels = results["shapes"]
     lines += ["", "Weight bytes read per second, effective (each path's projection bytes at its precision ÷ the median "
-              "step; a step also reads K/V and activations): GB/s (ms a step) by tokens a forward, rows × tokens "
-              "batched; the fastest path of each shape in bold.", "",
+              "step, which also reads K/V and activations: the weights are read at least this fast): GB/s (ms a "
+              "step) by tokens a forward, rows × tokens batched; the fastest path of each shape in bold.", "",
               "| model | weights | path | MB a step | " + " | ".join(labels) + " |",
               "| --- | --- | --- | --- | " + " | ".join("---" for _ in labels) + " |"]
     for m in results["models"]:
