@@ -68,6 +68,10 @@ def _bench(argv: list[str]) -> int:
         from specrpc.bench.controls import main as controls_main
 
         return controls_main(argv[1:])
+    if argv[:1] == ["floor"]:  # weight bytes each path reads per second here, beside the caches' and memory's rate
+        from specrpc.bench.floor import main as floor_main
+
+        return floor_main(argv[1:])
     if argv[:1] == ["realistic"]:  # random-weight models of published shapes, simulated acceptance
         from specrpc.bench.realistic import main as realistic_main
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from specrpc.prompts.fim import template_names
+from specrpc.prompts.tool_formats import FORMAT_NAMES
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 ENV_PREFIX = "SPECRPC_"
@@ -40,6 +41,7 @@ class EngineConfig:
     deterministic: bool = False
     cuda_graphs: bool = True
     fim_template: str = ""
+    tool_format: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,9 @@ HELP: dict[str, str] = {
     "fim_template": "fill-in-the-middle template (specrpc/fim.py): "
                     + ", ".join(template_names())
                     + "; empty: what the model's tokenizer_config.json declares, else its family's by its tokens",
+    "tool_format": "how the model writes tool calls: auto (recognised from its chat template: Hermes/Qwen "
+                   "<tool_call> tags, Llama 3 JSON, Mistral [TOOL_CALLS]; else plain), hermes, llama3, mistral or "
+                   "plain (Hermes tags described in the system prompt) (docs/http.md)",
     "max_message_bytes": "largest gRPC message accepted",
     "max_prompt_tokens": "largest prompt in tokens (0: the context length)",
     "max_new_tokens": "largest max_new_tokens a request may ask for",
@@ -254,6 +259,7 @@ def validate(config: Config) -> None:
         (e.batching in {"on", "off"}, "--batching must be on or off"),
         (e.fim_template in ("", *template_names()),
          f"--fim-template must be one of {', '.join(template_names())} (or empty: the model's own)"),
+        (e.tool_format in FORMAT_NAMES, f"--tool-format must be one of {', '.join(FORMAT_NAMES)}"),
         (s.log_format in {"json", "console"}, "--log-format must be json or console"),
         (0 <= s.port <= 65535, "--port must be in 0..65535"),
         (0 <= s.http_port <= 65535, "--http-port must be in 0..65535 (0: no HTTP API)"),

@@ -181,48 +181,119 @@ async def http(server: Running) -> AsyncIterator[httpx2.AsyncClient]:
 QWEN_TEMPLATE = Path(__file__).parent / "data" / "qwen2.5-instruct-chat-template.json"
 """Qwen2.5-Instruct's published chat template (with tools: Hermes `<tool_call>` tags)."""
 
+MISTRAL_TEMPLATE = Path(__file__).parent / "data" / "mistral-7b-instruct-v0.3-chat-template.json"
+"""Mistral-7B-Instruct-v0.3's published chat template (with tools: `[AVAILABLE_TOOLS]`, `[TOOL_CALLS] [...]` lists,
+`[TOOL_RESULTS]`, call ids of nine letters and digits)."""
 
-def write_qwen_tool_checkpoint(path: Path, shipped_tokenizer: Path) -> Path:
-    """A small random-weight Qwen2 checkpoint whose tokenizer is the shipped pair's with Qwen's chat tokens added
-    (`<|im_start|>`, `<|im_end|>` special; `<tool_call>`, `</tool_call>` plain text tokens, as in Qwen2.5) and whose
-    tokenizer_config brings Qwen2.5's chat template. Random weights write noise, which is what a grammar must turn
-    into valid calls."""
+LLAMA3_TOOLS_TEMPLATE = (
+    "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}{%- if tools %}{{- 'Environment: ipython\\n\\n' }}"
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
+    "value}.\\n\\n' }}{%- for t in tools %}{{- t | tojson }}{{- '\\n\\n' }}{%- endfor %}{%- endif %}"
+    "{{- system + '<|eot_id|>' }}{%- for message in messages %}{%- if 'tool_calls' in message %}"
+    "{%- if message.tool_calls | length != 1 %}{{- raise_exception('This model only supports single tool-calls at "
+    "once!') }}{%- endif %}{%- set call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n{\"name\": \"' + call.name + '\", \"parameters\": ' }}"
+    "{{- call.arguments | tojson }}{{- '}<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' or message.role == 'ipython' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim "
+    "+ '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+"""A chat template in Llama 3.1's layout, rendering tools, calls (`{"name": …, "parameters": …}`, one per message) and
+results (the `ipython` role) as its published template does; written here, since Meta's template is under the Llama
+3.1 Community License."""
+
+
+def write_tool_checkpoint(path: Path, shipped_tokenizer: Path, template: str, special: list[str], plain: list[str],
+                          eos: str, bos: str | None = None) -> Path:
+    """A small random-weight Llama-family checkpoint whose tokenizer is the shipped pair's with a family's chat and
+    call tokens added (`special` as special tokens, `plain` as plain text tokens) and whose tokenizer_config brings
+    `template`. Random weights write noise, which is what a grammar must turn into valid calls."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     from specrpc.models.random_weights import write_checkpoint
 
     tok = Tokenizer.from_file(str(shipped_tokenizer / "tokenizer.json"))
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.add_special_tokens(special)
+    tok.add_tokens(plain)
     vocab = -(-tok.get_vocab_size() // 64) * 64
     cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": vocab,
            "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
            "tie_word_embeddings": True, "initializer_range": 0.02, "hidden_act": "silu",
-           "eos_token_id": tok.token_to_id("<|im_end|>"), "bos_token_id": None}
+           "eos_token_id": tok.token_to_id(eos), "bos_token_id": tok.token_to_id(bos) if bos else None}
     write_checkpoint(cfg, path, seed=32, dtype=torch.float32)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",  # type: ignore[no-untyped-call]
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos,  # type: ignore[no-untyped-call]
                             pad_token="<|endoftext|>").save_pretrained(str(path))
     config_file = path / "tokenizer_config.json"
     tokenizer_config = json.loads(config_file.read_text())
-    tokenizer_config["chat_template"] = json.loads(QWEN_TEMPLATE.read_text())["chat_template"]
+    tokenizer_config["chat_template"] = template
     config_file.write_text(json.dumps(tokenizer_config, indent=1))
     (path / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]}))
+        {"eos_token_id": [tok.token_to_id(eos), tok.token_to_id("<|endoftext|>")]}))
     return path
 
 
-@pytest_asyncio.fixture(scope="session")
-async def tool_server(server: Running, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
-    """A server on a random-weight Qwen2 checkpoint with Qwen2.5's chat template (write_qwen_tool_checkpoint), the
-    same checkpoint as its draft, so speculation accepts several tokens a step and a call streams in pieces."""
-    path = write_qwen_tool_checkpoint(tmp_path_factory.mktemp("qwen-tools") / "model",
-                                      Path(server.runtime.config.engine.target))
+def write_qwen_tool_checkpoint(path: Path, shipped_tokenizer: Path) -> Path:
+    """write_tool_checkpoint with Qwen's chat tokens (`<|im_start|>`, `<|im_end|>` special; `<tool_call>`,
+    `</tool_call>` plain text tokens, as in Qwen2.5) and Qwen2.5's chat template."""
+    return write_tool_checkpoint(path, shipped_tokenizer, json.loads(QWEN_TEMPLATE.read_text())["chat_template"],
+                                 ["<|im_start|>", "<|im_end|>"], ["<tool_call>", "</tool_call>"], "<|im_end|>")
+
+
+def write_llama3_tool_checkpoint(path: Path, shipped_tokenizer: Path) -> Path:
+    """write_tool_checkpoint with Llama 3's header, end and `<|python_tag|>` special tokens and a template in Llama
+    3.1's layout (LLAMA3_TOOLS_TEMPLATE)."""
+    return write_tool_checkpoint(path, shipped_tokenizer, LLAMA3_TOOLS_TEMPLATE,
+                                 ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                                  "<|python_tag|>"], [], "<|eot_id|>", "<|begin_of_text|>")
+
+
+def write_mistral_tool_checkpoint(path: Path, shipped_tokenizer: Path) -> Path:
+    """write_tool_checkpoint with Mistral v3's control tokens (`[INST]`, `[TOOL_CALLS]`, …, all special) and
+    Mistral-7B-Instruct-v0.3's chat template."""
+    return write_tool_checkpoint(path, shipped_tokenizer, json.loads(MISTRAL_TEMPLATE.read_text())["chat_template"],
+                                 ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                                  "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], [], "</s>", "<s>")
+
+
+async def start_tool_server(path: Path) -> Running:
+    """A server on the checkpoint at `path`, the same checkpoint as its draft, so speculation accepts several tokens
+    a step and a call streams in pieces."""
     base = test_config()
     config = replace(base, engine=replace(base.engine, target=str(path), draft=str(path), max_sessions=2,
                                           max_context=1024),
                      server=replace(base.server, metrics_port=0), limits=replace(base.limits, max_new_tokens=512))
-    running = await start_server(config)
+    return await start_server(config)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def tool_server(server: Running, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
+    """A server on a random-weight Qwen2 checkpoint with Qwen2.5's chat template (write_qwen_tool_checkpoint)."""
+    running = await start_tool_server(write_qwen_tool_checkpoint(tmp_path_factory.mktemp("qwen-tools") / "model",
+                                                                 Path(server.runtime.config.engine.target)))
+    yield running
+    await running.stop(0.5)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def llama3_tool_server(server: Running, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
+    """A server on a random-weight checkpoint with Llama 3's tokens and a template in Llama 3.1's layout."""
+    running = await start_tool_server(write_llama3_tool_checkpoint(
+        tmp_path_factory.mktemp("llama3-tools") / "model", Path(server.runtime.config.engine.target)))
+    yield running
+    await running.stop(0.5)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def mistral_tool_server(server: Running, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
+    """A server on a random-weight checkpoint with Mistral v3's control tokens and Mistral-7B-Instruct-v0.3's
+    template."""
+    running = await start_tool_server(write_mistral_tool_checkpoint(
+        tmp_path_factory.mktemp("mistral-tools") / "model", Path(server.runtime.config.engine.target)))
     yield running
     await running.stop(0.5)

@@ -255,3 +255,52 @@ def test_controls_bench_runs_every_row(tmp_path: Path) -> None:
     assert costs["mask"]["ms"] > 0 and costs["transform"]["along_ms"] > 0
     text = (tmp_path / "controls.md").read_text()
     assert "Goal: speed-up with json" in text and "Goal: speed-up with penalty" in text and "costs at k = 8" in text
+
+
+def test_floor_bench_reports_every_path_at_every_shape_beside_the_read_bandwidth(tmp_path: Path) -> None:
+    """`specrpc bench floor` at tiny settings on a tiny random pair: the read bandwidth of each cache level found and
+    of memory; per model and precision every path (the native step in each prefetch mode where it builds, the torch
+    forward) at every shape, MKL's one-row product at one token only, with positive times and rates; int8 reads
+    about a quarter of float32's bytes; the floor names the level holding the weights. `--help` measures nothing."""
+    from test_engine import tiny_llama
+
+    from specrpc import native
+    from specrpc.bench import floor
+    from specrpc.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as help_exit:
+        cli_main(["bench", "floor", "--help"])
+    assert help_exit.value.code == 0
+    assert floor.parse_size("2048K") == 2 << 20 and floor.parse_size("260M") == 260 << 20
+    assert floor.count_cpus("0-1,4\n") == 3
+    target = tiny_llama(tmp_path / "target", seed=1, hidden=64)
+    draft = tiny_llama(tmp_path / "draft", seed=2, hidden=32)
+    out = tmp_path / "out"
+    assert floor.main(["--target", str(target), "--draft", str(draft), "--weights", "dtype,int8", "--threads", "1",
+                       "--tokens", "1,3", "--batched", "2x2", "--repeats", "2", "--memory-mib", "8",
+                       "--out", str(out)]) == 0
+    results = json.loads((out / "floor.json").read_text())
+    levels = [f"L{c['level']}" for c in results["caches"]]
+    assert [b["buffer"] for b in results["bandwidth"]] == [*levels, "memory"]
+    assert all(b["gb_s"] > 0 and b["bytes"] > 0 for b in results["bandwidth"])
+    assert results["shapes"] == ["1", "3", "2×2"]
+    assert [(m["model"], m["weights"]) for m in results["models"]] == [
+        ("draft", "float32 + int8 copies"), ("target", "float32"), ("draft", "int8"), ("target", "int8")]
+    built = native.library() is not None
+    for m in results["models"]:
+        names = set(m["paths"])
+        assert (m["native"] == "on") == built, m
+        native_paths = {n for n in names if n.startswith("native")}
+        assert len(native_paths) == (3 if built else 0), names
+        for name, cells in m["paths"].items():
+            assert set(cells) == ({"1"} if name == "torch, MKL one-row" else {"1", "3", "2×2"}), (m["model"], name)
+            assert all(c["ms"] > 0 and c["gb_s"] > 0 and c["bytes"] > 0 for c in cells.values())
+        f = m["floor"]
+        assert f["held_by"] in [*levels, "memory"] and f["floor_ms"] > 0 and f["path"] in names
+    by = {(m["model"], m["weights"]): m["paths"] for m in results["models"]}
+    float_bytes = by["target", "float32"]["torch, oneDNN"]["3"]["bytes"]
+    int8_bytes = by["target", "int8"]["torch int8"]["3"]["bytes"]
+    assert float_bytes / 4 <= int8_bytes < float_bytes / 3  # int8 weights and their bf16 row scales
+    table = (out / "floor.md").read_text()
+    assert "| model | weights | path | MB a step | 1 | 3 | 2×2 |" in table and "| buffer | size | GB/s |" in table
+    assert "× floor" in table and results["machine"] in table

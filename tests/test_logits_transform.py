@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import decode, decode_together
+from engine_helpers import decode, decode_together, requires_native
 from test_engine import VOCAB, chi_square_pvalue, make_engine, tiny_llama
 from transformers import LlamaForCausalLM
 
+from specrpc import native
 from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.logits_transform import LogitsTransform
 from specrpc.engine.sampling import SamplingParams, logits_to_probs
@@ -69,10 +70,17 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("last_n", [0, 1, 2, 3, -1])
-def test_rows_along_a_path_equal_a_fresh_count_and_the_drafts_cursor(last_n: int) -> None:
+def test_rows_along_a_path_equal_a_fresh_count_and_the_drafts_cursor(last_n: int, path: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Every row of `along` (built at once) equals the reference at that position and, bit for bit, the cursor's
-    row as the draft walks the path; windows shorter than the path let drafted tokens slide out too."""
+    row as the draft walks the path; windows shorter than the path let drafted tokens slide out too. Through the
+    native pass, and through the torch ops that serve without a compiler."""
+    if path == "native":
+        requires_native()
+    else:
+        monkeypatch.setattr(native, "library", lambda: None)
     params = SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25,
                             penalty_last_n=last_n, logit_bias=((1, 2.0),), min_tokens=6)
     gen = torch.Generator().manual_seed(0)
@@ -91,6 +99,44 @@ def test_rows_along_a_path_equal_a_fresh_count_and_the_drafts_cursor(last_n: int
             if i < len(drafted):
                 cursor.advance(torch.tensor([drafted[i]]))
         context += drafted[: step + 1]
+
+
+@pytest.mark.parametrize("last_n", [0, 3, -1])
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_the_native_pass_gives_the_torch_paths_bits(last_n: int, ignore_eos: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every control on (the three penalties over windows the path slides through, logit_bias on counted and
+    end-of-text ids, min_tokens or ignore_eos, min_p with min_keep), the native pass's rows along a k = 8 path and
+    its cursor's rows, and the distributions sampled from them, are the torch path's bit for bit: random logits
+    (some -inf, as a grammar's mask leaves them) over 300 tokens, the path drawing from 20 so tokens repeat."""
+    requires_native()
+    params = SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.45, frequency_penalty=-0.3,
+                            penalty_last_n=last_n, logit_bias=((1, 2.0), (5, -1.5), (7, 0.3), (299, 4.0)),
+                            min_tokens=6, ignore_eos=ignore_eos, min_p=0.1, min_keep=3)
+    gen = torch.Generator().manual_seed(last_n + 10 * ignore_eos)
+    vocab, ends, prompt = 300, {END, 5}, torch.randint(0, 20, (7,), generator=gen).tolist()
+    fast, slow = LogitsTransform(params, ends, len(prompt)), LogitsTransform(params, ends, len(prompt))
+    context = list(prompt)
+    for step in range(5):
+        drafted = torch.randint(0, 20, (8,), generator=gen).tolist()
+        logits = torch.randn(len(drafted) + 1, vocab, generator=gen) * 3  # [k+1, V]
+        logits[:, 250:] = float("-inf")
+        rows = fast.along(logits, context, drafted)  # [k+1, V]
+        cursors = [fast.cursor(context, vocab, torch.device("cpu"))]
+        with monkeypatch.context() as m:
+            m.setattr(native, "library", lambda: None)  # as without a compiler: the torch path
+            expected = slow.along(logits, context, drafted)  # [k+1, V]
+            expected_probs = logits_to_probs(expected, params)  # [k+1, V]
+            cursors.append(slow.cursor(context, vocab, torch.device("cpu")))
+        assert torch.equal(rows.view(torch.int32), expected.view(torch.int32)), step
+        assert torch.equal(logits_to_probs(rows, params).view(torch.int32), expected_probs.view(torch.int32)), step
+        for i in range(len(drafted) + 1):
+            for cursor in cursors:  # the native one, then the torch one (whose counts live in the cursor)
+                assert torch.equal(cursor.apply(logits[i : i + 1])[0].view(torch.int32), rows[i].view(torch.int32))
+                if i < len(drafted):
+                    cursor.advance(torch.tensor([drafted[i]]))
+        assert not torch.equal(rows[:, :250], logits[:, :250]), "the controls change the logits"
+        context += drafted[: step + 2]
 
 
 def reference_greedy(path: Path, prompt: list[int], params: SamplingParams, ends: set[int], n: int) -> list[int]:

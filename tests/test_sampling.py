@@ -7,11 +7,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from engine_helpers import requires_native
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specrpc import native
+from specrpc.engine.sampling import SamplingParams, _min_p, logits_to_probs, make_generator, sample
 
 CPU = torch.device("cpu")
 
@@ -123,6 +125,24 @@ def test_min_keep_keeps_that_many_tokens_whatever_filters(params: SamplingParams
     got = logits_to_probs(base.log(), params)  # [V]
     expected = torch.tensor([0.0, 0.5, 0.25, 0.15]) / 0.9
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(("min_p", "keep"), [(0.05, 1), (0.3, 1), (0.2, 4), (1.0, 1), (0.9, 300)])
+def test_native_min_p_gives_the_torch_ops_bits(min_p: float, keep: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native min-p pass (transform.cpp) against the torch ops, bit for bit: random rows, a row with -inf (a
+    grammar's mask), a row of -inf only, a row with a NaN (left as it is), ties at the maximum."""
+    requires_native()
+    scaled = _logits(6, 300, seed=3)  # [6, V]
+    scaled[1, ::3] = float("-inf")
+    scaled[2] = float("-inf")
+    scaled[3, 17] = float("nan")
+    scaled[4, :5] = scaled[4].max() + 1.0
+    fast = _min_p(scaled.clone(), min_p, keep)  # [6, V]
+    monkeypatch.setattr(native, "library", lambda: None)  # as without a compiler: the torch ops
+    slow = _min_p(scaled.clone(), min_p, keep)  # [6, V]
+    assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))
+    kept_all = keep == scaled.shape[-1]
+    assert kept_all or (fast == float("-inf")).sum() > (scaled == float("-inf")).sum(), "min-p drops tokens here"
 
 
 @pytest.mark.parametrize("top_p", [0.0, 1.0])

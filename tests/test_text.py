@@ -207,6 +207,24 @@ def test_special_tokens_are_not_emitted() -> None:
     assert out == "1"
 
 
+@pytest.mark.parametrize("make", ["byte_level", "sentencepiece_like"])
+def test_shown_special_tokens_appear_where_they_were_generated(make: str) -> None:
+    """A tool format's marker (Mistral's special `[TOOL_CALLS]`) shows in the text, in pushes split anywhere, with
+    the text on either side as a full decode gives it; other special tokens stay hidden."""
+    tok, (hidden, marker) = ((byte_level(), SPECIALS[:2]) if make == "byte_level"
+                             else (sentencepiece_like(), ["<unk>", "</s>"]))
+    shown = tok.get_vocab()[marker]
+    before, after = encode(tok, "Let me look."), encode(tok, ' [{"name": "f"}] 😀')
+    ids = [*before, shown, *after, tok.get_vocab()[hidden]]
+    expected = decode(tok, before) + marker + decode(tok, after)
+    assert marker not in decode(tok, ids)  # a plain decode drops it
+    for cut in range(len(ids) + 1):
+        detok = IncrementalDetokenizer(tok, shown=[shown])
+        assert detok.push(ids[:cut]) + detok.push(ids[cut:]) + detok.flush() == expected
+    detok = IncrementalDetokenizer(tok, shown=[shown])
+    assert "".join(detok.push([i]) for i in ids) + detok.flush() == expected
+
+
 def test_split_emoji_is_held_until_complete() -> None:
     tok = byte_level()
     ids = encode(tok, "ok 👍🏽 fine")

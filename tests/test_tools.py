@@ -23,8 +23,8 @@ from specrpc.edges.conversation import render, tool_format
 from specrpc.edges.history import Message
 from specrpc.edges.server import Running
 from specrpc.engine.constraint import ConstraintSpec
+from specrpc.prompts.tool_formats import HERMES
 from specrpc.prompts.tools import (
-    HERMES,
     ArgumentsPart,
     CallEnded,
     CallStarted,
@@ -103,7 +103,7 @@ def test_grammars_force_valid_calls(tool_server: Running) -> None:
     the call is forced; none: no grammar."""
     rt = tool_server.runtime
     fmt = tool_format(rt)
-    assert fmt.native and fmt.marker_tokens  # Qwen2.5's template, and its <tool_call> token
+    assert fmt.native and fmt.name == "hermes" and {m for m, _ in fmt.tokens} == {"<tool_call>", "</tool_call>"}
     tools = [Tool("get_weather", "", json.dumps(WEATHER)), Tool("get_time", "", json.dumps(TIME))]
     encode = rt.encode_plain
     good = encode('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')

@@ -35,9 +35,32 @@ def one_slot_runtime(target: str, draft: str, threads: int, dtype: str, weights:
     return runtime
 
 
+ISA_FLAGS = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"),
+             ("amx_int8", "AMX"))
+"""/proc/cpuinfo flags a CPU's name is given with: the vector extensions the products can use."""
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its vector extensions (`ISA_FLAGS`) from /proc/cpuinfo, else what `platform` says."""
+    name, flags = "", set[str]()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    isa = [label for flag, label in ISA_FLAGS if flag in flags]
+    base = name or platform.processor() or "unknown CPU"
+    return f"{base} ({', '.join(isa)})" if isa else base
+
+
 def machine_line(device: object, dtype: object) -> str:
-    """The machine a table was measured on: architecture, processor, cores, torch, threads, device and dtype."""
-    return (f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch {torch.__version__}, "
+    """The machine a table was measured on: architecture, the CPU by name, cores, torch, threads, device and dtype."""
+    return (f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, {device}, {dtype}")
 
 

@@ -16,17 +16,8 @@ from specrpc.edges.history import Message, bounded, check_role, fit
 from specrpc.edges.offload import prepared
 from specrpc.edges.validation import InvalidRequest, prompt_room
 from specrpc.prompts.text import PhraseSegmenter
-from specrpc.prompts.tools import (
-    CallEnded,
-    TextPart,
-    Tool,
-    ToolCall,
-    ToolCallParser,
-    ToolChoice,
-    ToolFormat,
-    detect_format,
-    tools_prompt,
-)
+from specrpc.prompts.tool_formats import ToolFormat, detect_format
+from specrpc.prompts.tools import CallEnded, TextPart, Tool, ToolCall, ToolCallParser, ToolChoice, tools_prompt
 from specrpc.serving.runtime import DecodeParams, Runtime
 from specrpc.serving.scheduler import Chunk, Done
 
@@ -41,21 +32,22 @@ def has_template(runtime: Runtime) -> bool:
 
 
 def tool_format(runtime: Runtime) -> ToolFormat:
-    """How the model writes tool calls, from its chat template (prompts/tools.py)."""
+    """How the model writes tool calls: `--tool-format`, or (auto) its chat template's (prompts/tool_formats.py)."""
     template = getattr(runtime.tokenizer, "chat_template", None)
-    return detect_format(template if isinstance(template, str) else None, runtime.tokenizer.get_added_vocab())
+    return detect_format(template if isinstance(template, str) else None, runtime.tokenizer.get_added_vocab(),
+                         runtime.config.engine.tool_format)
 
 
-def template_message(m: Message) -> dict[str, Any]:
+def template_message(m: Message, fmt: ToolFormat) -> dict[str, Any]:
     """A message as chat templates read it (OpenAI's shape; a call's arguments as an object, which templates
-    render with `tojson`, when they parse)."""
+    render with `tojson`, when they parse; call ids as the format's template needs them)."""
     out: dict[str, Any] = {"role": m.role, "content": m.text}
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
+        out["tool_calls"] = [{"id": fmt.history_id(c.id), "type": "function",
                               "function": {"name": c.name, "arguments": arguments_value(c.arguments)}}
                              for c in m.tool_calls]
     if m.tool_call_id:
-        out["tool_call_id"] = m.tool_call_id
+        out["tool_call_id"] = fmt.history_id(m.tool_call_id)
     return out
 
 
@@ -69,12 +61,11 @@ def arguments_value(arguments: str) -> Any:
 
 def without_tools(messages: Sequence[Message], tools: Sequence[Tool], fmt: ToolFormat, templated: bool
                   ) -> list[Message]:
-    """A history for a renderer that does not speak of tools (PLAIN format): the functions described in the system
-    prompt, calls written into the assistant's text, results as `<tool_response>` messages (from the user where a
-    template renders the roles, as the `tool` role there is often refused)."""
-    out = [Message(m.role, "".join([m.text, *(("\n" if m.text or i else "") + fmt.write(c)
-                                              for i, c in enumerate(m.tool_calls))]))
-           if m.tool_calls else m for m in messages]
+    """A history for a renderer that does not speak of tools: the functions described in the system prompt, calls
+    written into the assistant's text in the format's own shape, results as `<tool_response>` messages (from the
+    user where a template renders the roles, as the `tool` role there is often refused)."""
+    out = [Message(m.role, m.text + ("\n" if m.text else "") + fmt.write(m.tool_calls)) if m.tool_calls else m
+           for m in messages]
     out = [Message("user" if templated else "tool", f"<tool_response>\n{m.text}\n</tool_response>")
            if m.role == "tool" else m for m in out]
     if tools:
@@ -105,7 +96,7 @@ def render(runtime: Runtime, messages: Sequence[Message], generation_prompt: boo
         from jinja2.exceptions import TemplateError, TemplateSyntaxError  # transformers needs jinja2 for templates
 
         try:
-            out: Any = tok.apply_chat_template([template_message(m) for m in messages],
+            out: Any = tok.apply_chat_template([template_message(m, fmt) for m in messages],
                                                tools=[t.openai() for t in tools] if tools and fmt.native else None,
                                                add_generation_prompt=generation_prompt, tokenize=True)
         except TemplateSyntaxError:

@@ -14,7 +14,8 @@ from specrpc.config import Config, Limits
 from specrpc.engine.constraint import MAX_GRAMMAR_BYTES, ConstraintKind, ConstraintSpec
 from specrpc.engine.generation import MAX_TOP_LOGPROBS
 from specrpc.engine.sampling import SamplingParams
-from specrpc.prompts.tools import InvalidTools, Tool, ToolChoice, ToolFormat, check_tools, tool_grammar
+from specrpc.prompts.tool_formats import ToolFormat
+from specrpc.prompts.tools import InvalidTools, Tool, ToolChoice, check_tools, tool_grammar
 from specrpc.serving.runtime import DecodeParams
 
 MAX_SESSION_ID = 128

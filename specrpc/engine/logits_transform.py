@@ -7,16 +7,24 @@ positions has its own counts: the committed window's counts plus the drafted tok
 of a last-N window). The target's k+1 rows are built at once (`LogitsTransform.along`, on the counted tokens
 only); the draft, which samples one position at a time, keeps a running copy (`Cursor`). Both apply the same
 element-wise operations (`_penalized`) with the same integer counts, so q and p are transformed identically and
-rejection sampling on them stays exact."""
+rejection sampling on them stays exact. On the CPU, where the native library is built, one pass in C does a verify's
+k+1 rows and the cursor's row alike, counts included (`native_rows`, specrpc/native/transform.cpp): the same float32
+operations in the same order, so the same bits as the torch path, which serves where there is no library."""
 
 from __future__ import annotations
 
+import ctypes
 import time
+from array import array
 from collections.abc import Collection
 
 import torch
 
+from specrpc import native
 from specrpc.engine.sampling import SamplingParams
+
+Counted = tuple["array[int]", "array[int]"]
+"""The committed window's tokens and their counts (int64), as the native pass takes them."""
 
 
 class LogitsTransform:
@@ -32,6 +40,7 @@ class LogitsTransform:
         self._bias_ids = [t for t, _ in params.logit_bias]
         self._bias_values = [b for _, b in params.logit_bias]
         self._tensors: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._controls: dict[int, native.Controls] = {}  # by vocabulary size, for the native pass
         self._counts: dict[int, int] = {}  # counts of context[_lo:_hi]
         self._lo = self._hi = 0
         self.work_s = 0.0
@@ -51,6 +60,17 @@ class LogitsTransform:
         t0 = time.perf_counter()
         k = len(drafted)
         assert logits.shape[0] == k + 1, "one row per drafted token, and one after them"
+        lib = native.library() if logits.device.type == "cpu" else None
+        if lib is not None:
+            out = self.native_rows(lib, logits, self.counted(context), context, drafted, 0)  # [k+1, V]
+        else:
+            out = self._along_torch(logits, context, drafted)  # [k+1, V]
+        self.work_s += time.perf_counter() - t0
+        return out
+
+    def _along_torch(self, logits: torch.Tensor, context: list[int], drafted: list[int]) -> torch.Tensor:
+        """`along` in torch ops: logits [k+1, V] → float32 [k+1, V]."""
+        k = len(drafted)
         out = self._biased(logits)  # [k+1, V]
         if self.params.penalized:
             window = self._window(context)
@@ -77,12 +97,63 @@ class LogitsTransform:
                 out[:, index] = self._penalized(out[:, index], counts)  # [k+1, S]
         generated = len(context) - self.prompt_len
         self._ban(out, list(range(generated, generated + k + 1)))
-        self.work_s += time.perf_counter() - t0
         return out
+
+    def native_rows(self, lib: ctypes.CDLL, logits: torch.Tensor, counted: Counted, context: list[int],
+                    drafted: list[int], first: int) -> torch.Tensor:
+        """Logits [R, V] (CPU) at the positions first .. first+R-1 along `drafted` after `context` (row r after
+        drafted[:first + r]), transformed in one native pass: float32 [R, V], the bits `along` computes in torch.
+        `counted`: the window's counts at `context` (`counted`). Python only lists what each position adds and
+        drops; the counts, the bias, the penalties and the bans are C's."""
+        x = logits.float().contiguous()  # [R, V]
+        rows, vocab = x.shape
+        out = torch.empty_like(x)  # [R, V]
+        steps = first + rows - 1  # drafted tokens before the last row
+        drafts, gone, gone_end = array("q", drafted[:steps]), array("q"), array("q", [0])
+        if self.params.penalized:  # what slides out of a last-N window at each position
+            n = len(context)
+            for i in range(1, steps + 1):
+                for pos in range(self.window_start(n + i - 1), self.window_start(n + i)):
+                    gone.append(context[pos] if pos < n else drafted[pos - n])
+                gone_end.append(len(gone))
+        generated = len(context) - self.prompt_len + first
+        banned = rows if self.params.ignore_eos else min(rows, max(0, self.params.min_tokens - generated))
+        ids, counts = counted
+        if lib.specrpc_transform(ctypes.byref(self._native_controls(vocab)), x.data_ptr(), out.data_ptr(), rows, vocab,
+                                 first, _address(ids), _address(counts), len(ids), _address(drafts), _address(gone),
+                                 _address(gone_end), banned):
+            raise IndexError(f"logits transform: a counted token is outside the logits' vocabulary of {vocab}")
+        return out
+
+    def counted(self, context: list[int]) -> Counted:
+        """The committed window's tokens and counts at `context` for `native_rows` (none without penalties)."""
+        if not self.params.penalized:
+            return array("q"), array("q")
+        window = self._window(context)
+        return array("q", window.keys()), array("q", window.values())
+
+    def _native_controls(self, vocab: int) -> native.Controls:
+        """transform.cpp's Controls for logits of `vocab` (made once), pointing into the CPU constants."""
+        controls = self._controls.get(vocab)
+        if controls is None:
+            p = self.params
+            bias_ids, bias_values, ends = self._constants(vocab, torch.device("cpu"))
+            on = {"repetition": p.repetition_penalty != 1.0, "frequency": p.frequency_penalty != 0.0,
+                  "presence": p.presence_penalty != 0.0}
+            controls = self._controls[vocab] = native.Controls(
+                bias_ids.data_ptr(), bias_values.data_ptr(), bias_ids.numel(), ends.data_ptr(), ends.numel(),
+                sum(bit for name, bit in native.PENALTIES.items() if on[name]), p.repetition_penalty,
+                p.frequency_penalty, p.presence_penalty)
+        return controls
 
     def cursor(self, context: list[int], vocab: int, device: torch.device) -> Cursor:
         """A running transform for drafting one token at a time after `context`."""
         t0 = time.perf_counter()
+        lib = native.library() if device.type == "cpu" else None
+        if lib is not None:
+            counted = self.counted(context)
+            self.work_s += time.perf_counter() - t0
+            return Cursor(self, list(context), None, (lib, counted))
         base = None
         if self.params.penalized:
             window = self._window(context)
@@ -91,7 +162,7 @@ class LogitsTransform:
                 base[torch.tensor(list(window), device=device)] = torch.tensor(list(window.values()),
                                                                                dtype=torch.float32, device=device)
         self.work_s += time.perf_counter() - t0
-        return Cursor(self, list(context), base)
+        return Cursor(self, list(context), base, None)
 
     def _window(self, context: list[int]) -> dict[int, int]:
         """Counts of the committed window (token → count, zeros dropped), brought up to `context` from the last
@@ -167,20 +238,29 @@ class LogitsTransform:
 
 class Cursor:
     """The transform at the next drafted position; `advance` moves it past a drafted token (a device tensor [1],
-    so a GPU's drafting loop does not sync for it)."""
+    so a GPU's drafting loop does not sync for it). On the CPU with the native library (`counted`) each position is
+    one native pass from the window's counts and the tokens drafted so far; else running counts [V] in torch
+    (`counts`; None without penalties)."""
 
-    def __init__(self, transform: LogitsTransform, context: list[int], counts: torch.Tensor | None) -> None:
+    def __init__(self, transform: LogitsTransform, context: list[int], counts: torch.Tensor | None,
+                 counted: tuple[ctypes.CDLL, Counted] | None) -> None:
         self.transform = transform
         self.context = context
         self.counts = counts  # [V]
+        self.counted = counted  # the native library and the window's counts at `context`
         self.drafted: list[torch.Tensor] = []
+        self.ids: list[int] = []  # the drafted tokens on the host (native pass only)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [1, V] at this position, transformed (as row len(drafted) of `LogitsTransform.along`)."""
         t0 = time.perf_counter()
-        counts = None if self.counts is None else self.counts.unsqueeze(0)  # [1, V]
-        generated = len(self.context) - self.transform.prompt_len + len(self.drafted)
-        out = self.transform.apply(logits, counts, [generated])  # [1, V]
+        if self.counted is not None:
+            lib, counted = self.counted
+            out = self.transform.native_rows(lib, logits, counted, self.context, self.ids, len(self.ids))
+        else:
+            counts = None if self.counts is None else self.counts.unsqueeze(0)  # [1, V]
+            generated = len(self.context) - self.transform.prompt_len + len(self.drafted)
+            out = self.transform.apply(logits, counts, [generated])  # [1, V]
         self.transform.work_s += time.perf_counter() - t0
         return out
 
@@ -188,6 +268,8 @@ class Cursor:
         """Count the drafted `token` [1] (and let what slides out of a last-N window go)."""
         n, i = len(self.context), len(self.drafted)
         self.drafted.append(token)
+        if self.counted is not None:
+            self.ids.append(int(token))
         if self.counts is None:
             return
         t0 = time.perf_counter()
@@ -198,3 +280,8 @@ class Cursor:
                     else self.drafted[pos - n].view(1))  # [1]
             self.counts.index_add_(0, gone, torch.full((1,), -1.0, device=self.counts.device))
         self.transform.work_s += time.perf_counter() - t0
+
+
+def _address(values: array[int]) -> int:
+    """The address of an array's items, for ctypes (the array outlives the call)."""
+    return values.buffer_info()[0]

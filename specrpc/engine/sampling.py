@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specrpc import native
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -97,7 +99,13 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 def _min_p(scaled: torch.Tensor, min_p: float, keep: int) -> torch.Tensor:
     """Tempered logits [..., V] with -inf where the probability is below min_p × the largest (in log space:
-    logit < max + log(min_p)), the `keep` best always kept."""
+    logit < max + log(min_p)), the `keep` best always kept. On the CPU one native pass does it in place (`scaled`
+    is `logits_to_probs`' own tensor), the same bits as the torch ops below."""
+    lib = native.library() if scaled.device.type == "cpu" and scaled.is_contiguous() else None
+    if lib is not None:
+        vocab = scaled.shape[-1]
+        lib.specrpc_min_p(scaled.data_ptr(), scaled.numel() // vocab, vocab, math.log(min_p), keep)
+        return scaled
     top = scaled.max(dim=-1, keepdim=True).values  # [..., 1]
     threshold = top + math.log(min_p)  # [..., 1]
     if keep > 1:

@@ -1,10 +1,12 @@
-"""The native forward of a few tokens (decode.cpp): built with the machine's C++ compiler on first use (or by `make
-install`) into a cache keyed by the source, the flags and the CPU, loaded with ctypes into torch's OpenMP runtime.
+"""The native forward of a few tokens (decode.cpp) and the native logits transform and min-p (transform.cpp): built
+with the machine's C++ compiler on first use (or by `make install`) into one library cached by the sources, the flags
+and the CPU, loaded with ctypes into torch's OpenMP runtime.
 
 A decode step of a small model spends as much time in a thousand small torch ops as in reading its weights; the
-native step reads each weight once in one OpenMP parallel region, for a one-token step and a verify alike. Where no
-compiler is found, or the build fails, `library()` is None and the lean torch forward serves every step (logged
-once)."""
+native step reads each weight once in one OpenMP parallel region, for a one-token step and a verify alike. The
+request's logits controls are a dozen small torch ops each, a pass over the logits in C. Where no compiler is found,
+or the build fails, `library()` is None and the lean torch forward serves every step, torch ops every transform
+(logged once)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode.cpp")
+SOURCES = (Path(__file__).with_name("decode.cpp"), Path(__file__).with_name("transform.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi")
 
 
@@ -49,14 +51,14 @@ def _cpu_flags() -> str:
 
 
 def build(compiler: str | None = None) -> Path | None:
-    """The shared library for this source, compiler, flags and CPU, built now unless cached; None without a
+    """The shared library for these sources, compiler, flags and CPU, built now unless cached; None without a
     compiler or when the build fails (logged)."""
     cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         log.warning("native decode: no C++ compiler found; the torch forward serves every step")
         return None
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cxx, *FLAGS, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, cxx, *FLAGS, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"decode-{key}.so"
     if target.exists():
         return target
@@ -64,8 +66,8 @@ def build(compiler: str | None = None) -> Path | None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         try:
-            subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True,
-                           timeout=120)
+            subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(out)], check=True, capture_output=True,
+                           text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             log.warning("native decode: build failed (%s); the torch forward serves every step", detail[-500:])
@@ -94,6 +96,18 @@ class Model(ctypes.Structure):
                                                         "xq", "xs", "xsum")]
                 + [("kq", ctypes.c_int64), ("prefetch_ahead", ctypes.c_int64)])
     # `prefetch`: a `PREFETCH` mode; `prefetch_ahead`: the bytes ahead of the column read that a prefetch asks for
+
+
+class Controls(ctypes.Structure):
+    """transform.cpp's Controls: one generation's logit_bias, end-of-text ids and penalties (`PENALTIES` bits)."""
+
+    _fields_ = [("bias_ids", ctypes.c_void_p), ("bias_values", ctypes.c_void_p), ("n_bias", ctypes.c_int64),
+                ("ends", ctypes.c_void_p), ("n_ends", ctypes.c_int64), ("penalties", ctypes.c_int64),
+                ("repetition", ctypes.c_float), ("frequency", ctypes.c_float), ("presence", ctypes.c_float)]
+
+
+PENALTIES = {"repetition": 1, "frequency": 2, "presence": 4}
+"""transform.cpp's `Penalty` bits by name: which penalties a `Controls` applies."""
 
 
 PREFETCH = {"none": 0, "non-temporal": 1, "temporal": 2}
@@ -125,6 +139,14 @@ def library() -> ctypes.CDLL | None:
     greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     greedy.restype = ctypes.c_int
+    transform = lib.specrpc_transform
+    transform.argtypes = [ctypes.POINTER(Controls), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    transform.restype = ctypes.c_int
+    min_p = lib.specrpc_min_p
+    min_p.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int64]
+    min_p.restype = None
     for name in ("specrpc_int8_group", "specrpc_int8_block"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int

@@ -7,7 +7,7 @@ Pure text: no torch, no grpc. Each class is fed in order by one stream and is no
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
@@ -42,7 +42,9 @@ class IncrementalDetokenizer:
     pushes plus `flush()` equal `tokenizer.decode(generated, skip_special_tokens=True,
     clean_up_tokenization_spaces=False)` when no prompt ids are given, and with prompt ids the text the
     generated ids add after the prompt, `decode(prompt + generated)[len(decode(prompt)):]` (what a
-    SentencePiece-style tokenizer needs for a correct leading space).
+    SentencePiece-style tokenizer needs for a correct leading space). `shown` tokens (a tool format's call
+    markers, such as Mistral's special `[TOOL_CALLS]`) are the exception: each appears as its own text where it
+    was generated, the text around it decoded as above on either side.
 
     Text is held back only while the decoded window ends in U+FFFD (a character split across tokens); what
     comes before it is emitted at once. (A byte-fallback decoder turns a whole run of byte tokens into U+FFFD
@@ -54,9 +56,10 @@ class IncrementalDetokenizer:
     costs one decode, not two.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), shown: Collection[int] = ()) -> None:
         self._tokenizer = tokenizer
-        self._skip = frozenset(i for i in tokenizer.all_special_ids if not self._decode([i]))
+        self._shown = frozenset(shown)
+        self._skip = frozenset(i for i in tokenizer.all_special_ids if not self._decode([i])) - self._shown
         self._ids: list[int] = []  # the window: context, then tokens not fully emitted
         self._read = 0  # self._ids[:self._read] is context, its text is self._prefix_text
         self._prefix_text = ""
@@ -67,6 +70,13 @@ class IncrementalDetokenizer:
 
     def push(self, ids: Sequence[int]) -> str:
         """Add generated ids; return the text they complete (possibly empty)."""
+        at = next((n for n, i in enumerate(ids) if i in self._shown), -1)
+        if at >= 0:  # a shown token: the text before it, all of it, then its own text; it starts the next window
+            marker = ids[at]
+            before = self.push(ids[:at]) + self.flush()
+            text = self._tokenizer.decode([marker], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            self._reset([marker], self._decode([marker]))
+            return before + str(text) + self.push(ids[at + 1:])
         new = [i for i in ids if i not in self._skip]
         if not new:
             return ""

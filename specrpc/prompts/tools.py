@@ -1,7 +1,7 @@
-"""Tool calls, without a wire format: the declared functions, how a model writes a call (the Hermes / Qwen2.5
-`<tool_call>{"name": …, "arguments": …}</tool_call>` format, recognised from the chat template, or the same tags
-described in the system prompt for models whose template does not speak of tools), the grammar that makes a call's
-arguments follow its function's JSON schema, and the parser that turns the streamed reply into text and calls.
+"""Tool calls, without a wire format: the declared functions, the grammar that makes a reply's calls follow their
+functions' JSON schemas in the model's own format (tool_formats.py: Hermes / Qwen2.5 tags, Llama 3 JSON, Mistral's
+`[TOOL_CALLS]`, or the plain format described in the system prompt), and the parser that turns the streamed reply
+into text and calls.
 
 Both edges use it: HTTP chat completions (`tools`, `tool_choice`) and gRPC Converse (tool declarations, tool-call
 events). Pure text: no torch, no grpc.
@@ -9,16 +9,19 @@ events). Pure text: no torch, no grpc.
 `tool_choice: auto` uses a lazy grammar (llguidance's lazy lexeme, its documented pattern for tool calling), not a
 grammar alternation that decides at the first token: the model writes free text, and once that text reaches the
 call marker the rest is forced to a valid call. An alternation would have to choose "text or call" before the marker
-is written, which either forbids text that merely starts like a call or lets a call's JSON run unconstrained."""
+is written, which either forbids text that merely starts like a call or lets a call's JSON run unconstrained. Where
+the marker is a token of its own, the text is any text that does not spell it, followed by the marker token; where
+calls open the reply (Llama 3), the reply is text that does not open with `{`, or a call."""
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from specrpc.prompts.tool_formats import ToolFormat
 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,4}"
 """Whitespace a call's JSON may have between tokens: bounded, as for response_format (engine/constraint.py)."""
@@ -70,11 +73,6 @@ class ToolCall:
     arguments: str
 
 
-def new_call_id() -> str:
-    """An id for a call, in OpenAI's `call_…` form."""
-    return "call_" + uuid.uuid4().hex[:24]
-
-
 class InvalidTools(ValueError):
     """A tool declaration or choice the client must change (INVALID_ARGUMENT / 400)."""
 
@@ -105,61 +103,13 @@ def check_tools(tools: Sequence[Tool], choice: ToolChoice, field_name: str = "to
                            f"declared function")
 
 
-# ---- formats ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ToolFormat:
-    """How a model writes calls: each call is `open` + `{"name": …, "arguments": …}` + `close`, several calls
-    joined by `separator`. `native`: the chat template renders tools, calls and results itself; otherwise the
-    tools are described in the system prompt (`tools_prompt`), calls are written into the assistant's text and tool
-    results become user messages wrapped in `<tool_response>` tags. `marker_tokens`: the tokenizer has the
-    markers (`<tool_call>`, `</tool_call>`) as tokens of their own, as Qwen2.5's has; the grammar then names them as
-    tokens (llguidance treats added `<…>` tokens as special, so their text spelled as a string would not match)."""
-
-    name: str
-    open: str = "<tool_call>\n"
-    close: str = "\n</tool_call>"
-    separator: str = "\n"
-    native: bool = False
-    marker_tokens: bool = False
-
-    @property
-    def trigger(self) -> str:
-        """The text that starts a call (what the lazy grammar waits for)."""
-        return self.open.strip()
-
-    @property
-    def closer(self) -> str:
-        """The text that ends a call."""
-        return self.close.strip()
-
-    def write(self, call: ToolCall) -> str:
-        """A call as the model writes it (for histories rendered without the template's help)."""
-        return f'{self.open}{{"name": {json.dumps(call.name)}, "arguments": {call.arguments}}}{self.close}'
-
-
-HERMES = ToolFormat("hermes", native=True)
-"""Hermes / Qwen2.5: `<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`, rendered by the template."""
-
-PLAIN = ToolFormat("plain")
-"""The documented default for models whose chat template does not speak of tools (or that have none): the same
-tags, with the functions described in the system prompt by `tools_prompt`."""
-
-
-def detect_format(chat_template: str | None, added_tokens: Collection[str] = ()) -> ToolFormat:
-    """The format a chat template uses: Hermes when it writes `<tool_call>` tags and renders `tools`, else PLAIN;
-    with `marker_tokens` when the markers are among the tokenizer's `added_tokens`."""
-    fmt = HERMES if chat_template and "<tool_call>" in chat_template and "tools" in chat_template else PLAIN
-    return replace(fmt, marker_tokens=fmt.trigger in added_tokens and fmt.closer in added_tokens)
-
-
 def tools_prompt(tools: Sequence[Tool], fmt: ToolFormat) -> str:
-    """The functions and how to call them, for a system prompt (PLAIN format)."""
+    """The functions and how to call them, for a system prompt (a template that does not render tools)."""
     lines = "\n".join(json.dumps(tool.openai()) for tool in tools)
+    how = ("write a JSON object with its name and arguments within tags" if fmt.trigger.startswith("<")
+           else "write its name and arguments in this form")
     return (f"# Tools\n\nYou may call one or more functions. Their signatures:\n<tools>\n{lines}\n</tools>\n\n"
-            f"To call a function, write a JSON object with its name and arguments within tags:\n"
-            f'{fmt.open}{{"name": <function-name>, "arguments": <args-json-object>}}{fmt.close}')
+            f"To call a function, {how}:\n{fmt.example()}")
 
 
 # ---- the grammar -----------------------------------------------------------------------------------------------------
@@ -170,43 +120,81 @@ def lark_string(text: str) -> str:
     return json.dumps(text)
 
 
-def call_schema(tool: Tool) -> dict[str, Any]:
-    """The JSON Schema of one call's object: the function's name, then its arguments (llguidance keeps the order of
-    `properties`, so the name is written first and a stream can announce the call before its arguments). The
-    parameters' `$defs` and `definitions` move to the root, where their `#/$defs/…` references point."""
+def lark_text(text: str, fmt: ToolFormat) -> str:
+    """`text` as a Lark sequence: its markers that are tokens as `<[id]>` token references, the rest as strings
+    (nothing for no text)."""
+    parts: list[str] = []
+    ids = fmt.token_ids
+    while text:
+        at, marker = min(((text.find(m), m) for m in ids if m in text), default=(-1, ""))
+        if at < 0:
+            parts.append(lark_string(text))
+            break
+        if at:
+            parts.append(lark_string(text[:at]))
+        parts.append(f"<[{ids[marker]}]>")
+        text = text[at + len(marker):]
+    return " ".join(parts)
+
+
+def guided(schema: dict[str, Any], tool: Tool) -> dict[str, Any]:
+    """`schema` with llguidance's options: bounded whitespace, lenient unless the tool is strict."""
+    return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, "lenient": not tool.strict}}
+
+
+def call_schema(tool: Tool, key: str = "arguments") -> dict[str, Any]:
+    """The JSON Schema of one call's object: the function's name, then its arguments under `key` (llguidance keeps
+    the order of `properties`, so the name is written first and a stream can announce the call before its
+    arguments). The parameters' `$defs` and `definitions` move to the root, where their `#/$defs/…` references
+    point."""
     parameters = json.loads(tool.parameters)
-    hoisted = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
-    return {
+    hoisted = {k: parameters.pop(k) for k in ("$defs", "definitions") if k in parameters}
+    return guided({
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": parameters},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool.name}, key: parameters},
+        "required": ["name", key],
         "additionalProperties": False,
         **hoisted,
-        "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, "lenient": not tool.strict},
-    }
+    }, tool)
+
+
+def call_rules(i: int, tool: Tool, fmt: ToolFormat) -> list[str]:
+    """The Lark rules of a call of `tool` (`fn_<i>`) in the format's shape: a JSON object, or the name, the
+    format's `name_args` and the arguments object."""
+    if fmt.name_args:
+        arguments = guided(json.loads(tool.parameters), tool)
+        return [f"fn_{i}: {lark_string(tool.name)} {lark_text(fmt.name_args, fmt)} args_{i}",
+                f"args_{i}: %json {json.dumps(arguments)}"]
+    return [f"fn_{i}: %json {json.dumps(call_schema(tool, fmt.key))}"]
 
 
 def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt: ToolFormat) -> str | None:
     """The Lark grammar (llguidance's dialect) a reply must match, or None for free text (`none`, or no tools).
-    `required` and a named function: calls only; `auto`: any text, and once it reaches the call marker, calls. With
-    `parallel`, calls may follow one another (joined by the format's separator); else one call."""
+    `required` and a named function: calls only; `auto`: any text, and once it reaches the call marker, calls (for
+    a format whose calls open the reply, Llama 3's: text that does not open with `{`, or a call). With `parallel`
+    (and a format that allows it), calls may follow one another; else one call."""
     if choice.mode == "none" or not tools:
         return None
     chosen = [t for t in tools if t.name == choice.name] if choice.mode == "function" else list(tools)
-    rules = [f"fn_{i}: %json {json.dumps(call_schema(tool))}" for i, tool in enumerate(chosen)]
+    rules = [rule for i, tool in enumerate(chosen) for rule in call_rules(i, tool, fmt)]
+    many = parallel and fmt.parallel
+    calls = f"body ({lark_text(fmt.joiner, fmt)} body)*" if many and fmt.joiner else "body"
+    more = f" ({lark_text(fmt.separator, fmt)} group)*" if many and not fmt.joiner else ""
+    rest = [f"rest: {lark_text(fmt.open[len(fmt.trigger):], fmt)} {calls} {lark_text(fmt.close, fmt)}"]
+    lead = f"{lark_text(fmt.lead, fmt)}? " if fmt.lead in fmt.token_ids else ""
+    group = [f"group: {lead}{lark_text(fmt.trigger, fmt)} rest"]
+    if choice.mode != "auto":
+        start = [f"start: group{more}"]
+    elif not fmt.trigger:  # calls open the reply: text is what does not open with `{`
+        start = ["start: TEXT | group", "TEXT: /([^{](?s:.*))?/"]
+    elif fmt.trigger in fmt.token_ids:  # the marker is a token: text is any text that does not spell it
+        start = [f"start: TEXT | TEXT group{more}",
+                 f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(fmt.trigger)}(?s:.*)/"]
+    else:  # the marker is text: a lazy lexeme ends the free text at the first marker
+        start = [f"start: TEXT | head rest{more}", f"head[lazy]: TEXT {lark_string(fmt.trigger)}",
+                 r"TEXT: /(.|\n)*/"]
     body = " | ".join(f"fn_{i}" for i in range(len(chosen)))
-    more = f" ({lark_string(fmt.separator)} call)*" if parallel else ""
-    inner = f"{lark_string(fmt.open[len(fmt.trigger):])} body {lark_string(fmt.close[:-len(fmt.closer)])}"
-    if fmt.marker_tokens:  # the markers are tokens: text is any text that does not spell the marker
-        call = [f"call: {fmt.trigger} {inner} {fmt.closer}"]
-        auto = [f"start: TEXT | TEXT call{more}",
-                f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(fmt.trigger)}(?s:.*)/"]
-    else:  # the markers are text: a lazy lexeme ends the free text at the first marker
-        call = [f"call: {lark_string(fmt.trigger)} rest", f"rest: {inner} {lark_string(fmt.closer)}"]
-        auto = [f"start: TEXT | head rest{more}", f"head[lazy]: TEXT {lark_string(fmt.trigger)}",
-                r"TEXT: /(.|\n)*/"]
-    start = auto if choice.mode == "auto" else [f"start: call{more}"]
-    return "\n".join(["%llguidance {}", *start, *call, f"body: {body}", *rules, ""])
+    return "\n".join(["%llguidance {}", *start, *group, *rest, f"body: {body}", *rules, ""])
 
 
 # ---- reading the reply -----------------------------------------------------------------------------------------------
@@ -246,20 +234,33 @@ class CallEnded:
 
 ReplyPart = TextPart | CallStarted | ArgumentsPart | CallEnded
 
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+def loose(text: str) -> str:
+    """A regex for `text` after optional whitespace, any whitespace in it matching any whitespace (or none)."""
+    return r"\s*" + r"\s*".join(re.escape(part) for part in text.split())
+
+
+def call_head(fmt: ToolFormat) -> str:
+    """A regex for a call up to its arguments, capturing the name: `{"name": "…", "<key>": ` or `name[ARGS]`."""
+    if fmt.name_args:
+        return r"\s*([A-Za-z0-9_.\-]{1,64})" + loose(fmt.name_args) + r"\s*"
+    return r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*' + json.dumps(fmt.key) + r"\s*:\s*"
 
 
 @dataclass
 class ToolCallParser:
     """Splits a reply streamed in pieces into text and calls, as soon as each part is known: a call is announced
-    once its name is complete, its arguments streamed as they arrive, and it ends at the close marker. Text that may
-    be the start of a call marker is held until it is known not to be; whitespace between calls is dropped. Fed in
-    order by one stream; pieces may split anywhere (several tokens of one speculative step, or half a marker)."""
+    once its name is complete, its arguments streamed as they arrive, and it ends where the format ends it. Text
+    that may be the start of a call marker is held until it is known not to be; whitespace between calls is
+    dropped. A format whose calls open the reply (Llama 3) reads a reply whose first character past whitespace is
+    `{` as a call, any other as text. Fed in order by one stream; pieces may split anywhere (several tokens of one
+    speculative step, or half a marker)."""
 
     fmt: ToolFormat
     calls: list[ToolCall] = field(default_factory=list)
     _buffer: str = ""
-    _state: Literal["text", "head", "arguments", "tail"] = "text"
+    _state: Literal["text", "head", "next", "arguments", "tail"] = "text"
+    _opened: bool = False
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
@@ -267,6 +268,14 @@ class ToolCallParser:
     _id: str = ""
     _name: str = ""
     _args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        head = call_head(self.fmt)
+        self._first = re.compile(loose(self.fmt.open[len(self.fmt.trigger):]) + head)
+        self._next = re.compile(head)  # after a joiner (`_more` reads it)
+        end = r"\s*\}" if not self.fmt.name_args else ""
+        self._end = re.compile(end + loose(self.fmt.close))
+        self._more = re.compile(end + loose(self.fmt.joiner)) if self.fmt.joiner else None
 
     @property
     def text(self) -> bool:
@@ -277,25 +286,35 @@ class ToolCallParser:
         """The parts `piece` completes."""
         self._buffer += piece
         parts: list[ReplyPart] = []
-        while self._buffer:
+        while self._buffer or self._state == "tail":  # a call may end with its arguments (Llama 3, `[ARGS]`)
             before = (self._state, len(self._buffer))
-            handler = {"text": self._text, "head": self._head, "arguments": self._arguments, "tail": self._tail}
+            handler = {"text": self._text, "head": self._head, "next": self._head, "arguments": self._arguments,
+                       "tail": self._tail}
             parts += handler[self._state]()
             if (self._state, len(self._buffer)) == before:
                 break  # waiting for more text
         return parts
 
     def finish(self) -> list[ReplyPart]:
-        """The rest at the end of the reply: held text (a call cut short stays as streamed so far)."""
+        """The rest at the end of the reply: held text (a call cut short stays as streamed so far; a reply that
+        opened with `{` but is no call is text)."""
         parts: list[ReplyPart] = []
-        if self._state == "text" and self._buffer and (self._buffer.strip() or not self.calls):
+        unread = self._state == "head" and not self.fmt.trigger
+        if (self._state == "text" or unread) and self._buffer and (self._buffer.strip() or not self.calls):
             parts.append(TextPart(self._buffer))
         self._buffer = ""
         return parts
 
     def _text(self) -> list[ReplyPart]:
+        if not self.fmt.trigger and not self._opened:  # the reply's opening decides: a call or text
+            if not self._buffer.strip():
+                return []
+            self._opened = True
+            if self._buffer.lstrip().startswith("{"):
+                self._state = "head"
+                return []
         trigger = self.fmt.trigger
-        at = self._buffer.find(trigger)
+        at = self._buffer.find(trigger) if trigger else -1
         if at >= 0:
             text, self._buffer = self._buffer[:at], self._buffer[at + len(trigger):]
             self._state = "head"
@@ -309,11 +328,12 @@ class ToolCallParser:
         return [TextPart(text)] if text else []
 
     def _head(self) -> list[ReplyPart]:
-        match = _HEAD.match(self._buffer)
+        match = (self._first if self._state == "head" else self._next).match(self._buffer)
         if match is None:
             return []
-        self._name = json.loads(match.group(1))
-        self._id = new_call_id()
+        name = match.group(1)
+        self._name = json.loads(name) if name.startswith('"') else name
+        self._id = self.fmt.new_id()
         self._buffer = self._buffer[match.end():]
         self._state, self._depth, self._in_string, self._escaped, self._started = "arguments", 0, False, False, False
         self._args = []
@@ -355,12 +375,12 @@ class ToolCallParser:
         return parts
 
     def _tail(self) -> list[ReplyPart]:
-        close = self.fmt.closer
-        at = self._buffer.find(close)
-        if at < 0:
+        more = self._more.match(self._buffer) if self._more is not None else None
+        match = more or self._end.match(self._buffer)
+        if match is None:
             return []
-        self._buffer = self._buffer[at + len(close):]
+        self._buffer = self._buffer[match.end():]
         call = ToolCall(self._id, self._name, "".join(self._args))
         self.calls.append(call)
-        self._state = "text"
+        self._state = "next" if more else "text"
         return [CallEnded(len(self.calls) - 1, call)]

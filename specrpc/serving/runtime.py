@@ -68,6 +68,7 @@ class DecodeParams:
     top_logprobs: int = 0  # with logprobs: this many most likely alternatives per token (at most 20)
     prediction: tuple[int, ...] = ()  # the client's predicted output, tokens of its text (a draft; empty: none)
     constraint: ConstraintSpec | None = None  # what the output must match (JSON schema, regex, grammar)
+    shown_tokens: frozenset[int] = frozenset()  # special tokens the text shows (a tool format's call markers)
 
 
 @dataclass(frozen=True)
@@ -466,8 +467,9 @@ class Runtime:
             suffix=self._suffix(scope, params, num_draft_tokens),
             grammar=grammar,
         )
-        job = Job(lease.slot, request, IncrementalDetokenizer(self.stream_decoder, prompt), StopMatcher(params.stop),
-                  loop, guard=LineGuard(params.n_indent), max_time_s=params.max_time_ms / 1e3, arrival=arrival)
+        job = Job(lease.slot, request, IncrementalDetokenizer(self.stream_decoder, prompt, params.shown_tokens),
+                  StopMatcher(params.stop), loop, guard=LineGuard(params.n_indent),
+                  max_time_s=params.max_time_ms / 1e3, arrival=arrival)
 
         def finished() -> None:
             try:

@@ -540,13 +540,15 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             message = TurnInput(turn.role, turn.text, turn.tool_call_id, tools,
                                 tool_choice(turn.tool_choice, bool(tools or conversation.tools))
                                 if turn.HasField("tool_choice") else None)
-            calls = validation.tool_constraint(*conversation.turn_tools(message), conversation.parallel,
-                                               tool_format(self.runtime), "turn.tools" if tools else "start.tools")
+            fmt = tool_format(self.runtime)
+            calls = validation.tool_constraint(*conversation.turn_tools(message), conversation.parallel, fmt,
+                                               "turn.tools" if tools else "start.tools")
             constraint = self._constraint(turn.constraint, "turn.constraint")
             if calls is not None and constraint is not None:
                 raise InvalidRequest("turn.constraint and tools (with a tool choice other than none) are exclusive: "
                                      "send one, or set turn.tool_choice to TOOL_CHOICE_MODE_NONE")
-            await conversation.turn(message, replace(params, constraint=calls or constraint))
+            await conversation.turn(message, replace(params, constraint=calls or constraint,
+                                                     shown_tokens=fmt.shown if calls else frozenset()))
         elif kind == "cancel":
             conversation.cancel()
         elif kind == "rewind":

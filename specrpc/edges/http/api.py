@@ -390,7 +390,8 @@ class HttpApi:
                                          "exclusive: send one, or set tool_choice to none")
         prompt = chat_prompt(self.gateway, messages, tools)
         params = apply_editor_options(decode(self, sampling, budget, reply_stops(rt)), options)
-        params = speculative(body, replace(params, constraint=calls or response_format(body)), self.config)
+        params = speculative(body, replace(params, constraint=calls or response_format(body),
+                                           shown_tokens=fmt.shown if calls else frozenset()), self.config)
         params = validation.prediction(params, prediction_text(body), rt.encode_plain, rt.context_limit)
         stream, usage = stream_flags(body)
         reply = OpenAIReply(chat=True, model=rt.target_info.name, include_usage=usage, text=rt.token_text,

@@ -10,11 +10,10 @@ import time
 from collections.abc import Callable, Sequence
 
 
-def interleaved_times(runs: Sequence[Callable[[], object]], repeats: int, warm: int = 1) -> list[float]:
-    """Seconds for one call of each of `runs`, the lower quartile over `repeats` rounds (at least 2): each round calls
-    every run once, the order rotated by one each round (no run always follows the same other), each timed call after
-    `warm` untimed ones of the same run (its weights in the caches as during a run of such steps); a first round is
-    untimed."""
+def interleaved_samples(runs: Sequence[Callable[[], object]], repeats: int, warm: int = 1) -> list[list[float]]:
+    """Seconds of each call of each of `runs` over `repeats` rounds: each round calls every run once, the order
+    rotated by one each round (no run always follows the same other), each timed call after `warm` untimed ones of
+    the same run (its weights in the caches as during a run of such steps); a first round is untimed."""
     times: list[list[float]] = [[] for _ in runs]
     for r in range(repeats + 1):
         for j in range(len(runs)):
@@ -25,4 +24,10 @@ def interleaved_times(runs: Sequence[Callable[[], object]], repeats: int, warm: 
             runs[i]()
             if r:
                 times[i].append(time.perf_counter() - t0)
-    return [statistics.quantiles(t, n=4)[0] for t in times]
+    return times
+
+
+def interleaved_times(runs: Sequence[Callable[[], object]], repeats: int, warm: int = 1) -> list[float]:
+    """Seconds for one call of each of `runs`, the lower quartile over `repeats` rounds (at least 2) of
+    `interleaved_samples`."""
+    return [statistics.quantiles(t, n=4)[0] for t in interleaved_samples(runs, repeats, warm)]
