@@ -4,9 +4,9 @@ and the CPU, loaded with ctypes into torch's OpenMP runtime.
 
 A decode step of a small model spends as much time in a thousand small torch ops as in reading its weights; the
 native step reads each weight once in one OpenMP parallel region, for a one-token step and a verify alike. The
-request's logits controls are a dozen small torch ops each, a pass over the logits in C. Where no compiler is found,
-or the build fails, `library()` is None and the lean torch forward serves every step, torch ops every transform
-(logged once)."""
+request's logits controls and a grammar's mask are a dozen small torch ops each, a pass over the logits in C.
+Where no compiler is found, or the build fails, `library()` is None and the lean torch forward serves every step,
+torch ops every transform and mask (logged once)."""
 
 from __future__ import annotations
 
@@ -147,6 +147,10 @@ def library() -> ctypes.CDLL | None:
     min_p = lib.specrpc_min_p
     min_p.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int64]
     min_p.restype = None
+    mask = lib.specrpc_mask
+    mask.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    mask.restype = None
     for name in ("specrpc_int8_group", "specrpc_int8_block"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int

@@ -1,6 +1,6 @@
 // The per-position logits transform (specrpc/engine/logits_transform.py: logit_bias, repetition / frequency /
-// presence penalties with each row's own counts, end-of-text bans) and min-p (specrpc/engine/sampling.py), each one
-// single-threaded pass over the rows: a verify's [k+1, V] costs a few tens of microseconds here, where a dozen small
+// presence penalties with each row's own counts, end-of-text bans), min-p (specrpc/engine/sampling.py) and a
+// grammar's bitmask (specrpc/engine/constraint.py), each one single-threaded pass over the rows: a verify's [k+1, V] costs a few tens of microseconds here, where a dozen small
 // torch ops cost ten times that. Built into the same library as decode.cpp (specrpc/native/__init__.py).
 //
 // The values are the torch path's bits: every element goes through the same float32 operations in the same order,
@@ -156,5 +156,27 @@ extern "C" void specrpc_min_p(float* scaled, int64_t rows, int64_t vocab, float 
             threshold = std::min(threshold, sorted[keep - 1]);
         }
         for (int64_t v = 0; v < vocab; ++v) x[v] = x[v] < threshold ? drop : x[v];
+    }
+}
+
+// A grammar's bitmask on logits [rows, vocab], written to out (which may be logits itself), as sampling.mask_logits
+// of constraint.unpack_mask: row r keeps the logits of the tokens its mask allows (the n_words int32 words at
+// words + index[r] * n_words, bit t % 32 of word t / 32 for token t) and is -inf elsewhere; ids from mask_vocab
+// (<= 32 n_words) on are forbidden. Each logit is copied or replaced, never computed: the torch path's bits.
+extern "C" void specrpc_mask(const float* logits, float* out, int64_t rows, int64_t vocab, const int32_t* words,
+                             const int64_t* index, int64_t n_words, int64_t mask_vocab) {
+    const float ban = -std::numeric_limits<float>::infinity();
+    const int64_t masked = std::min(vocab, mask_vocab);  // tokens the mask speaks for
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* x = logits + r * vocab;
+        float* o = out + r * vocab;
+        const int32_t* m = words + index[r] * n_words;
+        int64_t v = 0;
+        for (; v + 32 <= masked; v += 32) {
+            const uint32_t bits = static_cast<uint32_t>(m[v / 32]);
+            for (int j = 0; j < 32; ++j) o[v + j] = (bits >> j) & 1u ? x[v + j] : ban;
+        }
+        for (; v < masked; ++v) o[v] = (static_cast<uint32_t>(m[v / 32]) >> (v % 32)) & 1u ? x[v] : ban;
+        for (; v < vocab; ++v) o[v] = ban;
     }
 }
