@@ -14,12 +14,19 @@ import jsonschema
 import llguidance as llg
 import pytest
 import torch
-from engine_helpers import decode, decode_together
+from engine_helpers import decode, decode_together, requires_native
 from test_engine import VOCAB, chi_square_pvalue, make_engine, tiny_llama
 from transformers import LlamaForCausalLM
 
 from specrpc.config import ASSETS, EngineConfig
-from specrpc.engine.constraint import ConstraintSpec, Grammar, GrammarCompiler, InvalidConstraint
+from specrpc.engine.constraint import (
+    ConstraintSpec,
+    Grammar,
+    GrammarCompiler,
+    InvalidConstraint,
+    apply_words,
+    unpack_mask,
+)
 from specrpc.engine.engine import Engine
 from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.plan import allowed, plan
@@ -156,6 +163,28 @@ def test_greedy_rows_are_masked_only_where_the_grammar_overrules_the_argmax(lett
     assert shaped.argmax(dim=-1).tolist() == [1, 2, 3]
     assert shaped.argmax(dim=-1).tolist() == mask_logits(overruled, constraint.masks(draft)).argmax(dim=-1).tolist()
     assert overruled[1, 5] == 9.0, "the caller's logits are not changed"
+
+
+@pytest.mark.parametrize(("vocab", "mask_vocab"), [(4096, 4096), (100, 70), (50, 70), (8192, 8000)])
+def test_the_native_mask_has_the_torch_masks_bits(vocab: int, mask_vocab: int) -> None:
+    """`apply_words` (one native pass over the bitmask words, where the library is built) gives `mask_logits` of
+    `unpack_mask` bit for bit: rows gathered out of order and repeated, words all clear, all set and random, a NaN
+    and a -0.0 copied as they are, ids beyond the mask's vocabulary forbidden and its bits beyond the logits' dropped
+    (logits wider and narrower than the mask)."""
+    requires_native()
+    g = torch.Generator().manual_seed(vocab)
+    words = torch.randint(-(2**31), 2**31, (5, (mask_vocab + 31) // 32), dtype=torch.int64, generator=g)
+    words = words.to(torch.int32)  # [5, W]
+    words[1], words[2] = 0, -1
+    logits = torch.randn(4, vocab, generator=g)  # [4, V]
+    logits[0, 3], logits[2, 5] = float("nan"), -0.0
+    before = logits.clone()
+    rows = [4, 1, 2, 4]
+    got = apply_words(logits, words, rows, mask_vocab)  # [4, V]
+    want = mask_logits(logits, unpack_mask(words[rows], mask_vocab))  # [4, V]
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(logits.view(torch.int32), before.view(torch.int32)), "the caller's logits are not changed"
+    assert got[0].isfinite().any() and got[0].isinf().any() and got[1].isinf().all()
 
 
 def test_prompt_lookup_drafts_are_cut_at_the_first_forbidden_token(pair: tuple[Path, Path],

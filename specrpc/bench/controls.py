@@ -42,7 +42,7 @@ from specrpc.engine.constraint import Constraint, ConstraintSpec, Grammar
 from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.logits_transform import LogitsTransform
 from specrpc.engine.proposers import feed
-from specrpc.engine.sampling import SamplingParams, logits_to_probs, mask_logits
+from specrpc.engine.sampling import SamplingParams, logits_to_probs
 from specrpc.models import BatchRow
 from specrpc.serving.runtime import Runtime
 
@@ -199,8 +199,8 @@ def mask_work(constraint: Constraint, logits: torch.Tensor, drafted: list[int], 
     """Seconds of the matcher's work along `drafted` as the engine does it: drafting (the grammar's forced run
     taken where it is the path's next tokens, `proposers._Stream`; else a drawn token: greedy, the draft's argmax
     checked and a mask filled only where the grammar forbids it, sampled, the position's mask filled and applied to
-    its logits), the rollback, and the verify's rows on its logits [k+1, V] (greedy: checked,
-    `Constraint.greedy_rows`; sampled: the k+1 masks, reused, applied)."""
+    its logits: `Constraint.mask_next`), the rollback, and the verify's rows on its logits [k+1, V] (greedy:
+    checked, `Constraint.greedy_rows`; sampled: the k+1 masks, reused, applied: `Constraint.mask_rows`)."""
     t0 = time.perf_counter()
     i = 0
     while True:
@@ -211,14 +211,14 @@ def mask_work(constraint: Constraint, logits: torch.Tensor, drafted: list[int], 
         if i >= len(drafted):
             break
         if not greedy or not constraint.take(drafted[i]):
-            mask_logits(logits[i : i + 1], constraint.allowed())  # [1, V]
+            constraint.mask_next(logits[i : i + 1])  # [1, V]
             constraint.advance(drafted[i])
         i += 1
     constraint.rewind(len(drafted))
     if greedy:
         constraint.greedy_rows(logits, drafted)  # [k+1, V]
     else:
-        mask_logits(logits, constraint.masks(drafted))  # [k+1, V]
+        constraint.mask_rows(logits, drafted)  # [k+1, V]
     return time.perf_counter() - t0
 
 

@@ -9,6 +9,7 @@ grammar through `is_error()` with a message instead of failing the process."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 import llguidance as llg
 import torch
 
+from specrpc import native
 from specrpc.engine.sampling import mask_logits
 
 if TYPE_CHECKING:
@@ -62,16 +64,42 @@ def unpack_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return words.unsqueeze(-1).bitwise_and(_BITS).ne(0).flatten(-2)[..., :vocab]  # [..., V]
 
 
+def gather_rows(words: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows `rows` of bitmask words [R, W] → [len(rows), W]: a view where they are successive (as drafting fills
+    them), else a gather."""
+    first = rows[0]
+    return words[first : first + len(rows)] if rows == list(range(first, first + len(rows))) else words[rows]
+
+
+def apply_words(logits: torch.Tensor, words: torch.Tensor, rows: list[int], vocab: int) -> torch.Tensor:
+    """Logits [R, V] with -inf where the bitmask words[rows[r]] (int32 [W] over `vocab` tokens) forbids, a copy:
+    `mask_logits` of `unpack_mask`. On float32 CPU logits, where the native library is built, one pass in C reads
+    the words (the same values: each logit copied or -inf), not a dozen torch ops building and applying bool masks;
+    elsewhere those torch ops."""
+    lib = native.library() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if lib is None:
+        return mask_logits(logits, unpack_mask(gather_rows(words, rows), vocab))  # [R, V]
+    assert words.is_contiguous() and words.dtype == torch.int32 and vocab <= 32 * words.shape[-1]
+    assert logits.dim() == 2 and logits.shape[0] == len(rows) and all(0 <= r < words.shape[0] for r in rows)
+    src = logits.contiguous()  # [R, V]
+    out = torch.empty_like(src)  # [R, V]
+    index = (ctypes.c_int64 * len(rows))(*rows)
+    lib.specrpc_mask(src.data_ptr(), out.data_ptr(), len(rows), src.shape[1], words.data_ptr(), index,
+                     words.shape[-1], vocab)
+    return out
+
+
 class Constraint:
     """One request's matcher, at its committed tokens between steps. Drafting advances it token by token
-    (`advance`, `take`) and rewinds (`rewind`); `masks` gives the allowed tokens at each position along a draft.
+    (`advance`, `take`) and rewinds (`rewind`); `mask_next` masks the draft's logits at its position, `mask_rows` a
+    verify's at each position along a draft (`allowed` and `masks`: the same masks as bool).
 
     Masks are filled in place into one preallocated int32 bitmask, a row per state since the last commit (by its
-    drafted path), and unpacked only where used: the verify's rows along a draft reuse the ones drafting filled, so
-    a sampled step fills k + 1 masks, not 2k + 1. A greedy step fills one only where the grammar overrules the
-    model (`take`, `greedy_rows`): an argmax the grammar allows is the masked argmax. `work_s` counts the host
-    seconds spent in the matcher (mask fills and unpacking, advances, rollbacks, checks, forced tokens): `specrpc
-    bench controls` reports its share of a step."""
+    drafted path), and applied from those words (`apply_words`: one native pass on the CPU, no bool mask): the
+    verify's rows along a draft reuse the ones drafting filled, so a sampled step fills k + 1 masks, not 2k + 1. A
+    greedy step fills one only where the grammar overrules the model (`take`, `greedy_rows`): an argmax the grammar
+    allows is the masked argmax. `work_s` counts the host seconds spent in the matcher (mask fills and applying
+    them, advances, rollbacks, checks, forced tokens): `specrpc bench controls` reports its share of a step."""
 
     def __init__(self, matcher: llg.LLMatcher, vocab: int) -> None:
         self._matcher = matcher
@@ -94,6 +122,10 @@ class Constraint:
         mask = unpack_mask(self._bits[row], self.vocab)  # [V]
         self.work_s += time.perf_counter() - t0
         return mask
+
+    def mask_next(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [1, V] at the current state with -inf where the grammar forbids (a masked copy)."""
+        return self._apply(logits, [self._row()])  # [1, V]
 
     def advance(self, token: int) -> None:
         """Take a drafted token (one the mask allowed)."""
@@ -145,6 +177,20 @@ class Constraint:
     def masks(self, draft: list[int]) -> torch.Tensor:
         """Allowed tokens at each position of a verify along `draft` (which the grammar allows): bool [k+1, V], row
         i before draft token i, row k after the last; the matcher ends where it started."""
+        rows = self._path_rows(draft)
+        t0 = time.perf_counter()
+        out = unpack_mask(gather_rows(self._bits, rows), self.vocab)  # [k+1, V]
+        self.work_s += time.perf_counter() - t0
+        return out
+
+    def mask_rows(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
+        """A verify's logits [k+1, V] along `draft` (which the grammar allows) with -inf where the grammar forbids
+        at each position (`masks`), a masked copy; the matcher ends where it started."""
+        return self._apply(logits, self._path_rows(draft))  # [k+1, V]
+
+    def _path_rows(self, draft: list[int]) -> list[int]:
+        """The rows of `_bits` holding the masks at each position along `draft` ([k+1]: before each drafted token
+        and after the last), filled where new; the matcher ends where it started."""
         base, taken = tuple(self._drafted), 0
         rows: list[int] = []
         for i in range(len(draft) + 1):
@@ -155,11 +201,12 @@ class Constraint:
                 row = self._row()
             rows.append(row)
         self.rewind(taken)
+        return rows
+
+    def _apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits [R, V] masked by the filled rows `rows` of `_bits` (`apply_words`), its seconds counted."""
         t0 = time.perf_counter()
-        first = rows[0]
-        in_order = rows == list(range(first, first + len(rows)))  # as drafting filled them: no gather
-        words = self._bits[first : first + len(rows)] if in_order else self._bits[rows]  # [k+1, W]
-        out = unpack_mask(words, self.vocab)  # [k+1, V]
+        out = apply_words(logits, self._bits, rows, self.vocab)  # [R, V]
         self.work_s += time.perf_counter() - t0
         return out
 
@@ -182,12 +229,12 @@ class Constraint:
             taken = i
             if self._matcher.is_stopped() or (top[i] < self.vocab and self.valid_prefix([top[i]]) == 1):
                 break  # the argmax is allowed: the verify's decision at this row is the masked one
-            allowed = self.allowed()  # [V]
+            masked = self.mask_next(out[i : i + 1])  # [1, V]
             t0 = time.perf_counter()
             if out is logits:
                 out = logits.clone()  # [k+1, V]
-            out[i] = mask_logits(out[i : i + 1], allowed)[0]  # [V]
-            chosen = int(out[i].argmax())
+            out[i] = masked[0]  # [V]
+            chosen = int(masked[0].argmax())
             self.work_s += time.perf_counter() - t0
             if i == k or chosen != draft[i]:
                 break  # rejected here, or the bonus row

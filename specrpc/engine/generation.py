@@ -17,7 +17,7 @@ from specrpc.engine.logits_transform import Cursor, LogitsTransform
 from specrpc.engine.policy import AdaptivePolicy
 from specrpc.engine.prediction import PredictionProposer
 from specrpc.engine.proposers import EMPTY, Proposal, Proposer
-from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, mask_logits, sample
+from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specrpc.engine.suffix import SuffixProposer
 
 FINISH_LENGTH = "length"
@@ -210,7 +210,7 @@ class Generation:
         forbids (`Constraint.greedy_rows`): every row read has its masked argmax, at a mask's cost only where the
         grammar overrules the target."""
         if self.constraint is not None and not self.params.greedy:
-            logits = mask_logits(logits, self.constraint.masks(proposal.token_ids))  # [k+1, V]
+            logits = self.constraint.mask_rows(logits, proposal.token_ids)  # [k+1, V]
         if self.transform is not None:
             logits = self.transform.along(logits, self.slot.tokens, proposal.token_ids)  # [k+1, V]
         if self.constraint is not None and self.params.greedy:

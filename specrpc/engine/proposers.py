@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from specrpc.engine.constraint import Constraint
 from specrpc.engine.logits_transform import Cursor, LogitsTransform
-from specrpc.engine.sampling import SamplingParams, logits_to_probs, mask_logits, sample
+from specrpc.engine.sampling import SamplingParams, logits_to_probs, sample
 from specrpc.models import BatchRow, CausalLM
 
 
@@ -103,13 +103,13 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
     draft probabilities then). Greedy, the argmax is checked first and the mask filled only when the grammar
     forbids it (an allowed argmax is the masked one; the transform keeps -inf, so it commutes with the mask)."""
     if constraint is not None and not params.greedy:
-        logits = mask_logits(logits, constraint.allowed())  # [1, V]
+        logits = constraint.mask_next(logits)  # [1, V]
     if cursor is not None:
         logits = cursor.apply(logits)  # [1, V]
     if params.greedy:
         token, probs = logits[0].argmax().view(1), None  # [1]
         if constraint is not None and not constraint.take(int(token)):
-            token = mask_logits(logits, constraint.allowed())[0].argmax().view(1)  # [1]
+            token = constraint.mask_next(logits)[0].argmax().view(1)  # [1]
             constraint.advance(int(token))
     else:
         p = logits_to_probs(logits, params)  # [1, V]
