@@ -21,13 +21,19 @@ from specrpc.models.llama import LlamaLM, bf16_available, int8_available
 
 
 def test_build_is_cached_per_compiler_and_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPECRPC_NATIVE_CACHE", str(tmp_path))
+    """The cache logic on a one-line source (the real sources compile in every test that loads the library)."""
+    monkeypatch.setenv("SPECRPC_NATIVE_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "one.cpp"
+    source.write_text('extern "C" int specrpc_one() { return 1; }\n')
+    monkeypatch.setattr(native, "SOURCES", (source,))
     first = native.build()
     if first is None:
         pytest.skip("no C++ compiler here")
-    assert first.parent == tmp_path and first.stat().st_size > 0
+    assert first.parent == tmp_path / "cache" and first.stat().st_size > 0
     mtime = first.stat().st_mtime_ns
     assert native.build() == first and first.stat().st_mtime_ns == mtime, "a second build reuses the cached file"
+    source.write_text('extern "C" int specrpc_one() { return 2; }\n')
+    assert native.build() not in (None, first), "a changed source is a new library"
 
 
 def test_no_compiler_means_no_library_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
