@@ -258,10 +258,12 @@ def test_controls_bench_runs_every_row(tmp_path: Path) -> None:
 
 
 def test_floor_bench_reports_every_path_at_every_shape_beside_the_read_bandwidth(tmp_path: Path) -> None:
-    """`specrpc bench floor` at tiny settings on a tiny random pair: the read bandwidth of each cache level found and
-    of memory; per model and precision every path (the native step in each prefetch mode where it builds, the torch
-    forward) at every shape, MKL's one-row product at one token only, with positive times and rates; int8 reads
-    about a quarter of float32's bytes; the floor names the level holding the weights. `--help` measures nothing."""
+    """`specrpc bench floor` at tiny settings on a tiny random pair: the read bandwidth (by the native reader where the
+    library builds) of each cache level found, of memory and of each model's weight bytes; per model and precision
+    every path (the native step in each prefetch mode where it builds, the torch forward) at every shape, MKL's
+    one-row product at one token only, with positive times and rates; int8 reads about a quarter of float32's bytes;
+    each floor is its fastest path's bytes ÷ the rate of its own buffer of those bytes, and names the level holding
+    them. `--help` measures nothing."""
     from test_engine import tiny_llama
 
     from specrpc import native
@@ -281,12 +283,15 @@ def test_floor_bench_reports_every_path_at_every_shape_beside_the_read_bandwidth
                        "--out", str(out)]) == 0
     results = json.loads((out / "floor.json").read_text())
     levels = [f"L{c['level']}" for c in results["caches"]]
-    assert [b["buffer"] for b in results["bandwidth"]] == [*levels, "memory"]
+    own = ["draft float32 + int8 copies weights", "target float32 weights", "draft int8 weights", "target int8 weights"]
+    assert [b["buffer"] for b in results["bandwidth"]] == [*levels, "memory", *own]
     assert all(b["gb_s"] > 0 and b["bytes"] > 0 for b in results["bandwidth"])
+    built = native.library() is not None
+    assert results["reader"] == ("native" if built else "torch")
+    rows = {b["buffer"]: b for b in results["bandwidth"]}
     assert results["shapes"] == ["1", "3", "2×2"]
     assert [(m["model"], m["weights"]) for m in results["models"]] == [
         ("draft", "float32 + int8 copies"), ("target", "float32"), ("draft", "int8"), ("target", "int8")]
-    built = native.library() is not None
     for m in results["models"]:
         names = set(m["paths"])
         assert (m["native"] == "on") == built, m
@@ -297,10 +302,14 @@ def test_floor_bench_reports_every_path_at_every_shape_beside_the_read_bandwidth
             assert all(c["ms"] > 0 and c["gb_s"] > 0 and c["bytes"] > 0 for c in cells.values())
         f = m["floor"]
         assert f["held_by"] in [*levels, "memory"] and f["floor_ms"] > 0 and f["path"] in names
+        row = rows[f"{m['model']} {m['weights']} weights"]
+        assert f["buffer"] == row["buffer"] and row["bytes"] == f["bytes"] == m["paths"][f["path"]]["1"]["bytes"]
+        assert f["gb_s"] == row["gb_s"] and f["floor_ms"] == pytest.approx(f["bytes"] / f["gb_s"] / 1e6)
     by = {(m["model"], m["weights"]): m["paths"] for m in results["models"]}
     float_bytes = by["target", "float32"]["torch, oneDNN"]["3"]["bytes"]
     int8_bytes = by["target", "int8"]["torch int8"]["3"]["bytes"]
     assert float_bytes / 4 <= int8_bytes < float_bytes / 3  # int8 weights and their bf16 row scales
     table = (out / "floor.md").read_text()
     assert "| model | weights | path | MB a step | 1 | 3 | 2×2 |" in table and "| buffer | size | GB/s |" in table
-    assert "× floor" in table and results["machine"] in table
+    assert "× floor" in table and "GB/s of its bytes" in table and results["machine"] in table
+    assert floor.READERS[results["reader"]] in table

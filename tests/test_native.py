@@ -270,3 +270,23 @@ def test_a_stalled_torch_forward_is_chosen_at_no_count(tmp_path: Path, monkeypat
     lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
                     max_context=64, native_decode=True)
     assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native_rows == native_step.MAX_TOKENS
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_bandwidth_reader_reads_every_value_once_a_pass(threads: int) -> None:
+    """bandwidth.cpp's reader, what `specrpc bench floor` times: the sum it returns of a buffer of small whole
+    numbers (exact in float32 in any order) read 3 times is exactly 3 × torch's sum, for lengths under one block and
+    not a multiple of the block or of the threads' shares, from an address off the vector width: a value skipped or
+    read twice changes it."""
+    requires_native()
+    lib = native.library()
+    assert lib is not None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (37, 64 * 3 + 5, 100_003):
+            values = torch.randint(1, 8, (n + 1,), generator=torch.Generator().manual_seed(n)).float()  # [n + 1]
+            x = values[1:]  # [n], 4 bytes past an aligned start
+            assert native.read_sum(lib, x, 3) == 3 * float(x.sum()), n
+    finally:
+        torch.set_num_threads(before)

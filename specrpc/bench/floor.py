@@ -4,9 +4,12 @@ Decoding a small model on a CPU is bound by reading its weights, so the floor of
 ÷ the read bandwidth of wherever those bytes live: a cache that holds them, else memory. This bench measures both
 on the machine it runs on:
 
-- the read bandwidth: a torch sum over a float32 buffer on torch's threads, for a buffer of half of each cache level
-  from L2 up (sizes from sysfs; a buffer smaller than 64 MiB is read whole by each thread, many times a call) and
-  one well above the last-level cache (memory), GB/s;
+- the read bandwidth, GB/s, on torch's threads: the native reader (bandwidth.cpp: each thread its own share of a
+  float32 buffer, wide loads prefetched as the native step's, the rate that bounds the step) where the library is
+  built, else a torch sum; for a buffer of half of each cache level from L2 up (sizes from sysfs), one well above the
+  last-level cache (memory), and one of each model's weight bytes as its fastest one-token path reads them (where
+  that many bytes actually come from on this machine: a shared, virtualised L3 holds less than sysfs says); a buffer
+  smaller than 64 MiB is read many times a call;
 - for each model of the pair at each `--weights` precision, each path the loader chooses among on this machine (the
   native step in each prefetch mode `NativeStep.calibrate_prefetch` times; the torch forward, with MKL's one-row
   product and with oneDNN's where both exist), timed at the shapes the engine runs (a one-token decode step, verifies
@@ -15,7 +18,9 @@ on the machine it runs on:
 - each path's effective weight rate: the projections' bytes it reads at that precision (the head included, the
   embedding's one row per token not) ÷ its step time. The step's time also covers reading K/V and activations and
   computing, so the weights themselves are read at least this fast; a rate above the bandwidth of the level that
-  holds them means they came from a faster one.
+  holds them means they came from a faster one;
+- each model's floor: the fastest one-token step against its weight bytes ÷ the rate of its own buffer (× floor
+  near 1 or above: the step reads as fast as the machine can; far above: time spent elsewhere).
 
 Prints Markdown; writes floor.json and floor.md."""
 
@@ -113,22 +118,36 @@ def buffers(levels: list[CacheLevel], memory_mib: int) -> list[tuple[str, int]]:
     return out
 
 
-def read_rates(sizes: list[tuple[str, int]], repeats: int) -> list[dict[str, Any]]:
-    """GB/s of a torch sum over a float32 buffer of each size, on torch's threads, all sizes interleaved round after
-    round, the median of `repeats`. A buffer smaller than `READ_PER_CALL` is summed that many bytes over in one call,
-    as the rows of a view repeating it (stride 0): the threads split the rows, each reading the whole buffer from
-    its own caches, and the call's own cost stays small beside the reading. Every timed sum follows an untimed one
-    that brings its buffer into the caches."""
-    views: list[torch.Tensor] = []
+READERS = {"native": "the native reader (bandwidth.cpp: each thread its own share of the buffer, wide loads "
+                     "prefetched as the native step's)",
+           "torch": "a torch sum (the native library is not built here)"}
+"""What read the buffers, by `read_rates`'s reader name."""
+
+
+def read_rates(sizes: list[tuple[str, int]], repeats: int) -> tuple[list[dict[str, Any]], str]:
+    """GB/s of reading a float32 buffer of each size on torch's threads, all sizes interleaved round after round, the
+    median of `repeats`; and which reader read them (`READERS`): the native kernel where the library is built (the
+    threads split the buffer), else a torch sum. A buffer smaller than `READ_PER_CALL` is read that many bytes over
+    in one call, so the call's own cost stays small beside the reading: `passes` times by the native kernel, as the
+    rows of a view repeating it (stride 0) by torch (the threads split the rows, each reading the whole buffer from
+    its own caches). Every timed read follows an untimed one that brings its buffer into the caches."""
+    lib = native_lib.library()
+    runs: list[Callable[[], object]] = []
     read: list[int] = []
     for _, nbytes in sizes:
         n = nbytes // 4
         passes = max(1, -(-READ_PER_CALL // (4 * n)))
-        views.append(torch.ones(n).as_strided((passes, n), (0, 1)))  # [passes, n]: one buffer, read `passes` times
+        buffer = torch.ones(n)  # [n]
+        if lib is not None:
+            runs.append(partial(native_lib.read_sum, lib, buffer, passes))
+        else:
+            view = buffer.as_strided((passes, n), (0, 1))  # [passes, n]: one buffer, read `passes` times
+            runs.append(partial(torch.sum, view, dim=1))
         read.append(4 * n * passes)
-    samples = interleaved_samples([partial(torch.sum, v, dim=1) for v in views], repeats)  # [passes] each
-    return [{"buffer": label, "bytes": nbytes, "gb_s": r / statistics.median(s) / 1e9}
-            for (label, nbytes), r, s in zip(sizes, read, samples, strict=True)]
+    samples = interleaved_samples(runs, repeats)
+    rates = [{"buffer": label, "bytes": nbytes, "gb_s": r / statistics.median(s) / 1e9}
+             for (label, nbytes), r, s in zip(sizes, read, samples, strict=True)]
+    return rates, "torch" if lib is None else "native"
 
 
 @dataclass(frozen=True)
@@ -300,17 +319,28 @@ def measure_model(lm: LlamaLM, shapes: list[Shape], context: int, repeats: int) 
     return {"native": native_state, "paths": paths}
 
 
+def fastest(paths: dict[str, dict[str, Any]], label: str) -> str:
+    """The route fastest at shape `label`."""
+    return min((n for n in paths if label in paths[n]), key=lambda n: paths[n][label]["ms"])
+
+
+def weights_buffer(model: dict[str, Any]) -> str:
+    """The bandwidth row of a model's weight bytes ("target float32 weights")."""
+    return f"{model['model']} {model['weights']} weights"
+
+
 def floor(paths: dict[str, dict[str, Any]], label: str, levels: list[CacheLevel], bandwidth: list[dict[str, Any]],
-          threads: int) -> dict[str, Any]:
-    """The fastest route at shape `label` against its floor: its weight bytes ÷ the read rate of the smallest level
-    holding them on `threads` threads (memory where none does)."""
-    name = min((n for n in paths if label in paths[n]), key=lambda n: paths[n][label]["ms"])
+          buffer: str, threads: int) -> dict[str, Any]:
+    """The fastest route at shape `label` against its floor: its weight bytes ÷ the read rate of `buffer` (a buffer
+    of those bytes), and the smallest level holding them on `threads` threads (memory where none does), for
+    reference."""
+    name = fastest(paths, label)
     cell = paths[name][label]
     held = next((f"L{c.level}" for c in levels if cell["bytes"] <= c.capacity(threads)), "memory")
-    rate = next(b["gb_s"] for b in bandwidth if b["buffer"] == held)
+    rate = next(b["gb_s"] for b in bandwidth if b["buffer"] == buffer)
     floor_ms = cell["bytes"] / rate / 1e6
-    return {"shape": label, "path": name, "bytes": cell["bytes"], "held_by": held, "gb_s": rate, "floor_ms": floor_ms,
-            "ms": cell["ms"], "over_floor": cell["ms"] / floor_ms}
+    return {"shape": label, "path": name, "bytes": cell["bytes"], "held_by": held, "buffer": buffer, "gb_s": rate,
+            "floor_ms": floor_ms, "ms": cell["ms"], "over_floor": cell["ms"] / floor_ms}
 
 
 def precision_name(precision: str, role: str, draft_int8: bool) -> str:
@@ -328,8 +358,9 @@ def markdown(results: dict[str, Any]) -> str:
                        for c in results["caches"]) or "not described in sysfs"
     lines = [f"Machine: {results['machine']}  ", f"Caches: {caches}  ", f"{results['pair']}  ",
              f"Command: `{results['command']}`", "",
-             f"Read bandwidth: a torch sum over a float32 buffer, {threads} threads, median of {results['repeats']} "
-             "interleaved rounds (a cache's buffer is half of it, read many times a call).", "",
+             f"Read bandwidth: {READERS[results['reader']]}, a float32 buffer, {threads} threads, median of "
+             f"{results['repeats']} interleaved rounds: half of each cache level, memory, and each model's weight "
+             "bytes as its fastest one-token path reads them (a buffer under 64 MiB read many times a call).", "",
              "| buffer | size | GB/s |", "| --- | --- | --- |"]
     lines += [f"| {b['buffer']} | {mib(b['bytes'])} | {b['gb_s']:.1f} |" for b in results["bandwidth"]]
     labels = results["shapes"]
@@ -351,8 +382,9 @@ def markdown(results: dict[str, Any]) -> str:
                 row.append(f" **{text}** |" if c is not None and best[label] == name else f" {text} |")
             lines.append("".join(row))
     lines += ["", f"Floor: the fastest path at the first shape ({labels[0]}) against its weight bytes ÷ the read rate "
-              "of the smallest level that holds them on these threads.", "",
-              "| model | weights | path | MB | held by | GB/s there | floor ms | ms | × floor |",
+              "of a buffer of those bytes (its weights row above); held by: the smallest cache level that holds them "
+              "on these threads, for reference.", "",
+              "| model | weights | path | MB | held by | GB/s of its bytes | floor ms | ms | × floor |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m in results["models"]:
         f = m["floor"]
@@ -403,7 +435,6 @@ def main(argv: list[str] | None = None) -> int:
     configure("console", "warning")
     threads = torch.get_num_threads()
     levels = cache_levels()
-    bandwidth = read_rates(buffers(levels, args.memory_mib), args.repeats)
     slots = max(s.rows for s in shapes)
     capacity = args.context + max(s.tokens for s in shapes)
     models = [("draft", args.draft), ("target", args.target)]
@@ -411,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_line(CPU, torch.float32), "caches": [asdict(c) for c in levels],
         "pair": pair_line(args.target, args.draft),
         "command": "specrpc bench floor " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "threads": threads, "repeats": args.repeats, "shapes": [s.label for s in shapes], "bandwidth": bandwidth,
-        "models": [],
+        "threads": threads, "repeats": args.repeats, "shapes": [s.label for s in shapes], "models": [],
     }
     for precision in precisions:
         for role, path in models:
@@ -424,10 +454,14 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(str(exc))
             measured = measure_model(lm, shapes, args.context, args.repeats)
             del lm
-            measured["floor"] = floor(measured["paths"], shapes[0].label, levels, bandwidth, threads)
             results["models"].append({"model": role, "weights": precision_name(precision, role, args.draft_int8),
                                       **measured})
             print(f"{role} {precision}: measured", file=sys.stderr, flush=True)
+    first = shapes[0].label  # each model's own buffer: the bytes its fastest path reads there
+    own = [(weights_buffer(m), m["paths"][fastest(m["paths"], first)][first]["bytes"]) for m in results["models"]]
+    results["bandwidth"], results["reader"] = read_rates(buffers(levels, args.memory_mib) + own, args.repeats)
+    for m in results["models"]:
+        m["floor"] = floor(m["paths"], first, levels, results["bandwidth"], weights_buffer(m), threads)
     write_results(args.out, "floor", results, markdown(results))
     return 0
 

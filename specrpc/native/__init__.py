@@ -1,6 +1,7 @@
-"""The native forward of a few tokens (decode.cpp) and the native logits transform and min-p (transform.cpp): built
-with the machine's C++ compiler on first use (or by `make install`) into one library cached by the sources, the flags
-and the CPU, loaded with ctypes into torch's OpenMP runtime.
+"""The native forward of a few tokens (decode.cpp), the native logits transform and min-p (transform.cpp) and the
+read-bandwidth kernel of `specrpc bench floor` (bandwidth.cpp): built with the machine's C++ compiler on first use (or
+by `make install`) into one library cached by the sources, the flags and the CPU, loaded with ctypes into torch's
+OpenMP runtime.
 
 A decode step of a small model spends as much time in a thousand small torch ops as in reading its weights; the
 native step reads each weight once in one OpenMP parallel region, for a one-token step and a verify alike. The
@@ -25,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("decode.cpp"), Path(__file__).with_name("transform.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.cpp", "transform.cpp", "bandwidth.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi")
 
 
@@ -151,6 +152,9 @@ def library() -> ctypes.CDLL | None:
     mask.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     mask.restype = None
+    read = lib.specrpc_read
+    read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    read.restype = ctypes.c_double
     for name in ("specrpc_int8_group", "specrpc_int8_block"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
@@ -164,3 +168,10 @@ def pointer(t: torch.Tensor | None) -> int | None:
     assert t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu", "native decode: bad tensor"
     return int(t.data_ptr())
 
+
+
+def read_sum(lib: ctypes.CDLL, x: torch.Tensor, passes: int) -> float:
+    """The sum of float32 `x` read `passes` times by bandwidth.cpp's kernel on torch's threads, each thread its own
+    share of `x` on every pass (as the native step splits its weights): what `specrpc bench floor` times."""
+    assert x.is_contiguous() and x.dtype == torch.float32 and x.device.type == "cpu", "native read: bad tensor"
+    return float(lib.specrpc_read(x.data_ptr(), x.numel(), passes, torch.get_num_threads()))
