@@ -169,7 +169,6 @@ def pointer(t: torch.Tensor | None) -> int | None:
     return int(t.data_ptr())
 
 
-
 def read_sum(lib: ctypes.CDLL, x: torch.Tensor, passes: int) -> float:
     """The sum of float32 `x` read `passes` times by bandwidth.cpp's kernel on torch's threads, each thread its own
     share of `x` on every pass (as the native step splits its weights): what `specrpc bench floor` times."""
