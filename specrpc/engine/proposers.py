@@ -139,6 +139,23 @@ class _Stream:
         self._probs: list[torch.Tensor] = []
         self._unfed: list[torch.Tensor] = []
 
+    @classmethod
+    def start(cls, model: CausalLM, tokens: list[int], k: int, params: SamplingParams,
+              generator: torch.Generator | None, constraint: Constraint | None,
+              transform: LogitsTransform | None) -> _Stream:
+        """A stream drafting k tokens after `tokens` with `model` (its transform's cursor made here)."""
+        cursor = None if transform is None else transform.cursor(tokens, model.vocab_size, model.device)
+        return cls(k, params, generator, constraint, cursor, model.vocab_size, model.device)
+
+    def lead(self) -> list[int]:
+        """The run the grammar forces at the start, to go into the draft's cache with the catch-up (counted as fed
+        from now on); none where there is none or drafting ends with it (no forward follows then)."""
+        ahead = self.force()
+        if ahead and self.more:
+            self.unfed()
+            return ahead
+        return []
+
     @property
     def more(self) -> bool:
         """Whether it drafts on: fewer than k tokens, and the grammar not ended (the bonus position is its end)."""
@@ -218,13 +235,8 @@ class DraftModelProposer:
             # first forward, part of this step's cost: timed as a draft step only in the steady state
             return Proposal(ids, None, self.name, (time.perf_counter() - t0) / k if steady else None)
         model = self.model
-        cursor = None if transform is None else transform.cursor(tokens, model.vocab_size, model.device)
-        stream = _Stream(k, params, generator, constraint, cursor, model.vocab_size, model.device)
-        ahead = stream.force()  # a forced run at the start goes in with the catch-up (unless drafting ends there)
-        if ahead and stream.more:
-            stream.unfed()
-        else:
-            ahead = []
+        stream = _Stream.start(model, tokens, k, params, generator, constraint, transform)
+        ahead = stream.lead()
         logits = feed(model, slot, tokens[start:] + ahead, start, self.prefill_chunk)  # [1, V]
         # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
         # (the draft sat out steps, or a new prompt) is prefill, not drafting: leave it out of the step time.
@@ -270,13 +282,8 @@ class DraftModelProposer:
                 feed(model, r.slot, rest[:skip], start, self.prefill_chunk)
                 start, rest = start + skip, rest[skip:]
             steady = steady and len(rest) <= STEADY_CATCH_UP
-            cursor = None if r.transform is None else r.transform.cursor(r.tokens, model.vocab_size, model.device)
-            stream = _Stream(r.k, r.params, r.generator, r.constraint, cursor, model.vocab_size, model.device)
-            ahead = stream.force()  # a forced run at the start goes in with the catch-up (unless drafting ends there)
-            if ahead and stream.more:
-                stream.unfed()
-            else:
-                ahead = []
+            stream = _Stream.start(model, r.tokens, r.k, r.params, r.generator, r.constraint, r.transform)
+            ahead = stream.lead()
             streams.append(stream)
             rows.append(BatchRow(torch.tensor(rest + ahead, dtype=torch.long, device=model.device), start, r.slot,
                                  1))
