@@ -23,6 +23,7 @@ from specrpc.engine.constraint import (
     ConstraintSpec,
     Grammar,
     GrammarCompiler,
+    GrammarLimit,
     InvalidConstraint,
     apply_words,
     unpack_mask,
@@ -305,6 +306,19 @@ def test_bad_constraints_are_refused_naming_the_problem(letters: GrammarCompiler
                                                        problem: str) -> None:
     with pytest.raises(InvalidConstraint, match=problem):
         letters.compile(spec)
+
+
+def test_a_grammar_past_the_parsers_limits_is_the_requests_fault(letters: GrammarCompiler) -> None:
+    """A schema that compiles but whose parser row outgrows llguidance's limit once the object opens: the
+    constraint reports GrammarLimit, an InvalidConstraint (the request's fault), not an engine error."""
+    compiler = GrammarCompiler.from_tokenizer_json((ASSETS / "target" / "tokenizer.json").read_text(), [0], 8192)
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}
+    constraint = compiler.compile(ConstraintSpec("json_schema", json.dumps(wide))).start()
+    with pytest.raises(GrammarLimit, match="limits"):
+        constraint.advance_all(compiler.tokenizer.tokenize_str("{"))
+    fine = letters.compile(ConstraintSpec("regex", "(a|b)+c")).start()
+    with pytest.raises(RuntimeError, match="grammar matcher"):  # a forbidden token stays an engine error
+        fine.advance_all(letters.tokenizer.tokenize_str("c"))
 
 
 def test_compiled_grammars_are_cached_by_content(letters: GrammarCompiler) -> None:

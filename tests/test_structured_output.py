@@ -74,6 +74,21 @@ async def test_bad_constraints_are_invalid_argument(stub: pb_grpc.GeneratorStub,
     assert words in (caught.value.details() or "")
 
 
+WIDE = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}})
+"""A schema that compiles but goes past the grammar engine's row limit once its object opens (600 properties at one
+level: llguidance's row of 2,000 items): found by the deep fuzz as INTERNAL / 500."""
+
+
+async def test_a_schema_past_the_parsers_limits_mid_reply_is_invalid_argument(stub: pb_grpc.GeneratorStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=8,
+                                                       constraint=pb.Constraint(json_schema=WIDE))))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert "limits" in (caught.value.details() or "")
+    chunks, _ = await collect(stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=3)))
+    assert chunks  # the server goes on serving
+
+
 # ---- HTTP ------------------------------------------------------------------------------------------------------------
 
 
@@ -115,6 +130,7 @@ async def test_llama_completion_json_schema_and_gbnf_grammar(http: httpx2.AsyncC
      "invalid json_schema"),
     ("/completion", {"grammar": "root ::= ("}, "invalid grammar"),
     ("/completion", {"json_schema": [1]}, "json_schema must be a JSON Schema object"),
+    ("/completion", {"json_schema": json.loads(WIDE)}, "limits"),
 ])
 async def test_bad_response_formats_and_grammars_are_400(http: httpx2.AsyncClient, path: str, body: dict[str, object],
                                                          words: str) -> None:

@@ -15,6 +15,7 @@ import torch
 from specrpc.config import Config, parse_networks
 from specrpc.edges.auth import StreamQuota, bearer_token, client_id_of_token
 from specrpc.edges.metrics import Metrics
+from specrpc.engine.constraint import InvalidConstraint
 from specrpc.serving.runtime import DecodeParams, Runtime
 from specrpc.serving.scheduler import Chunk, Done, Failed
 
@@ -126,11 +127,14 @@ class Gateway:
                      cancel: asyncio.Event | None = None, scope: str | None = None) -> AsyncGenerator[Chunk | Done]:
         """Run one generation and yield its chunks and final Done (accounted in `_account`, even when the client
         goes away before reading it); `scope`: whose earlier outputs draft for it (`draft_scope`). A failed
-        generation raises DeviceOutOfMemory or EngineFailure."""
+        generation raises DeviceOutOfMemory, InvalidConstraint (its grammar went past the parser's limits) or
+        EngineFailure."""
         last = 0.0
         account = functools.partial(self._account, rpc, session_id)
         async for event in self.runtime.generate(prompt, params, session_id, cancel, account, scope):
             if isinstance(event, Failed):
+                if isinstance(event.error, InvalidConstraint):  # the request's grammar outgrew the parser's limits
+                    raise event.error
                 if is_out_of_memory(event.error):
                     raise DeviceOutOfMemory(f"the device ran out of memory on this stream ({event.error}); retry "
                                             f"later, with a shorter prompt or fewer tokens") from event.error

@@ -41,11 +41,22 @@ def parser_limits() -> llg.LLParserLimits:
     return llg.LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                               max_grammar_size=200_000, verbose_errors=False)
 
+FORBIDDEN_TOKEN = "doesn't satisfy the grammar"
+"""How llguidance's error for a consumed token the grammar forbids reads (every other error a matcher reaches after
+compiling is one of its limits)."""
+
 _BITS = torch.tensor([1 << b for b in range(32)], dtype=torch.int64).to(torch.int32)  # [32] a mask word's bits
 
 
 class InvalidConstraint(ValueError):
     """A schema, regular expression or grammar that cannot be compiled (the edges answer INVALID_ARGUMENT / 400)."""
+
+
+class GrammarLimit(InvalidConstraint):
+    """A constraint that compiled but went past the parser's limits while a reply followed it (`parser_limits`: a
+    row of more alternatives than it holds, more Earley items or lexer fuel than one mask may take), e.g. an object
+    of hundreds of properties once its brace opens. The request's fault, not the engine's: the same status as a
+    schema refused at compile time."""
 
 
 @dataclass(frozen=True)
@@ -263,13 +274,20 @@ class Constraint:
             target.fill_(-1)
         else:
             self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), self._words * 4)
+            self._check(True)  # a mask that ran out of its budget is empty: fail here, not on the token it gives
         self._rows[path] = row
         self.work_s += time.perf_counter() - t0
         return row
 
     def _check(self, ok: bool) -> None:
+        """Raise if the matcher is in its error state: GrammarLimit where a limit stopped it, RuntimeError where it
+        was handed a token the grammar forbids (the engine's fault: tokens come from its masks)."""
         if not ok or self._matcher.is_error():
-            raise RuntimeError(f"grammar matcher: {self._matcher.get_error()}")
+            error = first_line(self._matcher.get_error())
+            if FORBIDDEN_TOKEN in error:
+                raise RuntimeError(f"grammar matcher: {error}")
+            raise GrammarLimit(f"the constraint went past the grammar engine's limits on this reply ({error}); "
+                               "simplify it: fewer properties, alternatives or enum values at one level")
 
 
 class Grammar:

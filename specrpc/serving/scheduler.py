@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from specrpc.engine.constraint import InvalidConstraint
 from specrpc.engine.engine import Engine
 from specrpc.engine.generation import Generation, GenerationRequest, GenerationStats, Slot, StepResult, TokenLogprob
 from specrpc.prompts.text import IncrementalDetokenizer, LineGuard, StopMatcher
@@ -318,8 +319,11 @@ class Scheduler:
 
     def _fail(self, job: Job, exc: Exception) -> Failed:
         """The failure belongs to this stream only: forget its slot's (maybe half-written) cache. Called while
-        handling `exc` (logged with its traceback)."""
-        log.exception("engine step failed", slot=job.slot.index)
+        handling `exc` (logged with its traceback, but for a grammar that outgrew the parser: the request's fault)."""
+        if isinstance(exc, InvalidConstraint):
+            log.warning("constraint outgrew the parser", slot=job.slot.index, error=str(exc))
+        else:
+            log.exception("engine step failed", slot=job.slot.index)
         self.engine.reset_slot(job.slot)
         return Failed(exc)
 
