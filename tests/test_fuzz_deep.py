@@ -699,7 +699,9 @@ async def run_http(client: httpx2.AsyncClient, case: Case) -> tuple[int, str, bo
         events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
         # OpenAI ends with [DONE]; llama.cpp's last event has `stop: true`, or only the `response_fields` asked for
         done = bool(events) and (events[-1] == "[DONE]" or json.loads(events[-1]).get("stop", True) is True)
-        return status, text if not done or '"error"' in text else "", done and '"error"' not in text
+        # a failure mid-stream is an event with a top-level `error` (a generated token may read "error" itself)
+        failed = any("error" in json.loads(e) for e in events if e != "[DONE]")
+        return status, text if not done or failed else "", done and not failed
     json.loads(text)
     return status, "", True
 
