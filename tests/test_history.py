@@ -80,6 +80,37 @@ def test_a_prompt_declaring_tools_is_refused_rather_than_cut() -> None:
     assert fit(messages, render, 10_000, tools=True) == (messages, render(messages))
 
 
+def half(messages: Sequence[Message]) -> int:
+    """A true floor of the stand-in template's prompt: half its tokens."""
+    return len(render(messages)) // 2
+
+
+def test_a_prompt_declaring_tools_whose_floor_is_over_the_cap_is_refused_without_rendering_it() -> None:
+    """Where nothing more can be dropped and even the floor is over the cap, the refusal needs no tokens: the
+    shortest prompt is never rendered (the full history was, to decide how much to drop, as before)."""
+    rendered = []
+
+    def counting(messages: Sequence[Message]) -> list[int]:
+        rendered.append(len(messages))
+        return render(messages)
+
+    messages = [*history(2), Message("user", "y" * 500)]
+    with pytest.raises(InvalidRequest, match=r"^tools: .* take at least 2\d\d prompt tokens, over the 100"):
+        fit(messages, counting, 100, tools=True, floor=half)
+    assert rendered == [len(messages)]
+
+
+def test_the_floor_changes_nothing_for_prompts_it_does_not_refuse() -> None:
+    """A floor under the cap, a floor over it while older messages can still go, and a prompt without tools: the
+    same messages and ids as without a floor."""
+    messages = [*history(2), Message("user", "y" * 500)]
+    assert fit(messages, render, 10_000, tools=True, floor=half) == (messages, render(messages))
+    assert fit(messages, render, 100, floor=half) == fit(messages, render, 100)
+    long = [*history(40), Message("user", "now")]
+    assert half(long) > 300
+    assert fit(long, render, 300, tools=True, floor=half) == fit(long, render, 300, tools=True)
+
+
 def test_limits_on_messages_and_bytes() -> None:
     messages = [*history(100), Message("user", "now")]
     kept = bounded(messages, Limits(max_history_messages=50), "turn.text")

@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from service_helpers import Conversation, base_url
 from specrpc.edges.conversation import render, tool_format
 from specrpc.edges.history import Message
 from specrpc.edges.server import Running
+from specrpc.edges.validation import prompt_room
 from specrpc.engine.constraint import ConstraintSpec
 from specrpc.prompts.tool_formats import HERMES
 from specrpc.prompts.tools import (
@@ -36,6 +39,7 @@ from specrpc.prompts.tools import (
     call_schema,
     tool_grammar,
 )
+from specrpc.serving.runtime import Runtime
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -268,6 +272,77 @@ async def test_hostile_tool_schemas_are_served_or_refused(http: httpx2.AsyncClie
         assert error["code"] in ("invalid_schema", "invalid_value") and error["message"]
     if name == "huge enum":  # its declaration is longer than the context: refused, never cut
         assert response.status_code == 400 and response.json()["error"]["message"].startswith("tools: ")
+
+
+def enum_tool(values: int) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"e": {"enum": [f"value-{i}" for i in range(values)]}}}}}]
+
+
+def prompt_tokens(rt: Runtime, text: str, tools: list[dict[str, Any]]) -> int:
+    """Tokens of the chat prompt the edge builds for one user message and `tools` (parsed as chat_tools does)."""
+    declared = [Tool("f", "", json.dumps(t["function"]["parameters"])) for t in tools]
+    return len(render(rt, [Message("user", text)], True, declared))
+
+
+async def test_a_declaration_just_within_the_context_is_served_and_one_just_over_is_refused(
+        http: httpx2.AsyncClient, server: Running) -> None:
+    """The prompt's room exactly is served; one token more is refused naming `tools` (counted by tokenizing: the
+    floor is far below the count there)."""
+    rt = server.runtime
+    room = prompt_room(rt.context_limit, rt.config.limits)
+    low, high = 1, 2000  # the most enum values whose prompt fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if prompt_tokens(rt, "Weather?", enum_tool(mid)) <= room else (low, mid - 1)
+    tools, text = enum_tool(low), "Weather?"
+    while prompt_tokens(rt, text + " ok", tools) <= room:
+        text += " ok"
+    assert prompt_tokens(rt, text, tools) == room < prompt_tokens(rt, text + " ok", tools)
+    for message, status in ((text, 200), (text + " ok", 400)):
+        response = await http.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": message}], "tools": tools, "max_tokens": 1})
+        assert response.status_code == status, response.text
+    assert response.json()["error"]["message"].startswith(f"tools: the declarations with the system prompt and the "
+                                                          f"newest message take {room + 1} prompt tokens")
+
+
+@pytest.fixture
+def tokenized(server: Running, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every text the served runtime tokenizes from now on."""
+    rt, seen = server.runtime, []
+
+    def counting(tokenize: Callable[[str], list[int]]) -> Callable[[str], list[int]]:
+        def counted(text: str) -> list[int]:
+            seen.append(len(text))
+            return tokenize(text)
+        return counted
+
+    monkeypatch.setattr(rt, "encode", counting(rt.encode))
+    monkeypatch.setattr(rt, "encode_plain", counting(rt.encode_plain))
+    return seen
+
+
+async def test_a_declaration_far_over_the_context_is_refused_without_tokenizing_it(
+        http: httpx2.AsyncClient, stub: pb_grpc.GeneratorStub, tokenized: list[int]) -> None:
+    """The 20,000-value enum renders to 290 KB, 131,000 tokens: refused on its floor alone, over HTTP and over
+    Converse (declared on a turn, or at start with a system prompt), with nothing of it tokenized."""
+    response = await http.post("/v1/chat/completions", json={
+        "model": "m", "messages": ASK, "tools": enum_tool(20_000), "tool_choice": "required", "max_tokens": 1})
+    assert response.status_code == 400 and re.match(r"tools: .* take at least \d+ prompt tokens",
+                                                    response.json()["error"]["message"])
+    enum = pb.Tool(name="f", parameters_json=json.dumps(enum_tool(20_000)[0]["function"]["parameters"]))
+    conversation = Conversation(stub)
+    await conversation.start(system="Be brief.", max_new_tokens=1)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await conversation.turn_events("What is the weather in Paris?", tools=[enum])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith("tools: ")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await Conversation(stub).start(system="Be brief.", tools=[enum])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith("start.tools: ")
+    assert max(tokenized, default=0) < 10_000
 
 
 async def test_a_schema_nested_past_any_parser_is_400(http: httpx2.AsyncClient) -> None:

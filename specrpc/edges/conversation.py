@@ -5,6 +5,7 @@ barge-in, rewind to what was spoken, phrase events for TTS). gRPC Converse and t
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specrpc.edges.gateway import Gateway
-from specrpc.edges.history import Message, bounded, check_role, fit
+from specrpc.edges.history import Message, bounded, check_role, fit, too_long
 from specrpc.edges.offload import prepared
 from specrpc.edges.validation import InvalidRequest, prompt_room
 from specrpc.prompts.text import PhraseSegmenter
@@ -79,15 +80,18 @@ def without_tools(messages: Sequence[Message], tools: Sequence[Tool], fmt: ToolF
 
 def render(runtime: Runtime, messages: Sequence[Message], generation_prompt: bool, tools: Sequence[Tool] = ()
            ) -> list[int]:
-    """Prompt ids of a history: the tokenizer's chat template when it has one (given the `tools` when it renders
+    """Prompt ids of a history (`prompt_text` tokenized; the empty prompt for an empty history, a conversation
+    started without a system prompt: templates refuse to render one)."""
+    return prompt_ids(runtime, prompt_text(runtime, messages, generation_prompt, tools)) if messages else []
+
+
+def prompt_text(runtime: Runtime, messages: Sequence[Message], generation_prompt: bool, tools: Sequence[Tool] = ()
+                ) -> str:
+    """A history's prompt text: the tokenizer's chat template when it has one (given the `tools` when it renders
     them); else one `Role: text` line per message, a reply following `Assistant:` exactly as generated (its leading
     space included), so each turn's prompt extends the previous prompt and reply token for token and the session's
-    KV cache is reused. An empty history (a conversation started without a system prompt) is the empty prompt:
-    templates refuse to render one. Tools, calls and results reach a renderer that does not speak of them as
-    `without_tools` writes them."""
-    if not messages:
-        return []
-    tok = runtime.tokenizer
+    KV cache is reused. Tools, calls and results reach a renderer that does not speak of them as `without_tools`
+    writes them."""
     templated = has_template(runtime)
     fmt = tool_format(runtime)
     if not fmt.native and (tools or any(m.tool_calls or m.role == "tool" for m in messages)):
@@ -96,21 +100,24 @@ def render(runtime: Runtime, messages: Sequence[Message], generation_prompt: boo
         from jinja2.exceptions import TemplateError, TemplateSyntaxError  # transformers needs jinja2 for templates
 
         try:
-            out: Any = tok.apply_chat_template([template_message(m, fmt) for m in messages],
-                                               tools=[t.openai() for t in tools] if tools and fmt.native else None,
-                                               add_generation_prompt=generation_prompt, tokenize=True)
+            return str(runtime.tokenizer.apply_chat_template(
+                [template_message(m, fmt) for m in messages],
+                tools=[t.openai() for t in tools] if tools and fmt.native else None,
+                add_generation_prompt=generation_prompt, tokenize=False))
         except TemplateSyntaxError:
             raise  # the model's template is broken: not the client's to fix
         except TemplateError as exc:  # the template's raise_exception: roles out of order, a role it lacks
             raise InvalidRequest(f"the model's chat template refused the messages: {exc}; change their roles or "
                                  f"order") from None
-        ids = out if isinstance(out, list) else out["input_ids"]
-        return [int(i) for i in ids]
     text = "".join(f"Assistant:{m.text}\n" if m.role == "assistant" else
                    f"{ROLE_NAMES.get(m.role, m.role.capitalize())}: {m.text}\n" for m in messages)
-    if generation_prompt:
-        text += "Assistant:"
-    return runtime.encode(text)
+    return text + "Assistant:" if generation_prompt else text
+
+
+def prompt_ids(runtime: Runtime, text: str) -> list[int]:
+    """A prompt text's ids: as `apply_chat_template(tokenize=True)` tokenizes a template's text (no special tokens
+    added: the template writes them), else as the tokenizer encodes plain text."""
+    return runtime.encode_plain(text) if has_template(runtime) else runtime.encode(text)
 
 
 def reply_stops(runtime: Runtime) -> tuple[str, ...]:
@@ -129,10 +136,14 @@ def chat_prompt(gateway: Gateway, messages: Sequence[Message], tools: Sequence[T
 def turn_prompt(gateway: Gateway, messages: Sequence[Message], newest: str, tools: Sequence[Tool] = ()
                 ) -> tuple[list[Message], list[int]]:
     """The messages kept (within the history limits and the prompt's room) and their prompt, ending with the
-    assistant's cue. `newest` names the newest message's field in errors."""
+    assistant's cue. `newest` names the newest message's field in errors. A prompt declaring tools whose text alone
+    is certainly over the room (runtime.token_floor) is refused without tokenizing it."""
     rt = gateway.runtime
-    kept, ids = fit(bounded(messages, gateway.limits, newest), lambda m: render(rt, m, True, tools),
-                    prompt_room(rt.context_limit, gateway.limits), tools=bool(tools))
+    text = functools.lru_cache(maxsize=1)(lambda kept: prompt_text(rt, kept, True, tools))  # the floor's, reused
+    floor = rt.token_floor
+    kept, ids = fit(bounded(messages, gateway.limits, newest), lambda m: prompt_ids(rt, text(tuple(m))),
+                    prompt_room(rt.context_limit, gateway.limits), tools=bool(tools),
+                    floor=None if floor is None else lambda m: floor.tokens(text(tuple(m))))
     if not ids:
         raise InvalidRequest("the chat template renders these messages as an empty prompt; send a message with text")
     return kept, ids
@@ -256,8 +267,7 @@ class Conversation:
             self.messages = [Message(*m) for m in messages]
         elif system:
             self.messages = [Message("system", system)]
-        self.out.put_nowait(Started(session.id, resumed, len(render(self.runtime, self.messages, False,
-                                                                    self.tools))))
+        self.out.put_nowait(Started(session.id, resumed, self._history_tokens()))
 
     async def turn(self, message: TurnInput, params: DecodeParams) -> None:
         """Start a reply to a new message (the reply in flight is cancelled first). `params` come from the edge,
@@ -313,6 +323,20 @@ class Conversation:
             if cancel:
                 self.turn_cancel.set()
             await asyncio.wait({self.turn_task})
+
+    def _history_tokens(self) -> int:
+        """The prompt tokens of the history with the stream's tools, as `start` reports them; InvalidRequest naming
+        `start.tools` when the system prompt with them is certainly over the prompt's room (runtime.token_floor),
+        decided without tokenizing."""
+        if not self.messages:
+            return 0
+        text = prompt_text(self.runtime, self.messages, False, self.tools)
+        floor, room = self.runtime.token_floor, prompt_room(self.runtime.context_limit, self.gateway.limits)
+        if self.tools and floor is not None and self.messages[0].role == "system":
+            head = text if len(self.messages) == 1 else prompt_text(self.runtime, self.messages[:1], False, self.tools)
+            if (least := floor.tokens(head)) > room:
+                raise too_long(f"at least {least}", room, "start.tools", "the system prompt")
+        return len(prompt_ids(self.runtime, text))
 
     def _save(self) -> None:
         """Keep the history on the session (if it still holds a slot) for a later stream to resume."""

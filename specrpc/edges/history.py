@@ -34,6 +34,7 @@ class Message(NamedTuple):
         return len(self.text.encode()) + sum(len(c.name) + len(c.arguments.encode()) for c in self.tool_calls)
 
 Render = Callable[[Sequence[Message]], list[int]]  # messages → prompt ids
+Floor = Callable[[Sequence[Message]], int]  # messages → how few tokens their prompt can have, known untokenized
 
 
 def check_role(role: str, name: str) -> str:
@@ -87,22 +88,26 @@ def bounded(messages: Sequence[Message], limits: Limits, newest: str) -> list[Me
     return trim.kept(n)
 
 
-def fit(messages: Sequence[Message], render: Render, cap: int, tools: bool = False
+def fit(messages: Sequence[Message], render: Render, cap: int, tools: bool = False, floor: Floor | None = None
         ) -> tuple[list[Message], list[int]]:
     """The messages to keep and their prompt: all of them when their prompt has at most `cap` tokens, else with the
     oldest dropped STEP at a time until it has (how many steps is guessed from the tokens per byte of the last render,
     then checked by rendering). When the system prompt and the newest message alone are
     over `cap`, their prompt's last `cap` tokens (the system prompt is cut from this prompt only) — unless the
-    prompt declares `tools`: cutting would drop declarations, so that is InvalidRequest naming `tools`."""
-    trim, n = Trim(messages), 0
-    ids = render(messages)
-    while len(ids) > cap:
-        if trim.start(n + STEP) == trim.start(n):
+    prompt declares `tools`: cutting would drop declarations, so that is InvalidRequest naming `tools`, decided by
+    `floor` without tokenizing that prompt when even its floor is over `cap` (a 20,000-value enum: 290 KB, a
+    second to tokenize)."""
+    trim, n, kept = Trim(messages), 0, list(messages)
+    while True:
+        last = trim.start(n + STEP) == trim.start(n)  # nothing more to drop
+        if last and tools and floor is not None and (least := floor(kept)) > cap:
+            raise too_long(f"at least {least}", cap)
+        ids = render(kept)
+        if len(ids) <= cap:
+            return trim.kept(n), ids
+        if last:
             if tools:
-                raise InvalidRequest(f"tools: the declarations with the system prompt and the newest message take "
-                                     f"{len(ids)} prompt tokens, over the {cap} the context leaves; declare fewer "
-                                     f"or smaller tools (a long enum is a long declaration), or send a shorter "
-                                     f"message")
+                raise too_long(str(len(ids)), cap)
             return trim.kept(n), ids[-cap:]
         # guess the steps from this render's tokens per byte, so a long history is rendered about twice, not per step
         excess = (len(ids) - cap) * trim.bytes(n) / len(ids)
@@ -110,5 +115,12 @@ def fit(messages: Sequence[Message], render: Render, cap: int, tools: bool = Fal
         while trim.bytes(n) - trim.bytes(step) < excess and trim.start(step + STEP) != trim.start(step):
             step += STEP
         n = step
-        ids = render(trim.kept(n))
-    return trim.kept(n), ids
+        kept = trim.kept(n)
+
+
+def too_long(tokens: str, cap: int, name: str = "tools", beside: str = "the system prompt and the newest message"
+             ) -> InvalidRequest:
+    """The refusal of tool declarations (the field `name`) that with `beside` alone are over `cap` tokens."""
+    return InvalidRequest(f"{name}: the declarations with {beside} take {tokens} prompt tokens, over the {cap} the "
+                          f"context leaves; declare fewer or smaller tools (a long enum is a long declaration), or "
+                          f"send a shorter message")

@@ -33,6 +33,7 @@ from specrpc.prompts.fim import FimFormat, InfillInput, InfillPrompt, NoInfillSu
 from specrpc.prompts.rewrite import RewriteInput, RewritePrompt
 from specrpc.prompts.rewrite import render as render_rewrite
 from specrpc.prompts.text import IncrementalDetokenizer, LineGuard, StopMatcher
+from specrpc.prompts.token_floor import TokenFloor
 from specrpc.serving.scheduler import FINISH_CANCELLED, Done, Event, Failed, Job, Scheduler
 from specrpc.serving.sessions import LastCompletion, Lease, SessionRegistry, Superseded
 
@@ -164,6 +165,7 @@ class Runtime:
         self.dtype = resolve_dtype(ec.dtype, self.device)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(ec.target)
         self.stream_decoder = StreamDecoder(self.tokenizer)
+        self.token_floor = TokenFloor.of(self.tokenizer)  # how few tokens a text can have, None: unknown
         capacity = ec.max_context + ec.max_draft_tokens + 1
         int8, bf16 = ec.weights == "int8", ec.weights == "bf16"
         graph_tokens = ec.max_draft_tokens + 1 if ec.cuda_graphs else 0  # a verify step's width at most
