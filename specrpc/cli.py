@@ -76,6 +76,10 @@ def _bench(argv: list[str]) -> int:
         from specrpc.bench.realistic import main as realistic_main
 
         return realistic_main(argv[1:])
+    if argv[:1] == ["bpb"]:  # bits per byte on held-out code: float32, int8 per row, llama.cpp's q8_0 per 32
+        from specrpc.bench.weight_formats import main as bpb_main
+
+        return bpb_main(argv[1:])
     from specrpc.bench.run import main as bench_main
 
     return bench_main(argv)

@@ -1,14 +1,17 @@
-"""`specrpc bench --llama-server`: argument plumbing, the command lines, the skip line and how a /completion reply
-becomes a Run (llama-server itself is never started here: the integrator runs that comparison)."""
+"""`specrpc bench --llama-server`: argument plumbing, the sweep's command lines, the skip line, the best-of report and
+how a /completion reply becomes a Run (llama-server itself is started only by the integrator's comparison; where
+`SPECRPC_LLAMA_SERVER` names a built binary, its own help is checked to take every flag the sweep passes)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from specrpc.bench.llama_server import SKIP_LINE, specs, to_run
-from specrpc.bench.run import llama_cpp_lines, summarize
+from specrpc.bench.llama_server import SKIP_LINE, SWEEP, specs, sweep, to_run
+from specrpc.bench.run import best_speculative, llama_cpp_lines, summarize
 
 
 def test_no_binary_means_no_contender_and_a_skip_line() -> None:
@@ -18,19 +21,78 @@ def test_no_binary_means_no_contender_and_a_skip_line() -> None:
     assert llama_cpp_lines({"llama_cpp": {"skipped": SKIP_LINE}, "contenders": {}}) == SKIP_LINE
 
 
-def test_plain_and_speculative_contenders_per_target_with_the_same_threads(tmp_path: Path) -> None:
-    binary, files = tmp_path / "llama-server", {}
+def _files(tmp_path: Path) -> dict[str, Path]:
+    files = {}
     for name in ("binary", "target-f32", "draft-f32", "target-q8_0", "draft-q8_0"):
         files[name] = tmp_path / (f"{name}.gguf" if name != "binary" else "llama-server")
         files[name].write_bytes(b"")
-    out = specs(str(binary), [str(files["target-f32"]), str(files["target-q8_0"])],
+    return files
+
+
+def _flag(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_per_target_plain_then_the_whole_sweep_with_the_same_threads(tmp_path: Path) -> None:
+    files = _files(tmp_path)
+    out = specs(str(files["binary"]), [str(files["target-f32"]), str(files["target-q8_0"])],
                 [str(files["draft-f32"]), str(files["draft-q8_0"])], 2)
-    assert [s.name for s in out] == ["llama.cpp target-f32", "llama.cpp target-f32 + draft-f32",
-                                     "llama.cpp target-q8_0", "llama.cpp target-q8_0 + draft-q8_0"]
-    plain, spec = out[0].command(8080), out[1].command(8080)
-    assert plain[0] == str(binary) and "-md" not in plain and plain[plain.index("-t") + 1] == "2"
-    assert spec[spec.index("-md") + 1] == str(files["draft-f32"]) and spec[spec.index("-td") + 1] == "2"
-    assert spec[spec.index("--spec-type") + 1] == "draft-simple" and "--spec-draft-n-max" not in spec  # its defaults
+    drafted = [f"draft-{n}-{p}" for n in (3, 8, 16) for p in ("0", "0.5")]
+    assert [s.name for s in out] == [
+        *(["llama.cpp target-f32"] + [f"llama.cpp target-f32 + draft-f32 {k}" for k in drafted]
+          + ["llama.cpp target-f32 ngram-mod", "llama.cpp target-f32 ngram-cache"]),
+        *(["llama.cpp target-q8_0"] + [f"llama.cpp target-q8_0 + draft-q8_0 {k}" for k in drafted]
+          + ["llama.cpp target-q8_0 ngram-mod", "llama.cpp target-q8_0 ngram-cache"])]
+    plain = out[0].command(8080)
+    assert plain[0] == str(files["binary"]) and _flag(plain, "-t") == "2" and _flag(plain, "-tb") == "2"
+    assert "-md" not in plain and "--spec-type" not in plain
+    for spec, (n, p) in zip(out[1:7], [(n, p) for n in (3, 8, 16) for p in ("0", "0.5")], strict=True):
+        cmd = spec.command(8080)
+        assert _flag(cmd, "-md") == str(files["draft-f32"]) and _flag(cmd, "-td") == "2"
+        assert _flag(cmd, "--spec-type") == "draft-simple"
+        assert (_flag(cmd, "--spec-draft-n-max"), _flag(cmd, "--spec-draft-p-min")) == (str(n), p)
+    for spec, kind in zip(out[7:9], ["ngram-mod", "ngram-cache"], strict=True):  # model-free, their own lengths
+        cmd = spec.command(8080)
+        assert _flag(cmd, "--spec-type") == kind and "-md" not in cmd and "--spec-draft-n-max" not in cmd
+    assert _flag(out[10].command(8080), "-md") == str(files["draft-q8_0"])  # each target its own draft
+
+
+def test_the_sweep_without_a_draft_and_by_key(tmp_path: Path) -> None:
+    files = _files(tmp_path)
+    alone = specs(str(files["binary"]), [str(files["target-f32"])], [], 2)
+    assert [s.name for s in alone] == ["llama.cpp target-f32", "llama.cpp target-f32 ngram-mod",
+                                       "llama.cpp target-f32 ngram-cache"]
+    assert [s.key for s in sweep("all")] == [s.key for s in SWEEP] and sweep("none") == []
+    assert [s.key for s in sweep("draft-8-0.5, ngram-cache")] == ["draft-8-0.5", "ngram-cache"]
+    picked = specs(str(files["binary"]), [str(files["target-f32"])], [str(files["draft-f32"])], 2, sweep("draft-16-0"))
+    assert [s.name for s in picked] == ["llama.cpp target-f32", "llama.cpp target-f32 + draft-f32 draft-16-0"]
+    with pytest.raises(ValueError, match="--llama-spec draft-4-0: not one of all, none, draft-3-0"):
+        sweep("draft-4-0")
+
+
+def test_the_report_names_the_best_setting_and_divides_by_it() -> None:
+    rates = {"target-only": 100.0, "adaptive": 240.0, "llama.cpp t": 80.0, "llama.cpp t + d draft-3-0": 60.0,
+             "llama.cpp t + d draft-8-0.5": 96.0, "llama.cpp t ngram-mod": 81.0}
+    contenders = {n: {"summary": {"tokens_per_s": r}, "identical": 1.0} for n, r in rates.items()}
+    info = {"binary": "llama-server", "threads": 2, "plain": ["llama.cpp t"],
+            "speculative": {"llama.cpp t": [n for n in rates if n.startswith("llama.cpp t ")]}}
+    info["best"] = best_speculative(info, contenders)
+    assert info["best"] == {"llama.cpp t": "llama.cpp t + d draft-8-0.5"}
+    table = llama_cpp_lines({"llama_cpp": info, "contenders": contenders})
+    assert "Best speculative setting: llama.cpp t: llama.cpp t + d draft-8-0.5." in table
+    assert "| adaptive | 240.0 | 1.00 | 3.00× | 2.50× |" in table
+    assert "| llama.cpp t ngram-mod | 81.0 | 1.00 | 1.01× | 0.84× |" in table
+
+
+@pytest.mark.skipif(not os.environ.get("SPECRPC_LLAMA_SERVER"),
+                    reason="SPECRPC_LLAMA_SERVER names no llama-server binary (none on CI)")
+def test_the_built_llama_server_takes_every_flag_and_spec_type_of_the_sweep() -> None:
+    help_text = subprocess.run([os.environ["SPECRPC_LLAMA_SERVER"], "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+    for flag in ("-md", "-td", "-tbd", "--spec-type", "--spec-draft-n-max", "--spec-draft-p-min", "--no-webui"):
+        assert f"{flag}," in help_text or f"{flag} " in help_text, flag
+    for kind in {s.kind for s in SWEEP}:
+        assert kind in help_text, kind
 
 
 @pytest.mark.parametrize(("targets", "drafts", "message"), [

@@ -1,7 +1,10 @@
 """llama.cpp's `llama-server` as a contender in `specrpc bench`: the peer a CPU user would run, on the same pair
 converted to GGUF by llama.cpp's own converter (tools/convert_gguf.py), fed the same prompt token ids, greedy, the
-same number of threads. Plain (target alone) and speculative (`-md` the draft with `--spec-type draft-simple`,
-llama.cpp's default draft length and thresholds).
+same number of threads. Per target: plain (the target alone) and a sweep of llama.cpp's speculative settings
+(`SWEEP`), each its own contender, so the comparison is against llama.cpp tuned, not left at its defaults: the
+draft model (`-md`, `--spec-type draft-simple`) at `--spec-draft-n-max` 3, 8 and 16 with `--spec-draft-p-min` 0
+and 0.5 (llama.cpp's defaults are 3 and 0), and the model-free `ngram-mod` and `ngram-cache` types at their own
+defaults (spellings from this llama.cpp's common/arg.cpp and common/speculative.cpp).
 
 Each request is a non-streamed `/completion` with `cache_prompt` off (the whole prompt is processed, as the engine
 contenders' emptied slots do) and `ignore_eos` (all n tokens are decoded, as theirs are). Its figures come from the
@@ -17,6 +20,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,37 +34,95 @@ SKIP_LINE = ("llama.cpp: skipped (no --llama-server binary given; build llama.cp
 
 
 @dataclass(frozen=True)
+class SpecSetting:
+    """One speculative setting of llama-server: `draft-simple` (the draft model) with its draft length and minimum
+    draft probability, or a model-free n-gram type at its own defaults."""
+
+    kind: str  # a `--spec-type` value: draft-simple, ngram-mod or ngram-cache
+    n_max: int = 0  # draft-simple: --spec-draft-n-max
+    p_min: float = 0.0  # draft-simple: --spec-draft-p-min (greedy: stop drafting below this draft probability)
+
+    @property
+    def key(self) -> str:
+        """The name `--llama-spec` takes, e.g. `draft-8-0.5`, `ngram-mod`."""
+        return f"draft-{self.n_max}-{self.p_min:g}" if self.uses_draft else self.kind
+
+    @property
+    def uses_draft(self) -> bool:
+        """Whether the setting drafts with the draft model (needs a --gguf-draft)."""
+        return self.kind == "draft-simple"
+
+    def args(self) -> list[str]:
+        """Its llama-server flags (the draft model's path and threads come from `LlamaServerSpec.command`)."""
+        out = ["--spec-type", self.kind]
+        if self.uses_draft:
+            out += ["--spec-draft-n-max", str(self.n_max), "--spec-draft-p-min", f"{self.p_min:g}"]
+        return out
+
+
+SWEEP = tuple([SpecSetting("draft-simple", n, p) for n in (3, 8, 16) for p in (0.0, 0.5)]
+              + [SpecSetting("ngram-mod"), SpecSetting("ngram-cache")])
+"""llama.cpp's speculative settings each target runs under (draft-3-0 is llama.cpp's own default)."""
+
+
+def sweep(keys: str) -> list[SpecSetting]:
+    """The `SWEEP` settings named in `keys` (comma-separated `SpecSetting.key`s; `all`: every one; `none`: plain
+    only). ValueError naming the unknown key."""
+    if keys == "all":
+        return list(SWEEP)
+    if keys == "none":
+        return []
+    by_key = {s.key: s for s in SWEEP}
+    out = []
+    for key in (k.strip() for k in keys.split(",") if k.strip()):
+        if key not in by_key:
+            raise ValueError(f"--llama-spec {key}: not one of all, none, {', '.join(by_key)}")
+        out.append(by_key[key])
+    return out
+
+
+@dataclass(frozen=True)
 class LlamaServerSpec:
-    """One llama-server contender: a target GGUF and optionally a draft GGUF (speculative)."""
+    """One llama-server contender: a target GGUF, plain or under one speculative setting (with the draft GGUF when
+    the setting drafts with a model)."""
 
     binary: Path
     target: Path
     draft: Path | None
     threads: int
+    setting: SpecSetting | None = None
     context: int = 2048
 
     @property
     def name(self) -> str:
-        """Contender name, e.g. `llama.cpp target-f32` or `llama.cpp target-f32 + draft-f32`."""
+        """Contender name, e.g. `llama.cpp target-f32`, `llama.cpp target-f32 + draft-f32 draft-8-0.5` or
+        `llama.cpp target-f32 ngram-mod`."""
         plain = f"llama.cpp {self.target.stem}"
-        return plain if self.draft is None else f"{plain} + {self.draft.stem}"
+        if self.setting is None:
+            return plain
+        return f"{plain} + {self.draft.stem} {self.setting.key}" if self.draft else f"{plain} {self.setting.key}"
 
     def command(self, port: int) -> list[str]:
-        """The command line: loopback, one slot, no web UI, `threads` for prompt and decode, target and draft."""
+        """The command line: loopback, one slot, no web UI, `threads` for prompt and decode, target, and the
+        setting's speculation (with -md alone this llama.cpp drafts nothing: its default type is none)."""
         cmd = [str(self.binary), "-m", str(self.target), "--host", "127.0.0.1", "--port", str(port),
                "-c", str(self.context), "-np", "1", "--no-webui"]
         if self.threads:
             cmd += ["-t", str(self.threads), "-tb", str(self.threads)]
-        if self.draft is not None:  # with -md alone this llama.cpp drafts nothing: its default type is none
-            cmd += ["-md", str(self.draft), "--spec-type", "draft-simple"]
+        if self.draft is not None:
+            cmd += ["-md", str(self.draft)]
             if self.threads:
                 cmd += ["-td", str(self.threads), "-tbd", str(self.threads)]
+        if self.setting is not None:
+            cmd += self.setting.args()
         return cmd
 
 
-def specs(binary: str | None, targets: list[str], drafts: list[str], threads: int) -> list[LlamaServerSpec]:
-    """Per target GGUF: a plain contender, and a speculative one with the draft GGUF at the same position (when
-    given). Empty without a binary; ValueError naming the flag when a file is missing or counts disagree."""
+def specs(binary: str | None, targets: list[str], drafts: list[str], threads: int,
+          settings: Sequence[SpecSetting] = SWEEP) -> list[LlamaServerSpec]:
+    """Per target GGUF: a plain contender, one per draft setting of `settings` with the draft GGUF at the same
+    position (when given), and one per model-free setting. Empty without a binary; ValueError naming the flag when a
+    file is missing or counts disagree."""
     if not binary:
         return []
     path = Path(binary)
@@ -77,8 +139,11 @@ def specs(binary: str | None, targets: list[str], drafts: list[str], threads: in
     out: list[LlamaServerSpec] = []
     for i, target in enumerate(targets):
         out.append(LlamaServerSpec(path, Path(target), None, threads))
-        if drafts:
-            out.append(LlamaServerSpec(path, Path(target), Path(drafts[i]), threads))
+        for s in settings:
+            if not s.uses_draft:
+                out.append(LlamaServerSpec(path, Path(target), None, threads, s))
+            elif drafts:
+                out.append(LlamaServerSpec(path, Path(target), Path(drafts[i]), threads, s))
     return out
 
 

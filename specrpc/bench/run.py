@@ -20,7 +20,7 @@ import torch
 
 from specrpc.bench.common import machine_line, pair_line, percentile
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
-from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs
+from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs, sweep
 from specrpc.bench.workloads import Case, build_cases
 from specrpc.config import Config, EngineConfig, Limits, ServerConfig
 from specrpc.engine.policy import expected_tokens
@@ -436,21 +436,31 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def best_speculative(info: dict[str, Any], contenders: dict[str, Any]) -> dict[str, str]:
+    """Per llama.cpp plain contender: the fastest of its speculative settings in this run (decode tokens/s)."""
+    return {plain: max(names, key=lambda n: contenders[n]["summary"]["tokens_per_s"])
+            for plain, names in info["speculative"].items() if names}
+
+
 def llama_cpp_lines(results: dict[str, Any]) -> str:
-    """The skip line, or each contender's decode tokens/s over each llama.cpp plain contender's (same prompts, same
-    run; llama.cpp's figures from its own timings)."""
+    """The skip line, or each contender's decode tokens/s over each llama.cpp plain contender's and over the best
+    of its speculative settings (same prompts, same run; llama.cpp's figures from its own timings)."""
     info = results["llama_cpp"]
     if info.get("skipped"):
         return str(info["skipped"])
     contenders = results["contenders"]
+    best: dict[str, str] = info["best"]
+    bases = [*info["plain"], *best.values()]
     out = [f"llama.cpp: `{info['binary']}`, {info['threads']} threads; decode tokens/s from its own timings "
-           "((n - 1) / predicted_ms; its own predicted_per_second in results.json).", "",
-           "| contender | tokens/s | " + " | ".join(f"× {p}" for p in info["plain"]) + " |",
-           "| --- | --- | " + " | ".join("---" for _ in info["plain"]) + " |"]
+           "((n - 1) / predicted_ms; its own predicted_per_second in results.json). Best speculative setting: "
+           + ("; ".join(f"{plain}: {name}" for plain, name in best.items()) or "none run") + ".", "",
+           "| contender | tokens/s | identical | " + " | ".join(f"× {p}" for p in bases) + " |",
+           "| --- | --- | --- | " + " | ".join("---" for _ in bases) + " |"]
     for name, r in contenders.items():
         rate = r["summary"]["tokens_per_s"]
-        ratios = [rate / b if (b := contenders[p]["summary"]["tokens_per_s"]) else 0.0 for p in info["plain"]]
-        out.append(f"| {name} | {rate:.1f} | " + " | ".join(f"{x:.2f}×" for x in ratios) + " |")
+        ratios = [rate / b if (b := contenders[p]["summary"]["tokens_per_s"]) else 0.0 for p in bases]
+        ident = f"{r['identical']:.2f}" if r.get("identical") is not None else ""
+        out.append(f"| {name} | {rate:.1f} | {ident} | " + " | ".join(f"{x:.2f}×" for x in ratios) + " |")
     return "\n".join(out)
 
 
@@ -525,7 +535,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="the target as GGUF (tools/convert_gguf.py); repeatable, e.g. f32 and q8_0: each runs plain")
     peer.add_argument("--gguf-draft", action="append", default=[], metavar="FILE",
                       help="the draft as GGUF, one per --gguf-target in the same order: each pair also runs "
-                           "speculative (llama.cpp's default draft settings)")
+                           "speculative, once per draft setting of --llama-spec")
+    peer.add_argument("--llama-spec", default="all", metavar="KEYS",
+                      help="llama.cpp's speculative settings, each its own contender per target: all (default: "
+                           "draft-N-P for --spec-draft-n-max N in 3, 8, 16 and --spec-draft-p-min P in 0, 0.5, with a "
+                           "--gguf-draft; ngram-mod and ngram-cache without one), none (plain only), or a "
+                           "comma-separated subset, e.g. draft-3-0,ngram-mod")
     parser.add_argument("--starts", type=int, default=0, metavar="N",
                         help="run only the start-to-start spread: `specrpc serve` started N times, the same prompts "
                              "each time, median decode tokens/s of adaptive and k=0 per start (bench/starts.py)")
@@ -572,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         print(starts.markdown(spread))
         return 0
     try:
-        peers = specs(args.llama_server, args.gguf_target, args.gguf_draft, args.threads or torch.get_num_threads())
+        peers = specs(args.llama_server, args.gguf_target, args.gguf_draft, args.threads or torch.get_num_threads(),
+                      sweep(args.llama_spec))
     except ValueError as exc:
         parser.error(str(exc))
     if peers and args.temperature != 0:
@@ -640,7 +656,10 @@ def main(argv: list[str] | None = None) -> int:
         "contenders": {},
     }
     results["llama_cpp"] = ({"binary": args.llama_server, "threads": peers[0].threads,
-                             "plain": [p.name for p in peers if p.draft is None],
+                             "plain": [p.name for p in peers if p.setting is None],
+                             "speculative": {plain.name: [p.name for p in peers if p.setting is not None
+                                                          and p.target == plain.target]
+                                             for plain in peers if plain.setting is None},
                              "commands": {p.name: " ".join(p.command(0)) for p in peers}}
                             if peers else {"skipped": SKIP_LINE})
     for name, rs in runs.items():
@@ -655,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["predicted_speedup"] = predicted_speedup(s["alpha"], k, runtime)
             entry["efficiency"] = entry["speedup"] / entry["predicted_speedup"]
         results["contenders"][name] = entry
+    if peers:
+        results["llama_cpp"]["best"] = best_speculative(results["llama_cpp"], results["contenders"])
     results["workloads"] = {  # per workload: where a contender wins or loses, and its ITL tail
         w: {name: summarize([r for r, c in zip(rs, cases * args.rounds, strict=True) if c.workload == w])
             for name, rs in runs.items()}
