@@ -25,6 +25,13 @@ def test_the_most_frequent_continuation_is_drafted_while_likely() -> None:
     assert trie.draft([50, 51, 52], 8) == ([], 0), "no match of MIN_MATCH tokens"
 
 
+def test_a_two_token_match_drafts_two() -> None:
+    trie = SuffixTrie(depth=16)
+    trie.add([1, 2, 3, 4, 5, 6])
+    assert trie.draft([9, 8, 2, 3], 8) == ([4, 5], 2), "right after a new value, two tokens of the skeleton match"
+    assert trie.draft([9, 8, 7, 3], 8) == ([], 0), "one token continues anything: no draft"
+
+
 def count(node: Node) -> int:
     """Nodes below `node`."""
     return sum(1 + count(child) for child in node.children.values())
