@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specrpc.bench.common import write_results
 from specrpc.models.llama.weights import int8_linear
 from specrpc.training.corpus import EVALUATION_PACKAGES, evaluation_sources, is_heldout, iter_sources
 from specrpc.training.evaluate import measure, token_stream
@@ -91,12 +91,13 @@ def run(assets: Path, max_tokens: int, window: int) -> dict[str, Any]:
     draft = AutoModelForCausalLM.from_pretrained(ddir, local_files_only=True, dtype=torch.float32).eval()
     sets = {"stdlib_heldout": [f for f in iter_sources() if is_heldout(f.relpath)],
             **{f"third_party_{name}": evaluation_sources(name) for name in EVALUATION_PACKAGES}}
+    models = {fmt: (rounded(target, fmt), rounded(draft, fmt)) for fmt in FORMATS}  # rounded once, for every set
     out: dict[str, Any] = {"max_tokens": max_tokens, "window": window, "sets": {}}
     for name, files in sets.items():
         ids = token_stream(tok, files, max_tokens)
         per: dict[str, Any] = {}
-        for fmt in FORMATS:
-            m = measure(rounded(target, fmt), rounded(draft, fmt), tok, ids, window)
+        for fmt, (t, d) in models.items():
+            m = measure(t, d, tok, ids, window)
             per[fmt] = {"target": m["target_bits_per_byte"], "draft": m["draft_bits_per_byte"],
                         "tokens": m["tokens"], "bytes": m["bytes"]}
             print(f"{name} {fmt}: target {per[fmt]['target']:.4f}, draft {per[fmt]['draft']:.4f} bits per byte",
@@ -128,11 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results/bpb"))
     args = parser.parse_args(argv)
     results = run(args.assets, args.max_tokens, args.window)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bpb.json").write_text(json.dumps(results, indent=2))
-    table = markdown(results)
-    (args.out / "bpb.md").write_text(table)
-    print(table)
+    write_results(args.out, "bpb", results, markdown(results))
     return 0
 
 
