@@ -268,9 +268,9 @@ static inline void quantize(const float* __restrict x, int64_t cols, int8_t* __r
 
 // R panels × TT tokens of an int8 product with int8 activations: the panels hold the weights + 128 as uint8 in groups
 // of 4 columns ([K / 4, 16, 4] per panel, K padded to QBLOCK), so one VNNI instruction adds 4 products per lane for a
-// token. Each block's integer sums (exact in any order) are corrected for the offset (128 × the block's sum of
-// activations), scaled by the block's activation scale and accumulated in float, block after block in order; the
-// row's weight scale is applied once at the end.
+// token. Each block's integer sums start from the offset's correction (-128 × the block's sum of activations) and are
+// exact in any order; they are scaled by the block's activation scale and accumulated in float, block after block in
+// order; the row's weight scale is applied once at the end.
 template <int R, int TT, int PF>
 static inline void panels_q(const uint8_t* __restrict w, const float* __restrict scale, const float* __restrict b,
                             const int8_t* __restrict xq, const float* __restrict xs, const int32_t* __restrict xsum,
@@ -282,9 +282,12 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < TT; ++t) facc[r][t] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < groups; k0 += per_block) {
-        __m512i acc[R][TT];
-        for (int r = 0; r < R; ++r)
-            for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_si512();
+        const int64_t blk = k0 / per_block;
+        __m512i acc[R][TT];  // from the offset's correction (- 128 × the block's sum of activations): exact integers
+        for (int t = 0; t < TT; ++t) {
+            const __m512i offset = _mm512_set1_epi32(-128 * xsum[t * nb + blk]);
+            for (int r = 0; r < R; ++r) acc[r][t] = offset;
+        }
         for (int64_t k = k0; k < k0 + per_block; ++k) {
             __m512i wr[R];
             for (int r = 0; r < R; ++r) {
@@ -299,12 +302,9 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
                 for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wr[r], xb);
             }
         }
-        const int64_t blk = k0 / per_block;
         for (int t = 0; t < TT; ++t) {
-            const __m512i offset = _mm512_set1_epi32(128 * xsum[t * nb + blk]);
             const __m512 sx = _mm512_set1_ps(xs[t * nb + blk]);
-            for (int r = 0; r < R; ++r)
-                facc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][t], offset)), sx, facc[r][t]);
+            for (int r = 0; r < R; ++r) facc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), sx, facc[r][t]);
         }
     }
     for (int r = 0; r < R; ++r) {
@@ -478,27 +478,107 @@ static inline v16 dots16(const float* __restrict q, const float* __restrict k, i
     return reduce16(a);
 }
 
-constexpr int64_t QUERIES = 4;  // queries attended together: each key and value row is read once for all of them
+// Whether the 16 positions from p0 all lie in [lo, hi).
+static inline bool full_block(int64_t p0, int64_t lo, int64_t hi) { return p0 >= lo && p0 + 16 <= hi; }
 
-// out[j] (DC vectors) += w[j][p] v[p] for the queries j < n over positions p in [lo_all, hi_all), each query only
-// within its own [lo[j], hi[j]): one fused multiply-add per position in order, the value row read once for all.
+// The 16 values at s + p0 with the positions outside [lo, hi) replaced by `fill` (a block at a range's edge: nothing
+// outside the range is read).
+static inline v16 edge_load(const float* s, int64_t p0, int64_t lo, int64_t hi, float fill) {
+    float block[16];
+    for (int64_t i = 0; i < 16; ++i) block[i] = p0 + i >= lo && p0 + i < hi ? s[p0 + i] : fill;
+    return load16(block);
+}
+
+static inline void edge_store(float* s, int64_t p0, int64_t lo, int64_t hi, v16 v) {
+    float block[16];
+    std::memcpy(block, &v, sizeof block);
+    for (int64_t i = 0; i < 16; ++i)
+        if (p0 + i >= lo && p0 + i < hi) s[p0 + i] = block[i];
+}
+
+// The sum of x's 16 lanes, in one fixed tree (x plus x with its halves swapped, then quarters, pairs, neighbours).
+static inline float hsum16(v16 x) {
+    x = x + __builtin_shuffle(x, vi16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x = x + __builtin_shuffle(x, vi16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x = x + __builtin_shuffle(x, vi16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x = x + __builtin_shuffle(x, vi16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return x[0];
+}
+
+static inline v16 vmax16(v16 a, v16 b) { return a > b ? a : b; }
+
+static inline float hmax16(v16 x) {  // the largest of x's 16 lanes
+    x = vmax16(x, __builtin_shuffle(x, vi16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    x = vmax16(x, __builtin_shuffle(x, vi16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    x = vmax16(x, __builtin_shuffle(x, vi16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    x = vmax16(x, __builtin_shuffle(x, vi16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    return x[0];
+}
+
+// The scores s[lo .. hi) become their softmax, in place, 16 positions a vector in blocks aligned to multiples of 16
+// positions: each position's lane, and so every rounding, depends on the range alone, not on what else is attended.
+// The sum is lane-wise block after block, then one fixed tree; each weight is its exp divided by that sum.
+static inline void softmax(float* s, int64_t lo, int64_t hi) {
+    const int64_t a0 = lo / 16 * 16;
+    v16 m = splat(-INFINITY);
+    for (int64_t p0 = a0; p0 < hi; p0 += 16)
+        m = vmax16(m, full_block(p0, lo, hi) ? load16(s + p0) : edge_load(s, p0, lo, hi, -INFINITY));
+    const v16 mx = splat(hmax16(m)), zero = v16{};
+    v16 acc = zero;
+    for (int64_t p0 = a0; p0 < hi; p0 += 16) {
+        if (full_block(p0, lo, hi)) {
+            const v16 e = exp16(load16(s + p0) - mx);
+            std::memcpy(s + p0, &e, sizeof e);
+            acc += e;
+        } else {
+            const v16 x = edge_load(s, p0, lo, hi, -INFINITY);
+            const v16 e = x == splat(-INFINITY) ? zero : exp16(x - mx);  // outside the range: no weight
+            edge_store(s, p0, lo, hi, e);
+            acc += e;
+        }
+    }
+    const v16 sum = splat(hsum16(acc));
+    for (int64_t p0 = a0; p0 < hi; p0 += 16) {
+        if (full_block(p0, lo, hi)) {
+            const v16 w = load16(s + p0) / sum;
+            std::memcpy(s + p0, &w, sizeof w);
+        } else {
+            edge_store(s, p0, lo, hi, edge_load(s, p0, lo, hi, 0.0f) / sum);
+        }
+    }
+}
+
+constexpr int64_t QUERIES = 16;  // queries a job attends together: each key and value row is read once for all of them
+constexpr int64_t IN_REGISTERS = 4;  // queries whose weighted sums the registers hold at once
+constexpr int64_t VALUE_TILE = 64;   // value rows a tile: 16 KB at dh = 64, read from the L1 cache by each group
+
+// out[j] (DC vectors) = sum of w[j][p] v[p] for the queries j < n over positions p in [lo_all, hi_all), each query only
+// within its own [lo[j], hi[j]): one fused multiply-add per position in order, so the same bits whatever else is
+// attended. Tiles of VALUE_TILE rows are read once from the outer caches for all n queries, IN_REGISTERS queries at a
+// time (their sums carried in `out` from tile to tile).
 template <int DC>
 static inline void weigh_values(const float* __restrict vh, float* const* w, float* const* out, const int64_t* lo,
                                 const int64_t* hi, int64_t n, int64_t lo_all, int64_t hi_all) {
-    v16 acc[QUERIES][DC];
-    for (int j = 0; j < QUERIES; ++j)
-        for (int c = 0; c < DC; ++c) acc[j][c] = v16{};
-    for (int64_t p = lo_all; p < hi_all; ++p) {
-        const float* v = vh + p * DC * 16;
-        v16 vr[DC];
-        for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
-        for (int j = 0; j < QUERIES; ++j) {
-            if (j >= n || p < lo[j] || p >= hi[j]) continue;
-            const v16 wj = splat(w[j][p]);
-            for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
+    for (int64_t j = 0; j < n; ++j) std::memset(out[j], 0, DC * sizeof(v16));
+    for (int64_t p0 = lo_all; p0 < hi_all; p0 += VALUE_TILE) {
+        const int64_t p1 = hi_all - p0 < VALUE_TILE ? hi_all : p0 + VALUE_TILE;
+        for (int64_t j0 = 0; j0 < n; j0 += IN_REGISTERS) {
+            const int64_t nj = n - j0 < IN_REGISTERS ? n - j0 : IN_REGISTERS;
+            v16 acc[IN_REGISTERS][DC];
+            for (int64_t j = 0; j < nj; ++j) std::memcpy(acc[j], out[j0 + j], sizeof acc[j]);
+            for (int64_t p = p0; p < p1; ++p) {
+                const float* v = vh + p * DC * 16;
+                v16 vr[DC];
+                for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
+                for (int j = 0; j < IN_REGISTERS; ++j) {
+                    if (j >= nj || p < lo[j0 + j] || p >= hi[j0 + j]) continue;
+                    const v16 wj = splat(w[j0 + j][p]);
+                    for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
+                }
+            }
+            for (int64_t j = 0; j < nj; ++j) std::memcpy(out[j0 + j], acc[j], sizeof acc[j]);
         }
     }
-    for (int64_t j = 0; j < n; ++j) std::memcpy(out[j], acc[j], sizeof acc[j]);
 }
 
 // Queries `chunk` * QUERIES .. of the row of tokens t0 .. t1 - 1 (one slot, consecutive positions) on KV head g of
@@ -536,27 +616,16 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
             const v16 e = (first == 0 && count == 16 ? dots16<true>(q[j], kh + p0 * dh, dh, 0, 16)
                                                      : dots16<false>(q[j], kh + p0 * dh, dh, first, count)) *
                           splat(scale);
+            if (p0 >= lo[j] && p0 + 16 <= hi[j]) {  // (then first = 0 and count = 16)
+                std::memcpy(sc[j] + p0, &e, sizeof e);
+                continue;
+            }
             std::memcpy(block, &e, sizeof block);
             for (int64_t i = first; i < count; ++i)
                 if (p0 + i >= lo[j] && p0 + i < hi[j]) sc[j][p0 + i] = block[i];
         }
     }
-    for (int64_t j = 0; j < n; ++j) {  // softmax, each query over its own range
-        float mx = -INFINITY, sum = 0.0f;
-        for (int64_t p = lo[j]; p < hi[j]; ++p) mx = sc[j][p] > mx ? sc[j][p] : mx;
-        for (int64_t p = lo[j]; p < hi[j]; p += 16) {  // 16 at a time, the last block padded
-            const int64_t k = hi[j] - p < 16 ? hi[j] - p : 16;
-            float block[16];
-            for (int64_t i = 0; i < 16; ++i) block[i] = i < k ? sc[j][p + i] - mx : -INFINITY;
-            const v16 e = exp16(load16(block));
-            std::memcpy(block, &e, sizeof block);
-            for (int64_t i = 0; i < k; ++i) {
-                sc[j][p + i] = block[i];
-                sum += block[i];
-            }
-        }
-        for (int64_t p = lo[j]; p < hi[j]; ++p) sc[j][p] /= sum;  // the weights
-    }
+    for (int64_t j = 0; j < n; ++j) softmax(sc[j], lo[j], hi[j]);
     switch (dh) {  // weighted values: each value row once for all the queries
         case 64: return weigh_values<4>(vh, sc, out, lo, hi, n, lo_all, hi_all);
         case 128: return weigh_values<8>(vh, sc, out, lo, hi, n, lo_all, hi_all);
