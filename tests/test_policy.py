@@ -67,9 +67,22 @@ def test_host_time_around_the_forwards_counts() -> None:
     assert model.host("draft") == pytest.approx(1.5)
     assert policy.speedup(1) == pytest.approx(1.75 * 1.2 / 2.85)
     assert policy.choose() == 0
-    assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / 1.2), "lookup: host not measured"
-    model.observe_host("lookup", 0.2)
-    assert model.host("lookup") == pytest.approx(0.2) and model.copy().host_s == model.host_s
+    # lookup's host time not measured yet: a plain step's, not free
+    assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / (1.2 + 0.2))
+    model.observe_host("lookup", 0.1)
+    assert model.host("lookup") == pytest.approx(0.1) and model.copy().host_s == model.host_s
+    assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / (1.2 + 0.1))
+
+
+def test_an_unmeasured_kind_of_step_is_not_taken_for_free_host_time() -> None:
+    """Plain steps measured at 0.3 target steps of host time, drafted ones not yet: drafting is judged with the
+    plain step's host time (S(1) = 1.75 · 1.3 / 1.65 = 1.38), not none (1.75 · 1.3 / 1.35 = 1.69, which would
+    pay a catch-up on a whole prompt that the first drafted steps then show was not worth it)."""
+    model = costs(c=0.25, v_per_token=0.1)
+    policy = AdaptivePolicy(max_k=8, costs=model, acceptance={"draft": AcceptanceEstimate(75, 100)})
+    model.observe_host("plain", 0.3)
+    assert model.host("draft") == pytest.approx(0.3)
+    assert policy.speedup(1) == pytest.approx(1.75 * 1.3 / 1.65)
 
 
 def test_a_draft_catch_up_is_paid_only_where_the_request_repays_it() -> None:
@@ -236,3 +249,4 @@ def test_a_plain_step_now_and_then_measures_plain_decoding_and_can_switch_specul
     policy.observe_step("plain", seconds=0.25, tokens=1)  # but plain decoding measures 0.25 s a token now
     assert not policy.plain_due()
     assert policy.realized_speedup("draft") < 1.0 and policy.choose() == 0
+
