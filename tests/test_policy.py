@@ -250,3 +250,19 @@ def test_a_plain_step_now_and_then_measures_plain_decoding_and_can_switch_specul
     assert not policy.plain_due()
     assert policy.realized_speedup("draft") < 1.0 and policy.choose() == 0
 
+
+def test_a_probe_of_the_draft_waits_while_its_catch_up_on_a_prompt_would_cost_more_than_a_share_of_the_time_off(
+) -> None:
+    """A draft off for α: probing it first catches it up on what it has not seen. The steps it sat out are paid at
+    any time (they grow with the time off); a prompt of 400 tokens at 0.05 target steps each (20 steps) waits until
+    that is within `probe_share` of the time off (400 steps at 5 %), where a probe with nothing beyond the steps off
+    comes at `probe_every`."""
+    model = costs(c=0.3, v_per_token=0.1)
+    model.draft_prefill_s = 0.05
+    low = {"draft": AcceptanceEstimate(accepted=2, trials=10)}
+    policy = AdaptivePolicy(max_k=8, costs=model, probe_every=4, acceptance=dict(low))
+    steady = [policy.choose(catch_up_s=(off + 1) * 0.05) for off in range(8)]
+    assert steady == [0, 0, 0, policy.probe_k, 0, 0, 0, policy.probe_k]
+    policy = AdaptivePolicy(max_k=8, costs=model, probe_every=4, acceptance=dict(low))
+    prompt = [policy.choose(catch_up_s=(400 + off + 1) * 0.05) for off in range(450)]
+    assert [off + 1 for off, k in enumerate(prompt) if k] == [400]
