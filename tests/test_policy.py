@@ -67,9 +67,22 @@ def test_host_time_around_the_forwards_counts() -> None:
     assert model.host("draft") == pytest.approx(1.5)
     assert policy.speedup(1) == pytest.approx(1.75 * 1.2 / 2.85)
     assert policy.choose() == 0
-    assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / 1.2), "lookup: host not measured"
-    model.observe_host("lookup", 0.2)
-    assert model.host("lookup") == pytest.approx(0.2) and model.copy().host_s == model.host_s
+    # lookup's host time not measured yet: a plain step's, not free
+    assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / (1.2 + 0.2))
+    model.observe_host("lookup", 0.1)
+    assert model.host("lookup") == pytest.approx(0.1) and model.copy().host_s == model.host_s
+    assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / (1.2 + 0.1))
+
+
+def test_an_unmeasured_kind_of_step_is_not_taken_for_free_host_time() -> None:
+    """Plain steps measured at 0.3 target steps of host time, drafted ones not yet: drafting is judged with the
+    plain step's host time (S(1) = 1.75 · 1.3 / 1.65 = 1.38), not none (1.75 · 1.3 / 1.35 = 1.69, which would
+    pay a catch-up on a whole prompt that the first drafted steps then show was not worth it)."""
+    model = costs(c=0.25, v_per_token=0.1)
+    policy = AdaptivePolicy(max_k=8, costs=model, acceptance={"draft": AcceptanceEstimate(75, 100)})
+    model.observe_host("plain", 0.3)
+    assert model.host("draft") == pytest.approx(0.3)
+    assert policy.speedup(1) == pytest.approx(1.75 * 1.3 / 1.65)
 
 
 def test_a_draft_catch_up_is_paid_only_where_the_request_repays_it() -> None:
@@ -236,3 +249,20 @@ def test_a_plain_step_now_and_then_measures_plain_decoding_and_can_switch_specul
     policy.observe_step("plain", seconds=0.25, tokens=1)  # but plain decoding measures 0.25 s a token now
     assert not policy.plain_due()
     assert policy.realized_speedup("draft") < 1.0 and policy.choose() == 0
+
+
+def test_a_probe_of_the_draft_waits_while_its_catch_up_on_a_prompt_would_cost_more_than_a_share_of_the_time_off(
+) -> None:
+    """A draft off for α: probing it first catches it up on what it has not seen. The steps it sat out are paid at
+    any time (they grow with the time off); a prompt of 400 tokens at 0.05 target steps each (20 steps) waits until
+    that is within `probe_share` of the time off (400 steps at 5 %), where a probe with nothing beyond the steps off
+    comes at `probe_every`."""
+    model = costs(c=0.3, v_per_token=0.1)
+    model.draft_prefill_s = 0.05
+    low = {"draft": AcceptanceEstimate(accepted=2, trials=10)}
+    policy = AdaptivePolicy(max_k=8, costs=model, probe_every=4, acceptance=dict(low))
+    steady = [policy.choose(catch_up_s=(off + 1) * 0.05) for off in range(8)]
+    assert steady == [0, 0, 0, policy.probe_k, 0, 0, 0, policy.probe_k]
+    policy = AdaptivePolicy(max_k=8, costs=model, probe_every=4, acceptance=dict(low))
+    prompt = [policy.choose(catch_up_s=(400 + off + 1) * 0.05) for off in range(450)]
+    assert [off + 1 for off, k in enumerate(prompt) if k] == [400]

@@ -192,10 +192,19 @@ def _k(drafting: Drafting, gen: Generation, source: str, load: BatchLoad | None)
     elif load is not None and load.k_limit == 0:
         k = 0  # the batch guard: speculating at this batch width is slower in fact
     else:
-        k = gen.slot.policy.choose(source, batch=load)
+        k = gen.slot.policy.choose(source, batch=load, catch_up_s=_catch_up_s(drafting, gen, source))
         if load is not None and load.k_limit is not None:
             k = min(k, load.k_limit)  # the guard is measuring what drafting costs at this width
     return max(0, min(k, gen.room(), _cap(drafting, gen)))
+
+
+def _catch_up_s(drafting: Drafting, gen: Generation, source: str) -> float:
+    """Seconds the draft would spend catching up before drafting for `source` this step (0 for prompt lookup and
+    within the steady `STEADY_CATCH_UP` tokens), by the policy's measured cost per token."""
+    if source != "draft" or drafting.draft is None:
+        return 0.0
+    lag = draft_lag(drafting, gen)
+    return lag * gen.slot.policy.costs.draft_prefill_s if lag > STEADY_CATCH_UP else 0.0
 
 
 def _catch_up_pays(drafting: Drafting, gen: Generation) -> bool:

@@ -5,7 +5,8 @@
 a small model, a GPU) host time is a large part of a step, and a speculative step spends more of it than a plain
 one. A draft's catch-up on a prompt it has not seen costs once per request, and it is paid only where the request's
 remaining tokens are expected to save more (`catch_up_pays`). While speculation is off, a probe every `probe_every`
-steps re-measures α so that a session whose text became predictable comes back.
+steps re-measures α so that a session whose text became predictable comes back; a probe of the draft waits longer
+where it would first catch up on a prompt it never saw, until that costs at most `probe_share` of the time off.
 
 The model can miss costs it does not see (a draft catching up after sitting out, a GPU stalling on a shape met for
 the first time, host work between kernels), so the policy also keeps the realized seconds per committed token of
@@ -112,6 +113,7 @@ class AdaptivePolicy:
     min_speedup: float = 1.05
     probe_every: int = 16
     probe_k: int = 2
+    probe_share: float = 0.05  # most of the time spent off that a probe's catch-up on a prompt may cost (`choose`)
     min_realized_steps: int = 4  # whole steps of a proposer before its realized rate can switch it off
     plain_every: int = 32  # speculative solo steps between two plain ones, which keep plain decoding's rate measured
     realized: dict[str, RealizedRate] = field(default_factory=dict)  # per proposer, and "plain" for k = 0
@@ -178,10 +180,16 @@ class AdaptivePolicy:
         """Tokens a step with k drafts from `source` is expected to commit."""
         return expected_tokens(self._alpha(source).alpha, k) if k else 1.0
 
-    def choose(self, source: str = "draft", load: int = 1, batch: BatchLoad | None = None) -> int:
+    def choose(self, source: str = "draft", load: int = 1, batch: BatchLoad | None = None, catch_up_s: float = 0.0
+               ) -> int:
         """k for the next step with `source`. `load` = streams sharing the device: the probe rate drops with it
         (probes cost every stream). `batch`: the step is shared with other streams (see the module docstring);
-        the realized-rate guard judges only solo steps, whose times are this stream's own."""
+        the realized-rate guard judges only solo steps, whose times are this stream's own. `catch_up_s`: what a
+        step drafting with `source` would first spend catching the draft up (on the steps it sat out, on a prompt
+        it never saw): while off, a probe waits until what it catches up on beyond the steps off is at most
+        `probe_share` of their time, so that probing a draft that does not pay costs a bounded share of the time
+        however long the prompts are (while off the draft sees no prompt: each probe catches it up on a whole
+        one)."""
         if self.max_k == 0:
             return 0
         speedups = self.speedups(source, self.max_k, batch)
@@ -189,7 +197,9 @@ class AdaptivePolicy:
         realized = self.realized_speedup(source) if batch is None else float("inf")
         if speedups[best_k] <= self.min_speedup or realized <= self.min_speedup:
             off = self._steps_off.get(source, 0) + 1
-            if off >= self.probe_every * max(1, load):
+            off_s = off * self.costs.target_step_s * (1.0 + self.costs.host("plain"))
+            beyond = catch_up_s - off * self.costs.draft_prefill_s  # what it catches up on besides the steps off
+            if off >= self.probe_every * max(1, load) and beyond <= self.probe_share * off_s:
                 self._steps_off[source] = 0
                 self._probing.add(source)
                 return min(self.probe_k, self.max_k)

@@ -71,8 +71,11 @@ class CostModel:
         self.host_s[kind] = self._refine(f"host:{kind}", self.host_s.get(kind), max(0.0, seconds))
 
     def host(self, kind: str) -> float:
-        """Host time of a step of `kind` ÷ target step cost (0 until measured)."""
-        return self.host_s.get(kind, 0.0) / self.target_step_s
+        """Host time of a step of `kind` ÷ target step cost; until measured, a plain step's (a drafted step does all
+        a plain one does and more: taking it as free would make drafting look best exactly when nothing is known
+        of it, and start it with a catch-up on the whole prompt), 0 before that."""
+        seconds = self.host_s.get(kind)
+        return (self.host_s.get("plain", 0.0) if seconds is None else seconds) / self.target_step_s
 
     @property
     def c(self) -> float:
