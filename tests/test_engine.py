@@ -371,6 +371,31 @@ def test_batched_streams_equal_their_solo_runs(pair: tuple[Path, Path]) -> None:
         assert_logprobs_close(a, b)
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_step_calls_its_on_device_hook_once_as_its_first_forward_starts(pair: tuple[Path, Path], k: int) -> None:
+    """`on_device` (the scheduler wakes the readers of the last step's chunks there, beside the forward) runs once
+    a step, before any model takes the step's tokens: plain steps before the target's forward, drafted ones before
+    the draft's; and once in a step that ends without a forward."""
+    engine = make_engine(pair, slots=2)
+    requests = [GenerationRequest([0, 5, 2, 1, 1], 6, GREEDY, k, "draft") for _ in range(2)]
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    assert engine.draft is not None
+    seen: list[list[tuple[int, int]]] = []
+    while not all(g.finished for g in gens):
+        live = [g for g in gens if not g.finished]
+        before = [(engine.target.length(g.slot.index), engine.draft.length(g.slot.index)) for g in live]
+        calls: list[list[tuple[int, int]]] = []
+        engine.step(live, on_device=lambda live=live, calls=calls: calls.append(
+            [(engine.target.length(g.slot.index), engine.draft.length(g.slot.index)) for g in live]))
+        assert len(calls) == 1
+        assert calls[0] == before, "a model took the step's tokens before the hook"
+        seen += calls
+    assert len(seen) >= 3
+    done: list[int] = []
+    engine.step([gens[0]], on_device=lambda: done.append(1))  # a finished generation: no forward
+    assert done == [1]
+
+
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 def test_seeded_sampling_in_a_batch_reproduces_its_solo_run(pair: tuple[Path, Path], native: bool,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:

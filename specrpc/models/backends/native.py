@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -215,10 +216,15 @@ class NativeStep:
         """Several rows (distinct slots, MAX_TOKENS tokens in all at most) in one native forward, each token through
         the same products as alone: per row float32 logits [num_logits, V] of its last tokens."""
         ids = torch.cat([r.ids for r in rows]).to(torch.long).contiguous()  # [T]
-        positions = torch.cat([torch.arange(r.start, r.start + r.ids.shape[0]) for r in rows])  # [T]
-        slots = torch.cat([torch.full((r.ids.shape[0],), r.slot, dtype=torch.long) for r in rows])  # [T]
-        ends = torch.tensor([r.ids.shape[0] for r in rows]).cumsum(0).tolist()
-        wanted = torch.cat([torch.arange(end - r.num_logits, end) for r, end in zip(rows, ends, strict=True)])  # [R]
+        # the index tensors from Python lists, one tensor each: a handful of tokens a row, where a tensor op per row
+        # costs more than the list
+        counts = [r.ids.shape[0] for r in rows]
+        positions = torch.tensor([p for r, n in zip(rows, counts, strict=True)
+                                  for p in range(r.start, r.start + n)])  # [T]
+        slots = torch.tensor([r.slot for r, n in zip(rows, counts, strict=True) for _ in range(n)])  # [T]
+        ends = list(itertools.accumulate(counts))
+        wanted = torch.tensor([j for r, end in zip(rows, ends, strict=True)
+                               for j in range(end - r.num_logits, end)])  # [R]
         logits = self._call(ids, positions, slots, wanted, len(rows))  # [R, V]
         return list(torch.split(logits, [r.num_logits for r in rows]))
 
