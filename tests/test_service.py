@@ -251,7 +251,13 @@ def scripted(server: Running, monkeypatch: pytest.MonkeyPatch) -> Callable[[list
     def use(script: list[int], per_step: int) -> None:
         engine = server.runtime.engine
         monkeypatch.setattr(engine, "start", lambda slot, request: ScriptedGeneration(request, script, per_step))
-        monkeypatch.setattr(engine, "step", lambda gens: [gen.step() for gen in gens])
+
+        def step(gens: list[ScriptedGeneration], on_device: Callable[[], None] | None = None) -> list[StepResult]:
+            if on_device is not None:  # the step's forward starts: the scheduler wakes the last step's readers
+                on_device()
+            return [gen.step() for gen in gens]
+
+        monkeypatch.setattr(engine, "step", step)
 
     return use
 
