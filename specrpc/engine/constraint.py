@@ -35,6 +35,11 @@ MAX_GRAMMAR_BYTES = 1 << 20
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,4}"
 """Whitespace JSON output may have between tokens: bounded, so a reply cannot run to its token limit on spaces."""
 
+MAX_REFUSED = 8
+"""Tokens a grammar's mask may admit and its parser refuse at one position before the step fails (each is cleared
+from the mask and the position drawn again: `Constraint.refuse`)."""
+
+
 def parser_limits() -> llg.LLParserLimits:
     """llguidance's budgets (its fuel: ~50k per ms to build the lexer, ~14k per ms per mask): a hostile schema is
     refused with an error, not compiled for seconds, and no mask computation runs away."""
@@ -177,6 +182,16 @@ class Constraint:
             self.work_s += time.perf_counter() - t0
             self._check(ok)
             del self._drafted[-n:]
+
+    def refuse(self, token: int, path: list[int] | tuple[int, ...] = ()) -> None:
+        """Clear `token` from the filled mask of the state `path` drafts beyond the current one (where filled): the
+        library's mask can admit a token its parser then refuses (guidance-ai/llguidance#366: a merged quote-colon
+        token), and that position is then drawn again from its mask without it."""
+        row = self._rows.get(tuple(self._drafted) + tuple(path))
+        if row is None or not 0 <= token < self.vocab:
+            return
+        word = (int(self._bits[row, token // 32]) & 0xFFFFFFFF) & ~(1 << (token % 32))
+        self._bits[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading `tokens` the grammar allows (a point-mass draft is cut there)."""

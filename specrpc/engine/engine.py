@@ -394,6 +394,7 @@ class Engine:
             gen.params,
             gen.generator,
         )
+        tokens = gen.as_the_parser_allows(result.tokens, self._pad_logits(logits), proposal)
         gen.count_verify(proposal, result.accepted + 1)
         if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
             if len(proposal):
@@ -401,7 +402,7 @@ class Engine:
             if timing is not None:
                 policy.observe_step(proposal.estimate if len(proposal) else "plain",
                                     time.perf_counter() - timing.start, len(result.tokens), proposal.catch_up_s)
-        step = gen.commit(result.tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)
+        step = gen.commit(tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)
         self._roll_back(gen)
         if proposal.source == "suggestion":
             gen.stats.suggestion_accepted += step.accepted

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specrpc.engine.constraint import Constraint, Grammar
+from specrpc.engine.constraint import MAX_REFUSED, Constraint, Grammar
 from specrpc.engine.logits_transform import Cursor, LogitsTransform
 from specrpc.engine.policy import AdaptivePolicy
 from specrpc.engine.prediction import PredictionProposer
@@ -197,7 +197,26 @@ class Generation:
             token = int(chosen[0].argmax())
         else:
             token = int(sample(logits_to_probs(chosen, self.params), self.generator)[0])
-        return self.commit([token], accepted=0, proposed=0, logits=logits)
+        tokens = self.as_the_parser_allows([token], logits, EMPTY)
+        return self.commit(tokens, accepted=0, proposed=0, logits=logits)
+
+    def as_the_parser_allows(self, tokens: list[int], logits: torch.Tensor, proposal: Proposal) -> list[int]:
+        """A verify's `tokens` (drafts the grammar took, then the token drawn at row len(tokens) - 1 of `logits`
+        [k+1, V] as `shaped` makes it), the last one drawn again, from its row with it cleared from the mask, while
+        the grammar's parser refuses a token its mask admitted (`Constraint.refuse`; guidance-ai/llguidance#366). A
+        draw from the row with the refused token, redrawn without it when it comes up, is an exact draw from the row
+        without it."""
+        c = self.constraint
+        n = len(tokens) - 1
+        for _ in range(MAX_REFUSED):
+            if c is None or c.valid_prefix(tokens) == len(tokens):
+                break
+            c.refuse(tokens[-1], proposal.token_ids[:n])
+            row = self.shaped(logits, proposal)[n : n + 1]  # [1, V]
+            token = (int(row[0].argmax()) if self.params.greedy
+                     else int(sample(logits_to_probs(row, self.params), self.generator)[0]))
+            tokens = [*tokens[:-1], token]
+        return tokens
 
     def verify_ids(self, proposal: Proposal) -> list[int]:
         """The tokens the target scores for `proposal`: the last committed token and the k drafts."""

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from specrpc.engine.constraint import Constraint
+from specrpc.engine.constraint import MAX_REFUSED, Constraint
 from specrpc.engine.logits_transform import Cursor, LogitsTransform
 from specrpc.engine.sampling import SamplingParams, logits_to_probs, sample
 from specrpc.models import BatchRow, CausalLM
@@ -102,20 +102,30 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
     transform at this position (which then counts it), and its distribution [V] (None when greedy: verify ignores
     draft probabilities then). Greedy, the argmax is checked first and the mask filled only when the grammar
     forbids it (an allowed argmax is the masked one; the transform keeps -inf, so it commutes with the mask)."""
-    if constraint is not None and not params.greedy:
-        logits = constraint.mask_next(logits)  # [1, V]
-    if cursor is not None:
-        logits = cursor.apply(logits)  # [1, V]
-    if params.greedy:
-        token, probs = logits[0].argmax().view(1), None  # [1]
-        if constraint is not None and not constraint.take(int(token)):
-            token = constraint.mask_next(logits)[0].argmax().view(1)  # [1]
-            constraint.advance(int(token))
+    raw = logits  # [1, V]
+    for _ in range(MAX_REFUSED + 1):
+        logits = raw
+        if constraint is not None and not params.greedy:
+            logits = constraint.mask_next(raw)  # [1, V]
+        if cursor is not None:
+            logits = cursor.apply(logits)  # [1, V]
+        if params.greedy:
+            token, probs = logits[0].argmax().view(1), None  # [1]
+            if constraint is not None and not constraint.take(int(token)):
+                token = constraint.mask_next(logits)[0].argmax().view(1)  # [1]
+                if not constraint.take(int(token)):  # a token the mask admits and the parser refuses
+                    constraint.refuse(int(token))
+                    continue
+        else:
+            p = logits_to_probs(logits, params)  # [1, V]
+            token, probs = sample(p, generator), p[0]  # [1], [V]
+            if constraint is not None and not constraint.take(int(token)):
+                constraint.refuse(int(token))  # drawn again without it: q is the mask's without it, exactly
+                continue
+        break
     else:
-        p = logits_to_probs(logits, params)  # [1, V]
-        token, probs = sample(p, generator), p[0]  # [1], [V]
-        if constraint is not None:
-            constraint.advance(int(token))
+        assert constraint is not None
+        constraint.advance(int(token))  # the parser's own error, where it refuses what its mask keeps offering
     if cursor is not None:
         cursor.advance(token)
     return token, probs
