@@ -124,12 +124,17 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Probs [N, V] (need not be normalised) → ids [N] int64, by the exponential race argmax(p / Exp(1)).
+    """Probs [N, V] (need not be normalised) → ids [N] int64, by inverse transform: one uniform draw per row against
+    the row's cumulative mass, summed in float64 so that every token keeps its share of the total to ~1e-16.
 
-    No host sync. Noise is drawn on the generator's device (the probs' device when None) and moved to probs.
+    One random number a row, not one per token: on a CPU a draw per vocabulary entry (an exponential race) costs
+    more than a small model's decode step. No host sync. The draw is made on the generator's device (the probs' when
+    None) and moved to the probs.
     """
     device = generator.device if generator is not None else probs.device
-    noise = torch.empty(probs.shape, dtype=torch.float32, device=device)  # [N, V]
-    noise.exponential_(1.0, generator=generator)
-    noise = noise.to(probs.device).clamp_min_(torch.finfo(torch.float32).tiny)  # a draw of 0 would give 0/0 = NaN
-    return (probs.float() / noise).argmax(dim=-1)  # [N]
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [N, V]
+    total = cdf[..., -1:]  # [N, 1]
+    u = torch.rand(total.shape, dtype=torch.float64, device=device, generator=generator).to(probs.device)  # [N, 1]
+    drawn = torch.searchsorted(cdf, u * total, right=True)  # [N, 1] the first token whose cumulative mass exceeds it
+    last = torch.searchsorted(cdf, total)  # [N, 1] the last token with mass: u * total never rounds past it
+    return torch.minimum(drawn, last).squeeze(-1)  # [N]
