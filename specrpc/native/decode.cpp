@@ -612,17 +612,11 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
         const int64_t first = lo_all - p0 > 0 ? lo_all - p0 : 0, count = hi_all - p0 < 16 ? hi_all - p0 : 16;
         for (int64_t j = 0; j < n; ++j) {
             if (p0 + 16 <= lo[j] || p0 >= hi[j]) continue;
-            float block[16];
             const v16 e = (first == 0 && count == 16 ? dots16<true>(q[j], kh + p0 * dh, dh, 0, 16)
                                                      : dots16<false>(q[j], kh + p0 * dh, dh, first, count)) *
                           splat(scale);
-            if (p0 >= lo[j] && p0 + 16 <= hi[j]) {  // (then first = 0 and count = 16)
-                std::memcpy(sc[j] + p0, &e, sizeof e);
-                continue;
-            }
-            std::memcpy(block, &e, sizeof block);
-            for (int64_t i = first; i < count; ++i)
-                if (p0 + i >= lo[j] && p0 + i < hi[j]) sc[j][p0 + i] = block[i];
+            if (full_block(p0, lo[j], hi[j])) std::memcpy(sc[j] + p0, &e, sizeof e);  // (first = 0, count = 16)
+            else edge_store(sc[j], p0, lo[j], hi[j], e);
         }
     }
     for (int64_t j = 0; j < n; ++j) softmax(sc[j], lo[j], hi[j]);
