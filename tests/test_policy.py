@@ -261,8 +261,8 @@ def test_a_probe_of_the_draft_waits_while_its_catch_up_on_a_prompt_would_cost_mo
     model.draft_prefill_s = 0.05
     low = {"draft": AcceptanceEstimate(accepted=2, trials=10)}
     policy = AdaptivePolicy(max_k=8, costs=model, probe_every=4, acceptance=dict(low))
-    steady = [policy.choose(catch_up_s=(off + 1) * 0.05) for off in range(8)]
+    steady = [policy.choose(catch_up=off + 1) for off in range(8)]
     assert steady == [0, 0, 0, policy.probe_k, 0, 0, 0, policy.probe_k]
     policy = AdaptivePolicy(max_k=8, costs=model, probe_every=4, acceptance=dict(low))
-    prompt = [policy.choose(catch_up_s=(400 + off + 1) * 0.05) for off in range(450)]
+    prompt = [policy.choose(catch_up=400 + off + 1) for off in range(450)]
     assert [off + 1 for off, k in enumerate(prompt) if k] == [400]

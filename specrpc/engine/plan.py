@@ -192,19 +192,19 @@ def _k(drafting: Drafting, gen: Generation, source: str, load: BatchLoad | None)
     elif load is not None and load.k_limit == 0:
         k = 0  # the batch guard: speculating at this batch width is slower in fact
     else:
-        k = gen.slot.policy.choose(source, batch=load, catch_up_s=_catch_up_s(drafting, gen, source))
+        k = gen.slot.policy.choose(source, batch=load, catch_up=_catch_up(drafting, gen) if source == "draft" else 0)
         if load is not None and load.k_limit is not None:
             k = min(k, load.k_limit)  # the guard is measuring what drafting costs at this width
     return max(0, min(k, gen.room(), _cap(drafting, gen)))
 
 
-def _catch_up_s(drafting: Drafting, gen: Generation, source: str) -> float:
-    """Seconds the draft would spend catching up before drafting for `source` this step (0 for prompt lookup and
-    within the steady `STEADY_CATCH_UP` tokens), by the policy's measured cost per token."""
-    if source != "draft" or drafting.draft is None:
-        return 0.0
+def _catch_up(drafting: Drafting, gen: Generation) -> int:
+    """Tokens the draft would catch up on before drafting this step: 0 without a draft and within the steady-state
+    `STEADY_CATCH_UP`."""
+    if drafting.draft is None:
+        return 0
     lag = draft_lag(drafting, gen)
-    return lag * gen.slot.policy.costs.draft_prefill_s if lag > STEADY_CATCH_UP else 0.0
+    return lag if lag > STEADY_CATCH_UP else 0
 
 
 def _catch_up_pays(drafting: Drafting, gen: Generation) -> bool:
@@ -212,10 +212,10 @@ def _catch_up_pays(drafting: Drafting, gen: Generation) -> bool:
     for a request's own k and within the steady-state catch-up. In a batched step too, by what drafting would save
     alone (an upper bound: a batch gains less from it), so that a stream near its end does not catch its draft up on
     a whole context when drafting comes back as the batch narrows."""
-    if gen.fixed_k is not None or drafting.draft is None:
+    if gen.fixed_k is not None:
         return True
-    lag = draft_lag(drafting, gen)
-    return lag <= STEADY_CATCH_UP or gen.slot.policy.catch_up_pays(lag, gen.remaining)
+    lag = _catch_up(drafting, gen)
+    return lag == 0 or gen.slot.policy.catch_up_pays(lag, gen.remaining)
 
 
 def _lookup(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Proposal:

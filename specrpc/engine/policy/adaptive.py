@@ -173,20 +173,22 @@ class AdaptivePolicy:
         best = max(self.speedups("draft", self.max_k)[1:], default=1.0)
         if best <= 1.0:
             return False
-        plain_step_s = self.costs.target_step_s * (1.0 + self.costs.host("plain"))
-        return remaining * plain_step_s * (1.0 - 1.0 / best) > lag * self.costs.draft_prefill_s
+        return remaining * self._plain_step_s() * (1.0 - 1.0 / best) > lag * self.costs.draft_prefill_s
+
+    def _plain_step_s(self) -> float:
+        """Seconds of a plain step: the target's forward and the host's work around it."""
+        return self.costs.target_step_s * (1.0 + self.costs.host("plain"))
 
     def expected(self, source: str, k: int) -> float:
         """Tokens a step with k drafts from `source` is expected to commit."""
         return expected_tokens(self._alpha(source).alpha, k) if k else 1.0
 
-    def choose(self, source: str = "draft", load: int = 1, batch: BatchLoad | None = None, catch_up_s: float = 0.0
-               ) -> int:
+    def choose(self, source: str = "draft", load: int = 1, batch: BatchLoad | None = None, catch_up: int = 0) -> int:
         """k for the next step with `source`. `load` = streams sharing the device: the probe rate drops with it
         (probes cost every stream). `batch`: the step is shared with other streams (see the module docstring);
-        the realized-rate guard judges only solo steps, whose times are this stream's own. `catch_up_s`: what a
-        step drafting with `source` would first spend catching the draft up (on the steps it sat out, on a prompt
-        it never saw): while off, a probe waits until what it catches up on beyond the steps off is at most
+        the realized-rate guard judges only solo steps, whose times are this stream's own. `catch_up`: the tokens a
+        step drafting with `source` would first catch the draft up on (the steps it sat out, a prompt it never
+        saw): while off, a probe waits until what it catches up on beyond the steps off is at most
         `probe_share` of their time, so that probing a draft that does not pay costs a bounded share of the time
         however long the prompts are (while off the draft sees no prompt: each probe catches it up on a whole
         one)."""
@@ -197,9 +199,8 @@ class AdaptivePolicy:
         realized = self.realized_speedup(source) if batch is None else float("inf")
         if speedups[best_k] <= self.min_speedup or realized <= self.min_speedup:
             off = self._steps_off.get(source, 0) + 1
-            off_s = off * self.costs.target_step_s * (1.0 + self.costs.host("plain"))
-            beyond = catch_up_s - off * self.costs.draft_prefill_s  # what it catches up on besides the steps off
-            if off >= self.probe_every * max(1, load) and beyond <= self.probe_share * off_s:
+            beyond_s = (catch_up - off) * self.costs.draft_prefill_s  # catching up on more than the steps off
+            if off >= self.probe_every * max(1, load) and beyond_s <= self.probe_share * off * self._plain_step_s():
                 self._steps_off[source] = 0
                 self._probing.add(source)
                 return min(self.probe_k, self.max_k)
