@@ -623,6 +623,42 @@ def test_calibration_measures_every_width_and_stops_once_settled(pair: tuple[Pat
     assert engine.calibration_rounds == 12  # nothing ever settles: up to the most rounds
 
 
+def test_calibration_times_the_draft_as_a_speculative_step_drafts(pair: tuple[Path, Path],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft's step is timed as speculation runs it, right after a verify: max_k greedy forwards in a row, the
+    first over the steady catch-up's two tokens, each next one fed the argmax before it (one lone step timed between
+    target steps finds the draft's weights evicted every time: 2-3 times a drafted token's share at int8)."""
+    engine = make_engine(pair)
+    assert engine.draft is not None
+    calls: list[tuple[str, list[int], int]] = []
+    for name, model in (("target", engine.target), ("draft", engine.draft)):
+        def recorded(ids: torch.Tensor, start: int, slot: int, num_logits: int = 1, *, name: str = name,
+                     forward: Any = model.forward) -> torch.Tensor:
+            logits: torch.Tensor = forward(ids, start, slot, num_logits=num_logits)
+            calls.append((name, ids.tolist(), start))
+            return logits
+        monkeypatch.setattr(model, "forward", recorded)
+    context = 16
+    engine.calibrate(context=context, repeats=2, max_repeats=2, settle=float("inf"))
+    drafts = [i for i, (name, _, start) in enumerate(calls) if name == "draft" and start >= context]  # not feeds
+    runs = [drafts[i:i + engine.max_k] for i in range(0, len(drafts), engine.max_k)]
+    assert len(runs) == engine.calibration_rounds + 1 and all(len(r) == engine.max_k for r in runs)  # + warm-up
+    prefix = next(ids for name, ids, start in calls if name == "draft" and start == 0)  # the context, one chunk
+    assert len(prefix) == context
+    for run in runs:
+        assert calls[run[0] - 1][0] == "target" and len(calls[run[0] - 1][1]) == engine.max_k + 1  # after a verify
+        assert [len(calls[i][1]) for i in run] == [2] + [1] * (engine.max_k - 1)
+        assert [calls[i][2] for i in run] == [context] + [context + 1 + i for i in range(1, engine.max_k)]
+        first = calls[run[0]][1]
+        engine.draft.truncate(0, 0)
+        engine.draft.forward(torch.tensor(prefix), 0, 0)
+        expected = [int(engine.draft.forward(torch.tensor(first), context, 0)[-1].argmax())]
+        for i in range(1, engine.max_k - 1):
+            expected.append(int(engine.draft.forward(torch.tensor(expected[-1:]), context + 1 + i, 0)[-1].argmax()))
+        assert [calls[i][1][0] for i in run[1:]] == expected  # each fed the argmax before it
+        engine.draft.truncate(0, 0)
+
+
 @pytest.mark.parametrize("per_token_s", [0.0, 1e-2])
 def test_batched_adaptive_k_follows_the_cost_of_the_batch(pair: tuple[Path, Path], per_token_s: float) -> None:
     """Four adaptive streams in one step: where a batch costs the same whatever its tokens (a GPU far from
