@@ -205,10 +205,13 @@ static inline void panels_tt(int64_t tt, const W* w, const float* scale, const f
     }
 }
 
-// The schedule of a product over T tokens and `rows` output rows (call inside the parallel region): panels shared
-// among the team, each read from memory once for up to `tokens` tokens, R panels at a time so that R × tokens
-// accumulators and R panel columns fit the registers. tile(R, tt, p, t0) computes panels p .. p + R - 1 for tokens
-// t0 .. t0 + tt - 1 (R an std::integral_constant).
+// The schedule of a product over T tokens and `rows` output rows (call inside the parallel region; it ends in a
+// barrier): the panels split into one contiguous range a thread, of equal counts (± 1: groups of R, as a loop over
+// them would deal out, leave one thread up to R - 1 panels more, a fifth of o's and down's at one token), each panel
+// read from memory once for up to `tokens` tokens, R panels at a time so that R × tokens accumulators and R panel
+// columns fit the registers, a range's remainder in the largest smaller group. tile(R, tt, p, t0) computes panels
+// p .. p + R - 1 for tokens t0 .. t0 + tt - 1 (R an std::integral_constant). Each output is summed the same way
+// whatever group its panel is in, so the split never changes a result.
 template <bool TWICE = false, typename Tile>
 static inline void tiles(int64_t T, int64_t rows, Tile tile) {  // TWICE: two accumulators per panel and token
     const int64_t n_panels = (rows + LANES - 1) / LANES;
@@ -217,27 +220,24 @@ static inline void tiles(int64_t T, int64_t rows, Tile tile) {  // TWICE: two ac
                                  : REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : 3);
     const int R = TWICE ? (tokens == 2 ? 6 : tokens == 4 ? 3 : tokens == 6 ? 2 : 1)
                         : REGS == 32 ? (tokens == 2 ? 8 : tokens == 4 ? 6 : 3) : (tokens == 1 ? 4 : 2);
-    const int64_t groups = (n_panels + R - 1) / R;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t p0 = g * R, here = n_panels - p0 < R ? n_panels - p0 : R;
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t end = n_panels * (me + 1) / threads;
+    for (int64_t p0 = n_panels * me / threads; p0 < end; p0 += R) {
+        const int64_t here = end - p0 < R ? end - p0 : R;  // R panels, or the range's remainder
         for (int64_t t0 = 0; t0 < T; t0 += tokens) {
             const int64_t tt = T - t0 < tokens ? T - t0 : tokens;
-            for (int64_t p = p0; p < p0 + here;) {  // R panels at once; the last group's remainder one by one
-                if (here == R && R == 8) tile(std::integral_constant<int, 8>{}, tt, p, t0);
-                else if (here == R && R == 6) tile(std::integral_constant<int, 6>{}, tt, p, t0);
-                else if (here == R && R == 4) tile(std::integral_constant<int, 4>{}, tt, p, t0);
-                else if (here == R && R == 3) tile(std::integral_constant<int, 3>{}, tt, p, t0);
-                else if (here == R && R == 2) tile(std::integral_constant<int, 2>{}, tt, p, t0);
-                else {
-                    tile(std::integral_constant<int, 1>{}, tt, p, t0);
-                    ++p;
-                    continue;
-                }
-                p += R;
+            for (int64_t p = p0; p < p0 + here;) {  // the largest group the remainder fills (R, or one of 6 4 3 2 1)
+                const int64_t left = p0 + here - p;
+                if (left >= 8 && R >= 8) tile(std::integral_constant<int, 8>{}, tt, p, t0), p += 8;
+                else if (left >= 6 && R >= 6) tile(std::integral_constant<int, 6>{}, tt, p, t0), p += 6;
+                else if (left >= 4 && R >= 4) tile(std::integral_constant<int, 4>{}, tt, p, t0), p += 4;
+                else if (left >= 3 && R >= 3) tile(std::integral_constant<int, 3>{}, tt, p, t0), p += 3;
+                else if (left >= 2 && R >= 2) tile(std::integral_constant<int, 2>{}, tt, p, t0), p += 2;
+                else tile(std::integral_constant<int, 1>{}, tt, p, t0), p += 1;
             }
         }
     }
+#pragma omp barrier
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
