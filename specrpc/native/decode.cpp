@@ -522,6 +522,59 @@ static inline v16 dots16(const float* __restrict q, const float* __restrict k, i
     return reduce16(a);
 }
 
+// The lane-by-lane sums of 16 vectors in reduce16's tree: lane i of the result is the bits reduce16 gives in lane i
+// for a matrix whose row i is lane i of a[0 .. 15] (((a0+a8)+(a4+a12))+((a2+a10)+(a6+a14)))+(((a1+a9)+ ...).
+static inline v16 sum16(const v16* a) {
+    v16 b[8], c[4];
+    for (int l = 0; l < 8; ++l) b[l] = a[l] + a[l + 8];
+    for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// Rows i and i + S of a 16 × 16 matrix x (for i without bit S) exchange their elements so that bit S of the row and of
+// the lane index swap: after S = 8, 4, 2, 1 the matrix is transposed.
+template <int S>
+static inline void swap_bit(v16* x) {
+    vi16 lo, hi;  // x[i]'s new lanes from x[i]:x[i + S], and x[i + S]'s
+    for (int c = 0; c < 16; ++c) {
+        lo[c] = c & S ? 16 + c - S : c;
+        hi[c] = c & S ? 16 + c : c + S;
+    }
+    for (int i = 0; i < 16; ++i) {
+        if (i & S) continue;
+        const v16 a = x[i], b = x[i + S];
+        x[i] = __builtin_shuffle(a, b, lo);
+        x[i + S] = __builtin_shuffle(a, b, hi);
+    }
+}
+
+constexpr int64_t TRANSPOSE_FROM = 8;  // queries from which a job transposes each key block once (`scores_t`)
+
+// `dots16` for the n queries q[j] (those attending some of the positions p0 .. p0 + 15, by lo / hi) against one block
+// of 16 key rows at k (dh = 16 DC columns; rows outside [first, count) read as zeros), to the bit: the block
+// transposed once (kt[16 c + l]: column 16 c + l of the 16 rows), then each query's products as 16 vectors of partial
+// sums, a[l] over the columns l, 16 + l, ... in order (lane i what dots16's a[i] holds in lane l), summed in
+// reduce16's tree (`sum16`): no sums across lanes, and the key rows read once for all the queries.
+template <int DC>
+static inline void scores_t(const float* const* q, int64_t n, const float* __restrict k, int64_t first, int64_t count,
+                            const int64_t* lo, const int64_t* hi, int64_t p0, v16* e) {
+    constexpr int64_t dh = DC * 16;
+    v16 kt[DC * 16];
+    for (int c = 0; c < DC; ++c) {
+        v16* x = kt + 16 * c;  // rows i, columns 16 c ..
+        for (int i = 0; i < 16; ++i) x[i] = i >= first && i < count ? load16(k + i * dh + 16 * c) : v16{};
+        swap_bit<8>(x), swap_bit<4>(x), swap_bit<2>(x), swap_bit<1>(x);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        if (p0 + 16 <= lo[j] || p0 >= hi[j]) continue;
+        v16 a[16];
+        for (int l = 0; l < 16; ++l) a[l] = v16{};
+        for (int c = 0; c < DC; ++c)
+            for (int l = 0; l < 16; ++l) a[l] = fma16(splat(q[j][16 * c + l]), kt[16 * c + l], a[l]);
+        e[j] = sum16(a);
+    }
+}
+
 // Whether the 16 positions from p0 all lie in [lo, hi).
 static inline bool full_block(int64_t p0, int64_t lo, int64_t hi) { return p0 >= lo && p0 + 16 <= hi; }
 
@@ -596,10 +649,26 @@ constexpr int64_t QUERIES = 16;  // queries a job attends together: each key and
 constexpr int64_t IN_REGISTERS = 4;  // queries whose weighted sums the registers hold at once
 constexpr int64_t VALUE_TILE = 64;   // value rows a tile: 16 KB at dh = 64, read from the L1 cache by each group
 
+// acc[j] += w[j][p] v[p] for the NJ queries j and the positions p in [a, b), which each of them attends: one fused
+// multiply-add per position in order, no range checks.
+template <int NJ, int DC>
+static inline void weigh_all(const float* __restrict vh, float* const* w, v16 (&acc)[IN_REGISTERS][DC], int64_t a,
+                             int64_t b) {
+    for (int64_t p = a; p < b; ++p) {
+        const float* v = vh + p * DC * 16;
+        v16 vr[DC];
+        for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
+        for (int j = 0; j < NJ; ++j) {
+            const v16 wj = splat(w[j][p]);
+            for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
+        }
+    }
+}
+
 // out[j] (DC vectors) = sum of w[j][p] v[p] for the queries j < n over positions p in [lo_all, hi_all), each query only
 // within its own [lo[j], hi[j]): one fused multiply-add per position in order, so the same bits whatever else is
 // attended. Tiles of VALUE_TILE rows are read once from the outer caches for all n queries, IN_REGISTERS queries at a
-// time (their sums carried in `out` from tile to tile).
+// time (their sums carried in `out` from tile to tile); the positions all of them attend without range checks.
 template <int DC>
 static inline void weigh_values(const float* __restrict vh, float* const* w, float* const* out, const int64_t* lo,
                                 const int64_t* hi, int64_t n, int64_t lo_all, int64_t hi_all) {
@@ -610,16 +679,33 @@ static inline void weigh_values(const float* __restrict vh, float* const* w, flo
             const int64_t nj = n - j0 < IN_REGISTERS ? n - j0 : IN_REGISTERS;
             v16 acc[IN_REGISTERS][DC];
             for (int64_t j = 0; j < nj; ++j) std::memcpy(acc[j], out[j0 + j], sizeof acc[j]);
-            for (int64_t p = p0; p < p1; ++p) {
-                const float* v = vh + p * DC * 16;
-                v16 vr[DC];
-                for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
-                for (int j = 0; j < IN_REGISTERS; ++j) {
-                    if (j >= nj || p < lo[j0 + j] || p >= hi[j0 + j]) continue;
-                    const v16 wj = splat(w[j0 + j][p]);
-                    for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
-                }
+            int64_t a = p0, b = p1;  // [a, b): the positions of the tile every query of the group attends
+            for (int64_t j = j0; j < j0 + nj; ++j) {
+                a = lo[j] > a ? lo[j] : a;
+                b = hi[j] < b ? hi[j] : b;
             }
+            if (a >= b) a = b = p1;
+            auto checked = [&](int64_t from, int64_t to) {  // positions some query of the group may not attend
+                for (int64_t p = from; p < to; ++p) {
+                    const float* v = vh + p * DC * 16;
+                    v16 vr[DC];
+                    for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
+                    for (int j = 0; j < IN_REGISTERS; ++j) {
+                        if (j >= nj || p < lo[j0 + j] || p >= hi[j0 + j]) continue;
+                        const v16 wj = splat(w[j0 + j][p]);
+                        for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
+                    }
+                }
+            };
+            checked(p0, a);
+            static_assert(IN_REGISTERS == 4, "weigh_all's cases");
+            switch (nj) {
+                case 4: weigh_all<4>(vh, w + j0, acc, a, b); break;
+                case 3: weigh_all<3>(vh, w + j0, acc, a, b); break;
+                case 2: weigh_all<2>(vh, w + j0, acc, a, b); break;
+                default: weigh_all<1>(vh, w + j0, acc, a, b); break;
+            }
+            checked(b, p1);
             for (int64_t j = 0; j < nj; ++j) std::memcpy(out[j0 + j], acc[j], sizeof acc[j]);
         }
     }
@@ -653,12 +739,17 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
         lo_all = lo[j] < lo_all ? lo[j] : lo_all;
         hi_all = hi[j] > hi_all ? hi[j] : hi_all;
     }
+    const bool transposed = n >= TRANSPOSE_FROM && (dh == 64 || dh == 128);  // the same bits as dots16, sooner
     for (int64_t p0 = lo_all / 16 * 16; p0 < hi_all; p0 += 16) {  // scores, 16 key rows at a time for all queries
         const int64_t first = lo_all - p0 > 0 ? lo_all - p0 : 0, count = hi_all - p0 < 16 ? hi_all - p0 : 16;
+        v16 dots[QUERIES];
+        if (transposed && dh == 64) scores_t<4>(q, n, kh + p0 * dh, first, count, lo, hi, p0, dots);
+        else if (transposed) scores_t<8>(q, n, kh + p0 * dh, first, count, lo, hi, p0, dots);
         for (int64_t j = 0; j < n; ++j) {
             if (p0 + 16 <= lo[j] || p0 >= hi[j]) continue;
-            const v16 e = (first == 0 && count == 16 ? dots16<true>(q[j], kh + p0 * dh, dh, 0, 16)
-                                                     : dots16<false>(q[j], kh + p0 * dh, dh, first, count)) *
+            const v16 e = (transposed                     ? dots[j]
+                           : first == 0 && count == 16 ? dots16<true>(q[j], kh + p0 * dh, dh, 0, 16)
+                                                       : dots16<false>(q[j], kh + p0 * dh, dh, first, count)) *
                           splat(scale);
             if (full_block(p0, lo[j], hi[j])) std::memcpy(sc[j] + p0, &e, sizeof e);  // (first = 0, count = 16)
             else edge_store(sc[j], p0, lo[j], hi[j], e);
