@@ -711,16 +711,16 @@ static inline void weigh_values(const float* __restrict vh, float* const* w, flo
     }
 }
 
-// Queries `chunk` * QUERIES .. of the row of tokens t0 .. t1 - 1 (one slot, consecutive positions) on KV head g of
+// Share `chunk` of `chunks` (equal ± 1, at most QUERIES) of the queries of the row of tokens t0 .. t1 - 1 (one slot, consecutive positions) on KV head g of
 // layer l: query j is token t0 + j / rep's head g * rep + j % rep (the heads sharing g). Each query attends causally
 // to its slot's positions up to its own (within the layer's window) exactly as it would alone: its scores, softmax and
 // weighted sum of values are formed in the same order whatever else is attended in the same pass.
 // quantized: each query's output also quantized for the o product (`quantize_cols`; dh a multiple of QBLOCK).
 static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos_of, const int64_t* slot_of, int64_t t0,
-                   int64_t t1, int64_t g, int64_t chunk, float scale, bool quantized) {
+                   int64_t t1, int64_t g, int64_t chunk, int64_t chunks, float scale, bool quantized) {
     const int64_t hq = m->hq, hkv = m->hkv, dh = m->dh, cap = m->capacity, rep = hq / hkv;
     const int64_t nqkv = (hq + 2 * hkv) * dh;
-    const int64_t first = chunk * QUERIES, last = (t1 - t0) * rep < first + QUERIES ? (t1 - t0) * rep : first + QUERIES;
+    const int64_t first = (t1 - t0) * rep * chunk / chunks, last = (t1 - t0) * rep * (chunk + 1) / chunks;
     if (first >= last) return;
     const int64_t n = last - first;
     const float* kh = m->k_cache + (((l * m->slots + slot_of[t0]) * hkv) + g) * cap * dh;  // [cap, dh]
@@ -802,7 +802,13 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
     for (int64_t r = 0; r < n_rows; ++r) row_end[r] = r + 1 < n_rows ? row_start[r + 1] : T;
     int64_t longest = 0;
     for (int64_t r = 0; r < n_rows; ++r) longest = row_end[r] - row_start[r] > longest ? row_end[r] - row_start[r] : longest;
-    const int64_t chunks = (longest * rep + QUERIES - 1) / QUERIES, n_jobs = n_rows * hkv * chunks;
+    // attention's jobs: a row's queries on one KV head in equal shares of at most QUERIES, and at least one job a
+    // thread (a draft's one KV head at one token: 4 queries, in 2 jobs for 2 threads rather than 1); each query is
+    // attended the same way in any share
+    int64_t chunks = (longest * rep + QUERIES - 1) / QUERIES;
+    if (n_rows * hkv * chunks < threads) chunks = (threads + n_rows * hkv - 1) / (n_rows * hkv);
+    if (chunks > longest * rep) chunks = longest * rep;
+    const int64_t n_jobs = n_rows * hkv * chunks;
     const int64_t silu_pieces = (ffn + SILU_COLUMNS - 1) / SILU_COLUMNS;  // per token
 #pragma omp parallel num_threads(threads)
     {
@@ -832,9 +838,9 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
                 }
             }
 #pragma omp for schedule(dynamic)
-            for (int64_t job = 0; job < n_jobs; ++job)  // a row's queries on one KV head, QUERIES at a time
+            for (int64_t job = 0; job < n_jobs; ++job)  // a share of a row's queries on one KV head
                 attend(m, L, l, pos_of, slot_of, row_start[job / (hkv * chunks)], row_end[job / (hkv * chunks)],
-                       job / chunks % hkv, job % chunks, scale, quantizes(o) && dh % QBLOCK == 0);
+                       job / chunks % hkv, job % chunks, chunks, scale, quantizes(o) && dh % QBLOCK == 0);
             if (quantizes(o) && dh % QBLOCK != 0) {  // a head's output ends inside a block: the whole rows after it
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < T; ++t) quantize_cols(m, m->att + t * hq * dh, hq * dh, t, 0, hq * dh);
