@@ -61,6 +61,7 @@ CASES: dict[str, tuple[type[PreTrainedModel], PreTrainedConfig]] = {
     "dynamic-rope": (LlamaForCausalLM, LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                             "rope_theta": 10000.0})),
     "mistral-window": (MistralForCausalLM, MistralConfig(**TINY, sliding_window=6)),
+    "mistral-head-dim-64-window": (MistralForCausalLM, MistralConfig(**TINY, head_dim=64, sliding_window=6)),
     "qwen2-bias": (Qwen2ForCausalLM, Qwen2Config(**{**TINY, "num_key_value_heads": 1})),
     "qwen2-window": (Qwen2ForCausalLM, Qwen2Config(**TINY, use_sliding_window=True, sliding_window=5,
                                                    max_window_layers=1)),
@@ -501,11 +502,12 @@ def test_native_batch_gives_each_rows_solo_logits_bit_for_bit(case: str, tmp_pat
         assert torch.equal(batched.forward(nxt, batched.length(slot), slot), solo.forward(nxt, solo.length(slot), slot))
 
 
-@pytest.mark.parametrize("case", ["llama-untied-mha-bias", "qwen3-head-dim-bias-window"])
+@pytest.mark.parametrize("case", ["llama-untied-mha-bias", "qwen3-head-dim-bias-window", "mistral-head-dim-64-window"])
 def test_native_verify_gives_a_tokens_decode_logits_bit_for_bit(case: str, tmp_path: Path) -> None:
     """Through the native step a token's logits are the same bits decoded alone or verified among others (each
-    weight row meets every token through the same dot product), so greedy speculation equals greedy decoding
-    exactly; ids out of range are refused before anything is written."""
+    weight row meets every token through the same dot product, and head_dim 64 attention's scores the same sums
+    from transposed key blocks in a verify as across lanes alone, blocks a window cuts included), so greedy
+    speculation equals greedy decoding exactly; ids out of range are refused before anything is written."""
     cls, config = CASES[case]
     path, _ = save(tmp_path, cls, config)
     requires_native()

@@ -153,13 +153,13 @@ struct Weight {
     const float* scale;
 };
 
-// R panels (rows n0 ..) × TT tokens (activation rows x, stride `cols`): acc[r][t] accumulates W[row, k] x[t, k] over
+// R panels (rows n0 ..) × TT tokens (activation rows x, stride ldx >= cols): acc[r][t] accumulates W[row, k] x[t, k] over
 // k = 0 .. cols - 1 in that order, one fused multiply-add each, so a token's outputs are the same bits whatever
 // shares the forward with it. Each panel column is loaded once for all TT tokens.
 template <int R, int TT, int PF, typename W>
 static inline void panels(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
-                          const float* __restrict x, float* __restrict y, int64_t rows, int64_t cols, int64_t n0,
-                          bool add, int64_t ahead) {
+                          const float* __restrict x, int64_t ldx, float* __restrict y, int64_t rows, int64_t cols,
+                          int64_t n0, bool add, int64_t ahead) {
     constexpr int64_t every = 64 / (LANES * sizeof(W));  // columns per cache line of a panel
     v16 acc[R][TT];
     for (int r = 0; r < R; ++r)
@@ -172,7 +172,7 @@ static inline void panels(const W* __restrict w, const float* __restrict scale, 
             wr[r] = load16(col);
         }
         for (int t = 0; t < TT; ++t) {
-            const v16 xb = splat(x[t * cols + k]);
+            const v16 xb = splat(x[t * ldx + k]);
             for (int r = 0; r < R; ++r) acc[r][t] = fma16(wr[r], xb, acc[r][t]);
         }
     }
@@ -192,12 +192,12 @@ static inline void panels(const W* __restrict w, const float* __restrict scale, 
 
 // `panels` for R panels and tt (1..8) tokens, tt chosen at run time.
 template <int R, int PF, typename W>
-static inline void panels_tt(int64_t tt, const W* w, const float* scale, const float* b, const float* x, float* y,
-                             int64_t rows, int64_t cols, int64_t n0, bool add, int64_t ahead) {
+static inline void panels_tt(int64_t tt, const W* w, const float* scale, const float* b, const float* x, int64_t ldx,
+                             float* y, int64_t rows, int64_t cols, int64_t n0, bool add, int64_t ahead) {
     switch (tt) {
 #define SPECRPC_TT(N) \
     case N: \
-        if constexpr (R * N + R <= REGS) panels<R, N, PF>(w, scale, b, x, y, rows, cols, n0, add, ahead); \
+        if constexpr (R * N + R <= REGS) panels<R, N, PF>(w, scale, b, x, ldx, y, rows, cols, n0, add, ahead); \
         else __builtin_trap(); /* gemm_rows never asks for more than the registers hold */ \
         return;
         SPECRPC_TT(1) SPECRPC_TT(2) SPECRPC_TT(3) SPECRPC_TT(4) SPECRPC_TT(5) SPECRPC_TT(6) SPECRPC_TT(7) SPECRPC_TT(8)
@@ -205,10 +205,13 @@ static inline void panels_tt(int64_t tt, const W* w, const float* scale, const f
     }
 }
 
-// The schedule of a product over T tokens and `rows` output rows (call inside the parallel region): panels shared
-// among the team, each read from memory once for up to `tokens` tokens, R panels at a time so that R × tokens
-// accumulators and R panel columns fit the registers. tile(R, tt, p, t0) computes panels p .. p + R - 1 for tokens
-// t0 .. t0 + tt - 1 (R an std::integral_constant).
+// The schedule of a product over T tokens and `rows` output rows (call inside the parallel region; it ends in a
+// barrier): the panels split into one contiguous range a thread, of equal counts (± 1: groups of R, as a loop over
+// them would deal out, leave one thread up to R - 1 panels more, a fifth of o's and down's at one token), each panel
+// read from memory once for up to `tokens` tokens, R panels at a time so that R × tokens accumulators and R panel
+// columns fit the registers, a range's remainder in the largest smaller group. tile(R, tt, p, t0) computes panels
+// p .. p + R - 1 for tokens t0 .. t0 + tt - 1 (R an std::integral_constant). Each output is summed the same way
+// whatever group its panel is in, so the split never changes a result.
 template <bool TWICE = false, typename Tile>
 static inline void tiles(int64_t T, int64_t rows, Tile tile) {  // TWICE: two accumulators per panel and token
     const int64_t n_panels = (rows + LANES - 1) / LANES;
@@ -217,30 +220,28 @@ static inline void tiles(int64_t T, int64_t rows, Tile tile) {  // TWICE: two ac
                                  : REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : 3);
     const int R = TWICE ? (tokens == 2 ? 6 : tokens == 4 ? 3 : tokens == 6 ? 2 : 1)
                         : REGS == 32 ? (tokens == 2 ? 8 : tokens == 4 ? 6 : 3) : (tokens == 1 ? 4 : 2);
-    const int64_t groups = (n_panels + R - 1) / R;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t p0 = g * R, here = n_panels - p0 < R ? n_panels - p0 : R;
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t end = n_panels * (me + 1) / threads;
+    for (int64_t p0 = n_panels * me / threads; p0 < end; p0 += R) {
+        const int64_t here = end - p0 < R ? end - p0 : R;  // R panels, or the range's remainder
         for (int64_t t0 = 0; t0 < T; t0 += tokens) {
             const int64_t tt = T - t0 < tokens ? T - t0 : tokens;
-            for (int64_t p = p0; p < p0 + here;) {  // R panels at once; the last group's remainder one by one
-                if (here == R && R == 8) tile(std::integral_constant<int, 8>{}, tt, p, t0);
-                else if (here == R && R == 6) tile(std::integral_constant<int, 6>{}, tt, p, t0);
-                else if (here == R && R == 4) tile(std::integral_constant<int, 4>{}, tt, p, t0);
-                else if (here == R && R == 3) tile(std::integral_constant<int, 3>{}, tt, p, t0);
-                else if (here == R && R == 2) tile(std::integral_constant<int, 2>{}, tt, p, t0);
-                else {
-                    tile(std::integral_constant<int, 1>{}, tt, p, t0);
-                    ++p;
-                    continue;
-                }
-                p += R;
+            for (int64_t p = p0; p < p0 + here;) {  // the largest group the remainder fills (R, or one of 6 4 3 2 1)
+                const int64_t left = p0 + here - p;
+                if (left >= 8 && R >= 8) tile(std::integral_constant<int, 8>{}, tt, p, t0), p += 8;
+                else if (left >= 6 && R >= 6) tile(std::integral_constant<int, 6>{}, tt, p, t0), p += 6;
+                else if (left >= 4 && R >= 4) tile(std::integral_constant<int, 4>{}, tt, p, t0), p += 4;
+                else if (left >= 3 && R >= 3) tile(std::integral_constant<int, 3>{}, tt, p, t0), p += 3;
+                else if (left >= 2 && R >= 2) tile(std::integral_constant<int, 2>{}, tt, p, t0), p += 2;
+                else tile(std::integral_constant<int, 1>{}, tt, p, t0), p += 1;
             }
         }
     }
+#pragma omp barrier
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
+constexpr bool VNNI = true;
 constexpr int INT8_GROUP = 4;  // int8 products multiply int8 activations (VNNI): weights in groups of 4 columns
 constexpr int64_t QBLOCK = 32;  // activation columns per quantization scale, as llama.cpp's q8_0 (two vectors)
 
@@ -337,13 +338,12 @@ static inline void panels_q_tt(int64_t tt, const uint8_t* w, const float* scale,
     }
 }
 
-// y = x W^T for int8 W through VNNI (`panels_q`), its T activation rows quantized first (`quantize`).
+// y = x W^T for int8 W through VNNI (`panels_q`), its T activation rows already quantized into the model's xq / xs /
+// xsum by the loop that produced them (`quantize_cols`).
 template <int PF>
-static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, const float* __restrict x,
-                          float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
+static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, float* __restrict y, int64_t T,
+                          int64_t rows, int64_t cols, bool add) {
     const int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, groups = kq / INT8_GROUP, nb = kq / QBLOCK;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) quantize(x + t * cols, cols, m->xq + t * kq, m->xs + t * nb, m->xsum + t * nb, kq);
     const uint8_t* q = static_cast<const uint8_t*>(w.w);
     tiles<true>(T, rows, [&](auto r, int64_t tt, int64_t p, int64_t t0) {
         panels_q_tt<decltype(r)::value, PF>(tt, q + p * groups * LANES * INT8_GROUP, w.scale, b,
@@ -352,42 +352,63 @@ static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, c
     });
 }
 #else
+constexpr bool VNNI = false;
 constexpr int INT8_GROUP = 1;  // int8 weights widened to float in registers, one column at a time
 constexpr int64_t QBLOCK = 1;  // no activation blocks: activations stay float
 #endif
 
-// y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] (· scale[n]) + b[n] for t < T (call inside the parallel region).
+// Whether a product with weight w multiplies int8 activations (int8 weights, VNNI): then the loop that produces its
+// activations also quantizes them (`quantize_cols`), each token's where it is written, so that no loop of the
+// product's own (and no barrier) comes between.
+static inline bool quantizes(Weight w) { return VNNI && w.scale != nullptr; }
+
+// Columns c0 .. c0 + n - 1 of token t's activations x (x points at column c0) for a product of `cols` columns into the
+// model's xq / xs / xsum (`quantize`): c0 a multiple of QBLOCK, and n one too unless the columns reach the row's end.
+static inline void quantize_cols(const Model* m, const float* x, int64_t cols, int64_t t, int64_t c0, int64_t n) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    const int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, nb = kq / QBLOCK;
+    quantize(x, n, m->xq + t * kq + c0, m->xs + t * nb + c0 / QBLOCK, m->xsum + t * nb + c0 / QBLOCK,
+             (n + QBLOCK - 1) / QBLOCK * QBLOCK);
+#else
+    (void)m, (void)x, (void)cols, (void)t, (void)c0, (void)n;  // never called: `quantizes` is false
+#endif
+}
+
+// y[t, n] = (add ? y[t, n] : 0) + W[n, :] x[t, :] (· scale[n]) + b[n] for t < T (call inside the parallel region);
+// x's rows ldx floats apart.
 template <int PF, typename W>
 static inline void gemm_rows(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
-                             const float* __restrict x, float* __restrict y, int64_t T, int64_t rows, int64_t cols,
-                             bool add, int64_t ahead) {
+                             const float* __restrict x, int64_t ldx, float* __restrict y, int64_t T, int64_t rows,
+                             int64_t cols, bool add, int64_t ahead) {
     tiles(T, rows, [&](auto r, int64_t tt, int64_t p, int64_t t0) {
-        panels_tt<decltype(r)::value, PF>(tt, w + p * cols * LANES, scale, b, x + t0 * cols, y + t0 * rows, rows,
+        panels_tt<decltype(r)::value, PF>(tt, w + p * cols * LANES, scale, b, x + t0 * ldx, ldx, y + t0 * rows, rows,
                                           cols, p * LANES, add, ahead);
     });
 }
 
 template <int PF>
-static inline void gemm_pf(const Model* m, Weight w, const float* __restrict b, const float* __restrict x,
+static inline void gemm_pf(const Model* m, Weight w, const float* __restrict b, const float* __restrict x, int64_t ldx,
                            float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
     if (w.scale) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-        gemm_q<PF>(m, w, b, x, y, T, rows, cols, add);
+        (void)x, (void)ldx;  // the activations were quantized where they were written (`quantizes`)
+        gemm_q<PF>(m, w, b, y, T, rows, cols, add);
 #else
-        gemm_rows<PF>(static_cast<const int8_t*>(w.w), w.scale, b, x, y, T, rows, cols, add, prefetch_ahead(m));
+        gemm_rows<PF>(static_cast<const int8_t*>(w.w), w.scale, b, x, ldx, y, T, rows, cols, add, prefetch_ahead(m));
 #endif
     } else {
-        gemm_rows<PF>(static_cast<const float*>(w.w), nullptr, b, x, y, T, rows, cols, add, prefetch_ahead(m));
+        gemm_rows<PF>(static_cast<const float*>(w.w), nullptr, b, x, ldx, y, T, rows, cols, add, prefetch_ahead(m));
     }
 }
 
-// A product through the model's prefetch mode (`Prefetch`; an unknown value prefetches nothing).
-static inline void gemm(const Model* m, Weight w, const float* __restrict b, const float* __restrict x,
+// A product through the model's prefetch mode (`Prefetch`; an unknown value prefetches nothing): y [T, rows] from the
+// activations x [T, cols] (rows ldx floats apart), or from their quantized copy where `quantizes(w)`.
+static inline void gemm(const Model* m, Weight w, const float* __restrict b, const float* __restrict x, int64_t ldx,
                         float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
     switch (m->prefetch) {
-        case NON_TEMPORAL: return gemm_pf<NON_TEMPORAL>(m, w, b, x, y, T, rows, cols, add);
-        case TEMPORAL: return gemm_pf<TEMPORAL>(m, w, b, x, y, T, rows, cols, add);
-        default: return gemm_pf<NONE>(m, w, b, x, y, T, rows, cols, add);
+        case NON_TEMPORAL: return gemm_pf<NON_TEMPORAL>(m, w, b, x, ldx, y, T, rows, cols, add);
+        case TEMPORAL: return gemm_pf<TEMPORAL>(m, w, b, x, ldx, y, T, rows, cols, add);
+        default: return gemm_pf<NONE>(m, w, b, x, ldx, y, T, rows, cols, add);
     }
 }
 
@@ -428,6 +449,29 @@ static inline v16 exp16(v16 x) {
     v16 scale;
     std::memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+// silu(g) u lane by lane: g sigmoid(g), the sigmoid from exp(-|g|) (`exp16`, an argument <= 0), 1 / (1 + e) for g >= 0
+// and e / (1 + e) below.
+static inline v16 silu16(v16 g, v16 u) {
+    const v16 one = splat(1.0f), e = exp16(g < v16{} ? g : -g);
+    return g * ((g < v16{} ? e : one) / (one + e)) * u;
+}
+
+// The gated SiLU of columns i0 .. i0 + n - 1 (n <= 16) of a token's up row [2 ffn] (gate, then up), in place over the
+// gate half: row[i] = silu(row[i]) row[ffn + i]. A partial vector is padded, so a column's value is the same bits in
+// any group.
+static inline void silu_gate(float* row, int64_t ffn, int64_t i0, int64_t n) {
+    if (n == 16) {
+        const v16 y = silu16(load16(row + i0), load16(row + ffn + i0));
+        std::memcpy(row + i0, &y, sizeof y);
+        return;
+    }
+    float g[16] = {}, u[16] = {};
+    std::memcpy(g, row + i0, n * sizeof(float));
+    std::memcpy(u, row + ffn + i0, n * sizeof(float));
+    const v16 y = silu16(load16(g), load16(u));
+    std::memcpy(row + i0, &y, n * sizeof(float));
 }
 
 // Lane i of the result = the sum of a[i]'s 16 lanes, in one fixed tree for every i:
@@ -476,6 +520,59 @@ static inline v16 dots16(const float* __restrict q, const float* __restrict k, i
         }
     }
     return reduce16(a);
+}
+
+// The lane-by-lane sums of 16 vectors in reduce16's tree: lane i of the result is the bits reduce16 gives in lane i
+// for a matrix whose row i is lane i of a[0 .. 15] (((a0+a8)+(a4+a12))+((a2+a10)+(a6+a14)))+(((a1+a9)+ ...).
+static inline v16 sum16(const v16* a) {
+    v16 b[8], c[4];
+    for (int l = 0; l < 8; ++l) b[l] = a[l] + a[l + 8];
+    for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// Rows i and i + S of a 16 × 16 matrix x (for i without bit S) exchange their elements so that bit S of the row and of
+// the lane index swap: after S = 8, 4, 2, 1 the matrix is transposed.
+template <int S>
+static inline void swap_bit(v16* x) {
+    vi16 lo, hi;  // x[i]'s new lanes from x[i]:x[i + S], and x[i + S]'s
+    for (int c = 0; c < 16; ++c) {
+        lo[c] = c & S ? 16 + c - S : c;
+        hi[c] = c & S ? 16 + c : c + S;
+    }
+    for (int i = 0; i < 16; ++i) {
+        if (i & S) continue;
+        const v16 a = x[i], b = x[i + S];
+        x[i] = __builtin_shuffle(a, b, lo);
+        x[i + S] = __builtin_shuffle(a, b, hi);
+    }
+}
+
+constexpr int64_t TRANSPOSE_FROM = 8;  // queries from which a job transposes each key block once (`scores_t`)
+
+// `dots16` for the n queries q[j] (those attending some of the positions p0 .. p0 + 15, by lo / hi) against one block
+// of 16 key rows at k (dh = 16 DC columns; rows outside [first, count) read as zeros), to the bit: the block
+// transposed once (kt[16 c + l]: column 16 c + l of the 16 rows), then each query's products as 16 vectors of partial
+// sums, a[l] over the columns l, 16 + l, ... in order (lane i what dots16's a[i] holds in lane l), summed in
+// reduce16's tree (`sum16`): no sums across lanes, and the key rows read once for all the queries.
+template <int DC>
+static inline void scores_t(const float* const* q, int64_t n, const float* __restrict k, int64_t first, int64_t count,
+                            const int64_t* lo, const int64_t* hi, int64_t p0, v16* e) {
+    constexpr int64_t dh = DC * 16;
+    v16 kt[DC * 16];
+    for (int c = 0; c < DC; ++c) {
+        v16* x = kt + 16 * c;  // rows i, columns 16 c ..
+        for (int i = 0; i < 16; ++i) x[i] = i >= first && i < count ? load16(k + i * dh + 16 * c) : v16{};
+        swap_bit<8>(x), swap_bit<4>(x), swap_bit<2>(x), swap_bit<1>(x);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        if (p0 + 16 <= lo[j] || p0 >= hi[j]) continue;
+        v16 a[16];
+        for (int l = 0; l < 16; ++l) a[l] = v16{};
+        for (int c = 0; c < DC; ++c)
+            for (int l = 0; l < 16; ++l) a[l] = fma16(splat(q[j][16 * c + l]), kt[16 * c + l], a[l]);
+        e[j] = sum16(a);
+    }
 }
 
 // Whether the 16 positions from p0 all lie in [lo, hi).
@@ -552,10 +649,26 @@ constexpr int64_t QUERIES = 16;  // queries a job attends together: each key and
 constexpr int64_t IN_REGISTERS = 4;  // queries whose weighted sums the registers hold at once
 constexpr int64_t VALUE_TILE = 64;   // value rows a tile: 16 KB at dh = 64, read from the L1 cache by each group
 
+// acc[j] += w[j][p] v[p] for the NJ queries j and the positions p in [a, b), which each of them attends: one fused
+// multiply-add per position in order, no range checks.
+template <int NJ, int DC>
+static inline void weigh_all(const float* __restrict vh, float* const* w, v16 (&acc)[IN_REGISTERS][DC], int64_t a,
+                             int64_t b) {
+    for (int64_t p = a; p < b; ++p) {
+        const float* v = vh + p * DC * 16;
+        v16 vr[DC];
+        for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
+        for (int j = 0; j < NJ; ++j) {
+            const v16 wj = splat(w[j][p]);
+            for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
+        }
+    }
+}
+
 // out[j] (DC vectors) = sum of w[j][p] v[p] for the queries j < n over positions p in [lo_all, hi_all), each query only
 // within its own [lo[j], hi[j]): one fused multiply-add per position in order, so the same bits whatever else is
 // attended. Tiles of VALUE_TILE rows are read once from the outer caches for all n queries, IN_REGISTERS queries at a
-// time (their sums carried in `out` from tile to tile).
+// time (their sums carried in `out` from tile to tile); the positions all of them attend without range checks.
 template <int DC>
 static inline void weigh_values(const float* __restrict vh, float* const* w, float* const* out, const int64_t* lo,
                                 const int64_t* hi, int64_t n, int64_t lo_all, int64_t hi_all) {
@@ -566,30 +679,48 @@ static inline void weigh_values(const float* __restrict vh, float* const* w, flo
             const int64_t nj = n - j0 < IN_REGISTERS ? n - j0 : IN_REGISTERS;
             v16 acc[IN_REGISTERS][DC];
             for (int64_t j = 0; j < nj; ++j) std::memcpy(acc[j], out[j0 + j], sizeof acc[j]);
-            for (int64_t p = p0; p < p1; ++p) {
-                const float* v = vh + p * DC * 16;
-                v16 vr[DC];
-                for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
-                for (int j = 0; j < IN_REGISTERS; ++j) {
-                    if (j >= nj || p < lo[j0 + j] || p >= hi[j0 + j]) continue;
-                    const v16 wj = splat(w[j0 + j][p]);
-                    for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
-                }
+            int64_t a = p0, b = p1;  // [a, b): the positions of the tile every query of the group attends
+            for (int64_t j = j0; j < j0 + nj; ++j) {
+                a = lo[j] > a ? lo[j] : a;
+                b = hi[j] < b ? hi[j] : b;
             }
+            if (a >= b) a = b = p1;
+            auto checked = [&](int64_t from, int64_t to) {  // positions some query of the group may not attend
+                for (int64_t p = from; p < to; ++p) {
+                    const float* v = vh + p * DC * 16;
+                    v16 vr[DC];
+                    for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
+                    for (int j = 0; j < IN_REGISTERS; ++j) {
+                        if (j >= nj || p < lo[j0 + j] || p >= hi[j0 + j]) continue;
+                        const v16 wj = splat(w[j0 + j][p]);
+                        for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
+                    }
+                }
+            };
+            checked(p0, a);
+            static_assert(IN_REGISTERS == 4, "weigh_all's cases");
+            switch (nj) {
+                case 4: weigh_all<4>(vh, w + j0, acc, a, b); break;
+                case 3: weigh_all<3>(vh, w + j0, acc, a, b); break;
+                case 2: weigh_all<2>(vh, w + j0, acc, a, b); break;
+                default: weigh_all<1>(vh, w + j0, acc, a, b); break;
+            }
+            checked(b, p1);
             for (int64_t j = 0; j < nj; ++j) std::memcpy(out[j0 + j], acc[j], sizeof acc[j]);
         }
     }
 }
 
-// Queries `chunk` * QUERIES .. of the row of tokens t0 .. t1 - 1 (one slot, consecutive positions) on KV head g of
+// Share `chunk` of `chunks` (equal ± 1, at most QUERIES) of the queries of the row of tokens t0 .. t1 - 1 (one slot, consecutive positions) on KV head g of
 // layer l: query j is token t0 + j / rep's head g * rep + j % rep (the heads sharing g). Each query attends causally
 // to its slot's positions up to its own (within the layer's window) exactly as it would alone: its scores, softmax and
 // weighted sum of values are formed in the same order whatever else is attended in the same pass.
+// quantized: each query's output also quantized for the o product (`quantize_cols`; dh a multiple of QBLOCK).
 static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos_of, const int64_t* slot_of, int64_t t0,
-                   int64_t t1, int64_t g, int64_t chunk, float scale) {
+                   int64_t t1, int64_t g, int64_t chunk, int64_t chunks, float scale, bool quantized) {
     const int64_t hq = m->hq, hkv = m->hkv, dh = m->dh, cap = m->capacity, rep = hq / hkv;
     const int64_t nqkv = (hq + 2 * hkv) * dh;
-    const int64_t first = chunk * QUERIES, last = (t1 - t0) * rep < first + QUERIES ? (t1 - t0) * rep : first + QUERIES;
+    const int64_t first = (t1 - t0) * rep * chunk / chunks, last = (t1 - t0) * rep * (chunk + 1) / chunks;
     if (first >= last) return;
     const int64_t n = last - first;
     const float* kh = m->k_cache + (((l * m->slots + slot_of[t0]) * hkv) + g) * cap * dh;  // [cap, dh]
@@ -608,35 +739,45 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
         lo_all = lo[j] < lo_all ? lo[j] : lo_all;
         hi_all = hi[j] > hi_all ? hi[j] : hi_all;
     }
+    const bool transposed = n >= TRANSPOSE_FROM && (dh == 64 || dh == 128);  // the same bits as dots16, sooner
     for (int64_t p0 = lo_all / 16 * 16; p0 < hi_all; p0 += 16) {  // scores, 16 key rows at a time for all queries
         const int64_t first = lo_all - p0 > 0 ? lo_all - p0 : 0, count = hi_all - p0 < 16 ? hi_all - p0 : 16;
+        v16 dots[QUERIES];
+        if (transposed && dh == 64) scores_t<4>(q, n, kh + p0 * dh, first, count, lo, hi, p0, dots);
+        else if (transposed) scores_t<8>(q, n, kh + p0 * dh, first, count, lo, hi, p0, dots);
         for (int64_t j = 0; j < n; ++j) {
             if (p0 + 16 <= lo[j] || p0 >= hi[j]) continue;
-            const v16 e = (first == 0 && count == 16 ? dots16<true>(q[j], kh + p0 * dh, dh, 0, 16)
-                                                     : dots16<false>(q[j], kh + p0 * dh, dh, first, count)) *
+            const v16 e = (transposed                     ? dots[j]
+                           : first == 0 && count == 16 ? dots16<true>(q[j], kh + p0 * dh, dh, 0, 16)
+                                                       : dots16<false>(q[j], kh + p0 * dh, dh, first, count)) *
                           splat(scale);
             if (full_block(p0, lo[j], hi[j])) std::memcpy(sc[j] + p0, &e, sizeof e);  // (first = 0, count = 16)
             else edge_store(sc[j], p0, lo[j], hi[j], e);
         }
     }
     for (int64_t j = 0; j < n; ++j) softmax(sc[j], lo[j], hi[j]);
-    switch (dh) {  // weighted values: each value row once for all the queries
-        case 64: return weigh_values<4>(vh, sc, out, lo, hi, n, lo_all, hi_all);
-        case 128: return weigh_values<8>(vh, sc, out, lo, hi, n, lo_all, hi_all);
-        default: break;
-    }
-    for (int64_t j = 0; j < n; ++j)
-        for (int64_t i = 0; i < dh; ++i) out[j][i] = 0.0f;
-    for (int64_t p = lo_all; p < hi_all; ++p) {
-        const float* v = vh + p * dh;
-        for (int64_t j = 0; j < n; ++j) {
-            if (p < lo[j] || p >= hi[j]) continue;
-            const float w = sc[j][p];
-            float* o = out[j];
-            for (int64_t i = 0; i < dh; ++i) o[i] = std::fma(w, v[i], o[i]);
+    if (dh == 64) weigh_values<4>(vh, sc, out, lo, hi, n, lo_all, hi_all);  // each value row once for all the queries
+    else if (dh == 128) weigh_values<8>(vh, sc, out, lo, hi, n, lo_all, hi_all);
+    else {
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t i = 0; i < dh; ++i) out[j][i] = 0.0f;
+        for (int64_t p = lo_all; p < hi_all; ++p) {
+            const float* v = vh + p * dh;
+            for (int64_t j = 0; j < n; ++j) {
+                if (p < lo[j] || p >= hi[j]) continue;
+                const float w = sc[j][p];
+                float* o = out[j];
+                for (int64_t i = 0; i < dh; ++i) o[i] = std::fma(w, v[i], o[i]);
+            }
         }
     }
+    if (quantized)
+        for (int64_t j = 0; j < n; ++j)
+            quantize_cols(m, out[j], hq * dh, t0 + (first + j) / rep, (g * rep + (first + j) % rep) * dh, dh);
 }
+
+constexpr int64_t SILU_COLUMNS = 64;  // a token's gate columns one job of the SiLU loop takes: whole vectors and blocks
+static_assert(SILU_COLUMNS % 16 == 0 && SILU_COLUMNS % QBLOCK == 0, "a SiLU piece is whole vectors and blocks");
 
 // The T tokens `tokens`, token t at position pos[t] of KV slot slot[t] (a batch of rows: each row consecutive
 // positions of its own slot, the slots distinct): writes their K/V there first, then each token attends causally to
@@ -661,14 +802,25 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
     for (int64_t r = 0; r < n_rows; ++r) row_end[r] = r + 1 < n_rows ? row_start[r + 1] : T;
     int64_t longest = 0;
     for (int64_t r = 0; r < n_rows; ++r) longest = row_end[r] - row_start[r] > longest ? row_end[r] - row_start[r] : longest;
-    const int64_t chunks = (longest * rep + QUERIES - 1) / QUERIES, n_jobs = n_rows * hkv * chunks;
+    // attention's jobs: a row's queries on one KV head in equal shares of at most QUERIES, and at least one job a
+    // thread (a draft's one KV head at one token: 4 queries, in 2 jobs for 2 threads rather than 1); each query is
+    // attended the same way in any share
+    int64_t chunks = (longest * rep + QUERIES - 1) / QUERIES;
+    if (n_rows * hkv * chunks < threads) chunks = (threads + n_rows * hkv - 1) / (n_rows * hkv);
+    if (chunks > longest * rep) chunks = longest * rep;
+    const int64_t n_jobs = n_rows * hkv * chunks;
+    const int64_t silu_pieces = (ffn + SILU_COLUMNS - 1) / SILU_COLUMNS;  // per token
 #pragma omp parallel num_threads(threads)
     {
         for (int64_t l = 0; l < m->layers; ++l) {
             const Layer& L = m->layer[l];
+            const Weight qkv{L.qkv, L.qkv_scale}, o{L.o, L.o_scale}, up{L.up, L.up_scale}, down{L.down, L.down_scale};
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.attn_norm, m->h + t * d, d, m->eps);
-            gemm(m, {L.qkv, L.qkv_scale}, L.qkv_bias, m->h, m->qkv, T, nqkv, d, false);
+            for (int64_t t = 0; t < T; ++t) {
+                rms_norm(m->x + t * d, L.attn_norm, m->h + t * d, d, m->eps);
+                if (quantizes(qkv)) quantize_cols(m, m->h + t * d, d, t, 0, d);
+            }
+            gemm(m, qkv, L.qkv_bias, m->h, d, m->qkv, T, nqkv, d, false);
 #pragma omp for schedule(static)
             for (int64_t tj = 0; tj < T * nheads; ++tj) {  // q and k heads: norm, rotary; k and v into the cache
                 const int64_t t = tj / nheads, j = tj % nheads, pos = pos_of[t];
@@ -686,28 +838,39 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
                 }
             }
 #pragma omp for schedule(dynamic)
-            for (int64_t job = 0; job < n_jobs; ++job)  // a row's queries on one KV head, QUERIES at a time
+            for (int64_t job = 0; job < n_jobs; ++job)  // a share of a row's queries on one KV head
                 attend(m, L, l, pos_of, slot_of, row_start[job / (hkv * chunks)], row_end[job / (hkv * chunks)],
-                       job / chunks % hkv, job % chunks, scale);
-            gemm(m, {L.o, L.o_scale}, L.o_bias, m->att, m->x, T, d, hq * dh, true);
+                       job / chunks % hkv, job % chunks, chunks, scale, quantizes(o) && dh % QBLOCK == 0);
+            if (quantizes(o) && dh % QBLOCK != 0) {  // a head's output ends inside a block: the whole rows after it
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t) rms_norm(m->x + t * d, L.mlp_norm, m->h + t * d, d, m->eps);
-            gemm(m, {L.up, L.up_scale}, L.up_bias, m->h, m->up, T, 2 * ffn, d, false);
-#pragma omp for schedule(static)
-            for (int64_t ti = 0; ti < T * ffn; ++ti) {
-                float* row = m->up + (ti / ffn) * 2 * ffn;
-                const int64_t i = ti % ffn;
-                row[i] = row[i] / (1.0f + std::exp(-row[i])) * row[ffn + i];
+                for (int64_t t = 0; t < T; ++t) quantize_cols(m, m->att + t * hq * dh, hq * dh, t, 0, hq * dh);
             }
-            // down reads the activations with a stride of 2 ffn: pack them first, in order (token t's packed row
-            // overwrites token t/2's source, which an earlier t has moved)
-#pragma omp single
-            for (int64_t t = 1; t < T; ++t) std::memmove(m->up + t * ffn, m->up + t * 2 * ffn, ffn * sizeof(float));
-            gemm(m, {L.down, L.down_scale}, L.down_bias, m->up, m->x, T, d, ffn, true);
-        }
+            gemm(m, o, L.o_bias, m->att, hq * dh, m->x, T, d, hq * dh, true);
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n_logits; ++i) rms_norm(m->x + rows[i] * d, m->norm, m->h + i * d, d, m->eps);
-        gemm(m, {m->head, m->head_scale}, nullptr, m->h, logits, n_logits, m->vocab, d, false);
+            for (int64_t t = 0; t < T; ++t) {
+                rms_norm(m->x + t * d, L.mlp_norm, m->h + t * d, d, m->eps);
+                if (quantizes(up)) quantize_cols(m, m->h + t * d, d, t, 0, d);
+            }
+            gemm(m, up, L.up_bias, m->h, d, m->up, T, 2 * ffn, d, false);
+            // the gated SiLU in place over each row's gate half, which down reads (rows 2 ffn apart), in pieces of
+            // SILU_COLUMNS columns (whole quantization blocks), each quantized where it is written
+#pragma omp for schedule(static)
+            for (int64_t tb = 0; tb < T * silu_pieces; ++tb) {
+                const int64_t t = tb / silu_pieces, i0 = tb % silu_pieces * SILU_COLUMNS;
+                const int64_t n = ffn - i0 < SILU_COLUMNS ? ffn - i0 : SILU_COLUMNS;
+                float* row = m->up + t * 2 * ffn;
+                for (int64_t i = i0; i < i0 + n; i += 16) silu_gate(row, ffn, i, i0 + n - i < 16 ? i0 + n - i : 16);
+                if (quantizes(down)) quantize_cols(m, row + i0, ffn, t, i0, n);
+            }
+            gemm(m, down, L.down_bias, m->up, 2 * ffn, m->x, T, d, ffn, true);
+        }
+        const Weight head{m->head, m->head_scale};
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_logits; ++i) {
+            rms_norm(m->x + rows[i] * d, m->norm, m->h + i * d, d, m->eps);
+            if (quantizes(head)) quantize_cols(m, m->h + i * d, d, i, 0, d);
+        }
+        gemm(m, head, nullptr, m->h, d, logits, n_logits, m->vocab, d, false);
     }
     return 0;
 }
