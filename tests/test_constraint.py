@@ -92,9 +92,10 @@ def masked_reference(path: Path, prompt: list[int], grammar: Grammar, n: int) ->
 
 
 @pytest.mark.parametrize(("k", "proposer"), [(1, "draft"), (4, "draft"), (8, "draft"), (4, "lookup"),
-                                             (4, "combined")])
+                                             (4, "combined"), (None, "draft"), (None, "combined")])
 def test_greedy_constrained_speculation_equals_masked_target_only(pair: tuple[Path, Path], letters: GrammarCompiler,
-                                                                  k: int, proposer: str) -> None:
+                                                                  k: int | None, proposer: str) -> None:
+    """k None: the policy's k, with the grammar's forced runs riding along up to the cap (`plan._most`)."""
     engine = make_engine(pair)
     for text, pattern in [("cab", f"{UNITS}{{6}}"), ("bba", f"{UNITS}+"), ("abab", "(abab|cc)(a|b)*e")]:
         grammar = letters.compile(ConstraintSpec("regex", pattern))
@@ -147,6 +148,30 @@ def test_forced_tokens_are_drafted_without_draft_forwards(pair: tuple[Path, Path
     assert fed == [len(prompt) + 1 + 5], "the catch-up and the forced run in one forward, nothing per token"
     monkeypatch.undo()
     assert decode(engine, engine.new_slot(0), request) == masked_reference(pair[0], prompt, grammar, 24)
+
+
+def test_forced_tokens_ride_along_beyond_the_drawn_k(pair: tuple[Path, Path], letters: GrammarCompiler) -> None:
+    """Under `((a|b)cdeab)+` the grammar forces five letters after each a or b. A draft of k = 1 drawn token may
+    verify up to `most` = 8: the forced run at the start, the one letter drawn, and no run after the last draw
+    (its tokens would leave the draft's cache behind); the policy's acceptance counts the drawn token alone. With
+    `most` = k, the forced run counts against k, as a request's own k does."""
+    engine = make_engine(pair)
+    grammar = letters.compile(ConstraintSpec("regex", "((a|b)cdeab)+"))
+    request = GenerationRequest(Letters()("cab"), 24, GREEDY, num_draft_tokens=1, proposer="draft", grammar=grammar)
+    gen = engine.start(engine.new_slot(0), request)
+    engine.step_one(gen)  # the prefill's token: a or b
+    assert engine.drafter is not None and gen.constraint is not None
+    args = (gen.slot.tokens, gen.slot.index, 1, GREEDY, None, gen.constraint)
+    riding = engine.drafter.propose(*args, most=8)
+    assert spell(riding.token_ids[:5]) == "cdeab" and spell(riding.token_ids[5:]) in ("a", "b")
+    assert riding.forced == frozenset(range(5)) and riding.drawn == 1
+    assert riding.drawn_outcome(6) == (1, 1) and riding.drawn_outcome(5) == (1, 0)
+    assert riding.drawn_outcome(3) == (0, 0), "a rejection at a forced token tests no drawn one"
+    engine.reset_slot(gen.slot)
+    gen = engine.start(engine.new_slot(0), request)
+    engine.step_one(gen)
+    counted = engine.drafter.propose(gen.slot.tokens, gen.slot.index, 1, GREEDY, None, gen.constraint)
+    assert spell(counted.token_ids) == "c" and counted.drawn == 0
 
 
 def test_greedy_rows_are_masked_only_where_the_grammar_overrules_the_argmax(letters: GrammarCompiler) -> None:
@@ -283,20 +308,23 @@ def admit_a_refused_letter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Constraint, "_row", row)
 
 
-@pytest.mark.parametrize(("params", "refused"), [(SamplingParams(temperature=1.0), False),
-                                                 (SamplingParams(temperature=0.8, top_k=2), False),
-                                                 (SamplingParams(temperature=1.0), True)],
-                         ids=["t1", "t0.8-k2", "t1-mask-admits-what-the-parser-refuses"])
+@pytest.mark.parametrize(("params", "refused", "drawn"), [(SamplingParams(temperature=1.0), False, 4),
+                                                          (SamplingParams(temperature=0.8, top_k=2), False, 4),
+                                                          (SamplingParams(temperature=1.0), True, 4),
+                                                          (SamplingParams(temperature=1.0), False, 2)],
+                         ids=["t1", "t0.8-k2", "t1-mask-admits-what-the-parser-refuses", "t1-forced-ride-along"])
 def test_constrained_sampling_follows_the_masked_target_distribution(pair: tuple[Path, Path],
                                                                      letters: GrammarCompiler,
                                                                      params: SamplingParams, refused: bool,
+                                                                     drawn: int,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """4-token continuations under a grammar whose mask depends on the path (16 cells), sampled with forced k = 4
     speculation: the first token from the prefill, the next four drafted under the mask and verified in one step
     against the target masked at each drafted position. They follow the masked target (p > 1e-4) and not the
     masked draft (p < 1e-4), so the test can fail. `refused`: every mask also admits a token the parser refuses
     (`admit_a_refused_letter`); each draw of it is made again without it, so the replies still follow the true
-    mask's distribution and never fail."""
+    mask's distribution and never fail. `drawn` 2: two drawn tokens and the forced ones riding along up to four
+    (`plan._most`, as the policy's k has them)."""
     engine = make_engine(pair)
     grammar = letters.compile(ConstraintSpec("regex", f"{UNITS}{{3}}"))
     prompt = [3, 1, 4]
@@ -304,13 +332,15 @@ def test_constrained_sampling_follows_the_masked_target_distribution(pair: tuple
     draft = masked_sequence_probs(pair[1], prompt, grammar, 4, params)
     if refused:
         admit_a_refused_letter(monkeypatch)
+    if drawn < 4:
+        monkeypatch.setattr("specrpc.engine.plan._most", lambda *_: 4)
     n = 4000
     counts: dict[tuple[int, ...], int] = {}
     for i in range(n):
-        gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, 6, replace(params, seed=i), 4, "draft",
+        gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, 6, replace(params, seed=i), drawn, "draft",
                                                                  grammar=grammar))
         steps = [engine.step_one(gen) for _ in range(2)]
-        assert [s.proposed for s in steps] == [0, 4], "the verify step after the first token drafts k = 4"
+        assert steps[0].proposed == 0 and drawn <= steps[1].proposed <= 4, "the step after the first token drafts"
         tokens = steps[0].token_ids + steps[1].token_ids
         while len(tokens) < 4:
             tokens += engine.step_one(gen).token_ids

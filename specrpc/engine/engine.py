@@ -323,6 +323,7 @@ class Engine:
         forward (the price of steps they sat out, not what drafting costs)."""
         proposals = {i: p.proposal for i, p in plans.items() if not p.draft_k}
         wanted = {i: p.draft_k for i, p in plans.items() if p.draft_k}
+        most = {i: p.draft_most or p.draft_k for i, p in plans.items() if p.draft_k}
         if not wanted:
             return proposals, 0.0
         assert self.drafter is not None
@@ -331,11 +332,11 @@ class Engine:
         try:
             if solo:
                 (i, k), = wanted.items()
-                proposals[i] = self._draft_alone(gens[i], k)
+                proposals[i] = self._draft_alone(gens[i], k, most[i])
             else:
                 drafted, timings, catch_up_s = self.drafter.propose_batch(
                     [DraftRequest(gens[i].slot.tokens, gens[i].slot.index, k, gens[i].params, gens[i].generator,
-                                  gens[i].constraint, gens[i].transform) for i, k in wanted.items()])
+                                  gens[i].constraint, gens[i].transform, most[i]) for i, k in wanted.items()])
                 proposals.update(zip(wanted, drafted, strict=True))
                 for width, seconds in timings:
                     self.batch_costs.observe_draft(width, seconds)
@@ -345,12 +346,13 @@ class Engine:
             results.update(dict.fromkeys(wanted, exc))
         return proposals, catch_up_s
 
-    def _draft_alone(self, gen: Generation, k: int) -> Proposal:
-        """A lone stream's k draft-model tokens; its policy learns the draft step's and catch-up's costs."""
+    def _draft_alone(self, gen: Generation, k: int, most: int) -> Proposal:
+        """A lone stream's k draft-model tokens (at most `most` with the grammar's forced ones); its policy learns
+        the draft step's and catch-up's costs."""
         assert self.drafter is not None
         lag = draft_lag(self.drafting, gen)
         proposal = self.drafter.propose(gen.slot.tokens, gen.slot.index, k, gen.params, gen.generator, gen.constraint,
-                                        gen.transform)
+                                        gen.transform, most)
         if proposal.step_s is not None:
             gen.slot.policy.costs.observe_draft(proposal.step_s)
         if proposal.catch_up_s:
@@ -398,7 +400,7 @@ class Engine:
         gen.count_verify(proposal, result.accepted + 1)
         if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
             if len(proposal):
-                policy.observe(proposal.estimate, len(proposal), result.accepted)
+                policy.observe(proposal.estimate, *proposal.drawn_outcome(result.accepted))
             if timing is not None:
                 policy.observe_step(proposal.estimate if len(proposal) else "plain",
                                     time.perf_counter() - timing.start, len(result.tokens), proposal.catch_up_s)

@@ -28,10 +28,12 @@ PREDICTION_PROBE = 2
 @dataclass(frozen=True)
 class Plan:
     """A stream's draft this step: a proposal in hand (suggestion, prompt lookup; EMPTY for a plain step), or
-    `draft_k` > 0 tokens for the draft model to draft."""
+    `draft_k` > 0 tokens for the draft model to draw, with at most `draft_most` tokens in all where a grammar's
+    forced runs ride along (they cost no draft forward; 0: draft_k)."""
 
     proposal: Proposal = EMPTY
     draft_k: int = 0
+    draft_most: int = 0
 
     @property
     def k(self) -> int:
@@ -106,7 +108,20 @@ def _policy_plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) ->
     if drafting.drafter is None or not _catch_up_pays(drafting, gen):
         return PLAIN
     k = _k(drafting, gen, "draft", load)
-    return Plan(draft_k=k) if k > 0 else PLAIN
+    return Plan(draft_k=k, draft_most=_most(drafting, gen, k, load)) if k > 0 else PLAIN
+
+
+def _most(drafting: Drafting, gen: Generation, k: int, load: BatchLoad | None) -> int:
+    """Tokens in all a draft of k drawn tokens may verify with the grammar's forced runs: the policy's k counts
+    what the draft guesses, each a draft forward; a forced token costs none and is the masked target's choice, so
+    it rides along up to the stream's cap and room (the batch guard's limit in a batch). A request's own k is its
+    verify's length."""
+    if gen.fixed_k is not None or gen.constraint is None:
+        return k
+    most = min(gen.room(), _cap(drafting, gen))
+    if load is not None and load.k_limit is not None:
+        most = min(most, load.k_limit)
+    return max(k, most)
 
 
 def _expected_speedup(gen: Generation, p: Plan, load: BatchLoad | None) -> float:

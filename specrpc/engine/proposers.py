@@ -21,9 +21,10 @@ from specrpc.models import BatchRow, CausalLM
 @dataclass(frozen=True)
 class Proposal:
     """k proposed tokens; `probs` [k, V] is the proposer's distribution (None: a point mass at each token);
-    `step_s`: a draft model's measured seconds per drafted token (a forward step each, but a grammar's forced tokens
-    ride along in one; None: nothing measured); `catch_up_s`: seconds a draft model spent catching up on more than
-    the last step's tokens first (after sitting out, or a new prompt)."""
+    `step_s`: a draft model's measured seconds per drawn token (a forward step each: a grammar's forced tokens ride
+    along in one; None: nothing measured); `catch_up_s`: seconds a draft model spent catching up on more than the
+    last step's tokens first (after sitting out, or a new prompt); `forced`: the positions of tokens a grammar forced
+    (drafted without drawing: not the proposer's guesses, so the policy's acceptance leaves them out)."""
 
     token_ids: list[int]
     probs: torch.Tensor | None
@@ -31,6 +32,7 @@ class Proposal:
     step_s: float | None = None
     catch_up_s: float = 0.0
     kind: str = ""  # what the policy judges it as (acceptance, realized rate): `source` unless a proposer splits it
+    forced: frozenset[int] = frozenset()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -43,7 +45,21 @@ class Proposal:
     def first(self, k: int) -> Proposal:
         """The first k tokens (k <= len)."""
         return dataclasses.replace(self, token_ids=self.token_ids[:k],
-                                   probs=None if self.probs is None else self.probs[:k])
+                                   probs=None if self.probs is None else self.probs[:k],
+                                   forced=frozenset(i for i in self.forced if i < k))
+
+    @property
+    def drawn(self) -> int:
+        """Tokens the proposer guessed (all but the grammar's forced ones)."""
+        return len(self.token_ids) - len(self.forced)
+
+    def drawn_outcome(self, accepted: int) -> tuple[int, int]:
+        """A verify's outcome (`accepted` of the tokens, then the first rejection if any) on the drawn tokens alone,
+        as (tested, accepted): the ones up to the first rejection, and those accepted. A forced token is no guess of
+        the proposer's: the policy's acceptance of its drafts counts the drawn ones."""
+        tested = range(min(accepted + 1, len(self.token_ids)))
+        drawn = [i for i in tested if i not in self.forced]
+        return len(drawn), sum(i < accepted for i in drawn)
 
 
 EMPTY = Proposal([], None, "none")
@@ -94,6 +110,7 @@ class DraftRequest:
     generator: torch.Generator | None
     constraint: Constraint | None = None
     transform: LogitsTransform | None = None
+    most: int | None = None  # tokens in all with the grammar's forced ones (None: k)
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -132,12 +149,14 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
 
 
 class _Stream:
-    """One stream's drafting in progress: its k, its tokens so far ([1] drawn or [F] forced each, on the device),
-    their distributions ([1, V] or [F, V] each; none when greedy) and those not yet in the draft's cache."""
+    """One stream's drafting in progress: k tokens to draw, at most `most` in all with the grammar's forced runs
+    (they cost no draft forward), its tokens so far ([1] drawn or [F] forced each, on the device), their
+    distributions ([1, V] or [F, V] each; none when greedy) and those not yet in the draft's cache."""
 
-    def __init__(self, k: int, params: SamplingParams, generator: torch.Generator | None,
+    def __init__(self, k: int, most: int, params: SamplingParams, generator: torch.Generator | None,
                  constraint: Constraint | None, cursor: Cursor | None, vocab: int, device: torch.device) -> None:
         self.k = k
+        self.most = max(k, most)
         self.params = params
         self.generator = generator
         self.constraint = constraint
@@ -145,17 +164,21 @@ class _Stream:
         self.vocab = vocab
         self.device = device
         self.n = 0  # tokens drafted
+        self.drawn = 0  # of them drawn from the draft's logits
+        self._forced: list[int] = []  # the positions of the forced ones
         self._drafted: list[torch.Tensor] = []
         self._probs: list[torch.Tensor] = []
         self._unfed: list[torch.Tensor] = []
 
     @classmethod
-    def start(cls, model: CausalLM, tokens: list[int], k: int, params: SamplingParams,
+    def start(cls, model: CausalLM, tokens: list[int], k: int, most: int | None, params: SamplingParams,
               generator: torch.Generator | None, constraint: Constraint | None,
               transform: LogitsTransform | None) -> _Stream:
-        """A stream drafting k tokens after `tokens` with `model` (its transform's cursor made here)."""
+        """A stream drawing k tokens after `tokens` with `model`, at most `most` in all (None: k) with forced ones
+        (its transform's cursor made here)."""
         cursor = None if transform is None else transform.cursor(tokens, model.vocab_size, model.device)
-        return cls(k, params, generator, constraint, cursor, model.vocab_size, model.device)
+        return cls(k, k if most is None else most, params, generator, constraint, cursor, model.vocab_size,
+                   model.device)
 
     def lead(self) -> list[int]:
         """The run the grammar forces at the start, to go into the draft's cache with the catch-up (counted as fed
@@ -168,21 +191,26 @@ class _Stream:
 
     @property
     def more(self) -> bool:
-        """Whether it drafts on: fewer than k tokens, and the grammar not ended (the bonus position is its end)."""
-        return self.n < self.k and not (self.constraint is not None and self.constraint.done)
+        """Whether it draws on: fewer than k drawn and `most` in all, and the grammar not ended (the bonus position
+        is its end)."""
+        return (self.drawn < self.k and self.n < self.most
+                and not (self.constraint is not None and self.constraint.done))
 
     def force(self) -> list[int]:
-        """Take the tokens the grammar forces next, up to k (returned): drafts that cost no draft forward
-        (jump-forward decoding under speculation; the target verifies them like any draft), a point mass each."""
+        """Take the tokens the grammar forces next, up to `most` in all (returned), where a draw follows them:
+        drafts that cost no draft forward (jump-forward decoding under speculation; the target verifies them like
+        any draft), a point mass each, going into the draft's cache with the token before them. Not after the last
+        draw: the draft's cache would then lag more than a steady step's catch-up behind the next step."""
         if self.constraint is None or not self.more:
             return []
-        forced = self.constraint.forced()[: self.k - self.n]
+        forced = self.constraint.forced()[: self.most - self.n]
         if forced:
             self.constraint.advance_all(forced)
             tokens = torch.tensor(forced, dtype=torch.long, device=self.device)  # [F]
             if self.cursor is not None:
                 for token in tokens:
                     self.cursor.advance(token.view(1))
+            self._forced.extend(range(self.n, self.n + len(forced)))
             self._add(tokens, None if self.params.greedy else F.one_hot(tokens, self.vocab).to(torch.float32))
         return forced
 
@@ -190,6 +218,7 @@ class _Stream:
         """Draw a token from the draft's logits [1, V] (`_draw`), then take what the grammar forces after it."""
         token, probs = _draw(logits, self.params, self.generator, self.constraint, self.cursor)  # [1], [V]
         self._add(token, None if probs is None else probs.unsqueeze(0))
+        self.drawn += 1
         self.force()
 
     def unfed(self) -> tuple[torch.Tensor, int]:
@@ -201,11 +230,11 @@ class _Stream:
 
     def proposal(self, name: str) -> Proposal:
         """The drafts as a proposal (the one host sync), the grammar rewound to where drafting started."""
-        ids: list[int] = torch.cat(self._drafted).tolist() if self._drafted else []  # [k]
+        ids: list[int] = torch.cat(self._drafted).tolist() if self._drafted else []  # [n]
         if self.constraint is not None:
             self.constraint.rewind(len(ids))
-        probs = None if self.params.greedy or not ids else torch.cat(self._probs)  # [k, V]
-        return Proposal(ids, probs, name)
+        probs = None if self.params.greedy or not ids else torch.cat(self._probs)  # [n, V]
+        return Proposal(ids, probs, name, forced=frozenset(self._forced))
 
     def _add(self, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
         self._drafted.append(tokens)
@@ -226,7 +255,7 @@ class DraftModelProposer:
 
     def propose(
         self, tokens: list[int], slot: int, k: int, params: SamplingParams, generator: torch.Generator | None,
-        constraint: Constraint | None = None, transform: LogitsTransform | None = None,
+        constraint: Constraint | None = None, transform: LogitsTransform | None = None, most: int | None = None,
     ) -> Proposal:
         """Catch the draft cache up to `tokens` (chunked: it may hold only a prefix), then sample k tokens (under
         `constraint`'s mask, its matcher advancing through them and rewound after: fewer when the grammar ends;
@@ -245,7 +274,7 @@ class DraftModelProposer:
             # first forward, part of this step's cost: timed as a draft step only in the steady state
             return Proposal(ids, None, self.name, (time.perf_counter() - t0) / k if steady else None)
         model = self.model
-        stream = _Stream.start(model, tokens, k, params, generator, constraint, transform)
+        stream = _Stream.start(model, tokens, k, most, params, generator, constraint, transform)
         ahead = stream.lead()
         logits = feed(model, slot, tokens[start:] + ahead, start, self.prefill_chunk)  # [1, V]
         # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
@@ -265,7 +294,7 @@ class DraftModelProposer:
                     fresh, at = stream.unfed()
                     logits = model.forward(fresh, position + at, slot, num_logits=1)  # [1, V]
             proposal = stream.proposal(self.name)
-        timed = len(proposal) if steady else len(proposal) - 1  # drafted after the catch-up's (forced ones too)
+        timed = proposal.drawn if steady else proposal.drawn - 1  # a forward each, the catch-up's first if steady
         step_s = (time.perf_counter() - t0) / timed if timed > 0 else None
         return dataclasses.replace(proposal, step_s=step_s, catch_up_s=catch_up_s)
 
@@ -292,7 +321,7 @@ class DraftModelProposer:
                 feed(model, r.slot, rest[:skip], start, self.prefill_chunk)
                 start, rest = start + skip, rest[skip:]
             steady = steady and len(rest) <= STEADY_CATCH_UP
-            stream = _Stream.start(model, r.tokens, r.k, r.params, r.generator, r.constraint, r.transform)
+            stream = _Stream.start(model, r.tokens, r.k, r.most, r.params, r.generator, r.constraint, r.transform)
             ahead = stream.lead()
             streams.append(stream)
             rows.append(BatchRow(torch.tensor(rest + ahead, dtype=torch.long, device=model.device), start, r.slot,
