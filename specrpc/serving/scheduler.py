@@ -7,7 +7,6 @@ step."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import queue
 import threading
 import time
@@ -123,7 +122,7 @@ class Job:
             waiter.set_result(None)
 
     def finish(self, event: Done | Failed) -> None:
-        """From the waker thread, once the engine no longer touches the slot: release it, then deliver the final
+        """From the device thread, once the engine no longer touches the slot: release it, then deliver the final
         event, in one loop callback, so that a client holding the summary never sees its slot still in use."""
         self._call(self._complete, event)
 
@@ -161,29 +160,29 @@ def _wake_each(jobs: list[Job]) -> None:
 
 
 class Waker:
-    """A thread that hands events to the loop for the device thread (`wake_all`, `Job.finish`). Handing it work keeps
-    the interpreter (a queue put); its `call_soon_threadsafe` lets go of the interpreter at the loop's wake-up socket,
-    and the loop then holds it for its work on the chunks (0.7 ms a step at 8 streams on a 2-core AMD EPYC). Done on
-    the device thread, that work ran before the forward began, the device thread waiting for the interpreter; done
-    here as the forward starts, it runs while the forward, which holds no interpreter, computes."""
+    """A thread that wakes readers (`wake_all`) for the device thread. Handing it a step's jobs keeps the interpreter
+    (a queue put); its `call_soon_threadsafe` lets go of the interpreter at the loop's wake-up socket, and the loop
+    then holds it for its work on the chunks (0.7 ms a step at 8 streams on a 2-core AMD EPYC). Done on the device
+    thread, that work ran before the forward began, the device thread waiting for the interpreter; done here as the
+    forward starts, it runs while the forward, which holds no interpreter, computes."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[Job] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="specrpc-waker", daemon=True)
 
-    def run(self, fn: Callable[[], None]) -> None:
-        """Call `fn` soon from the waker thread, after what was handed over before it."""
-        self._queue.put(fn)
+    def wake(self, jobs: list[Job]) -> None:
+        """Wake the readers of `jobs` soon (in order of hand-over), from the waker thread."""
+        self._queue.put(jobs)
 
     def stop(self) -> None:
-        """Run what was handed over, then end the thread."""
+        """Wake what was handed over, then end the thread."""
         self._queue.put(None)
         if self.thread.is_alive():
             self.thread.join(timeout=30)
 
     def _run(self) -> None:
-        while (fn := self._queue.get()) is not None:
-            fn()
+        while (jobs := self._queue.get()) is not None:
+            wake_all(jobs)
 
 
 class Scheduler:
@@ -198,7 +197,6 @@ class Scheduler:
         self._jobs: list[Job] = []
         self._incoming: list[Job] = []
         self._wakes: list[Job] = []  # device thread: jobs posted to by the last batched step, not yet woken
-        self._finals: list[tuple[Job, Done | Failed]] = []  # device thread: ended jobs, final events not handed over
         self._waker = Waker()
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._wake = threading.Condition()
@@ -278,7 +276,6 @@ class Scheduler:
                 final = self._advance(job)
                 if final is not None:
                     self._finish(job, final)
-                self._wake_posted()
 
     def _step_together(self, jobs: list[Job]) -> None:
         """One batched engine step for every job still running, then each one's events (cancelled jobs reaped before
@@ -326,37 +323,25 @@ class Scheduler:
                 self._wake_posted()
 
     def _wake_posted(self) -> None:
-        """Wake the readers of what the last batched step posted and hand over the final events of the jobs that
-        ended, through the waker thread (`Waker`). The next step calls this as its first forward starts: the device
-        thread lets go of the interpreter there, and the event loop's work on those events runs beside the forward
-        instead of before it."""
+        """Wake the readers of what the last batched step posted, through the waker thread (`Waker`). The next step
+        calls this as its first forward starts: the device thread lets go of the interpreter there, and the event
+        loop's work on those chunks runs beside the forward instead of before it."""
         wakes, self._wakes = self._wakes, []
         if wakes:
-            self._waker.run(functools.partial(wake_all, wakes))
-        self._hand_over_finals()
-
-    def _hand_over_finals(self) -> None:
-        """Hand the final events of the jobs that ended to the waker thread, now."""
-        finals, self._finals = self._finals, []
-        for job, final in finals:
-            self._waker.run(functools.partial(job.finish, final))
+            self._waker.wake(wakes)
 
     def _finish(self, job: Job, final: Done | Failed) -> None:
-        """`job` has ended: its final event goes to the loop with the step's wake-ups (`_wake_posted`)."""
         with self._wake:
             self._jobs.remove(job)
         job.done_posted = True
-        self._finals.append((job, final))
+        job.finish(final)
 
     def _reap_cancelled(self) -> None:
         """End every cancelled job now, before the next step of any job: a cancelled stream's slot is free within
         one engine step, not after a whole round of the other streams' steps (a client that cancels and asks again
         at once, as editors do on each keystroke, would otherwise find every slot still held)."""
-        cancelled = [j for j in self._jobs if j.cancelled.is_set() and not j.done_posted]
-        for job in cancelled:
+        for job in [j for j in self._jobs if j.cancelled.is_set() and not j.done_posted]:
             self._finish(job, self._done(job, FINISH_CANCELLED, ""))
-        if cancelled:  # at once, not with the next step's wake-ups: the step's other deliveries may take a while
-            self._hand_over_finals()
 
     def _advance(self, job: Job) -> Done | Failed | None:
         """One step of `job` alone; its final event once it has ended."""
