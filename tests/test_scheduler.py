@@ -5,6 +5,7 @@ while others decode included, and a stream's prefill does not hold the others ba
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ from service_helpers import collect, ids_of
 from specrpc.config import build_config
 from specrpc.edges.server import Running
 from specrpc.engine.generation import StepResult
+from specrpc.serving import scheduler as scheduler_module
 from specrpc.serving.scheduler import Job
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
@@ -92,6 +94,23 @@ async def test_a_prefill_shares_its_step_with_the_decoding_streams(stub: pb_grpc
     assert prefill[-1][1] == 1 and len(prefill) > 1, "a long prompt in several chunks, its first token out"
     for chunk in prefill:
         assert any(s[0] == "short" and s[2] == chunk[2] and s[1] == 1 for s in steps), "same step, a token each"
+
+
+async def test_readers_are_woken_off_the_device_thread(stub: pb_grpc.GeneratorStub, server: Running,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batched step's chunks wake their readers from the waker thread: a wake-up's socket write lets go of the
+    interpreter, and the event loop, taking it there, would hold the device thread back for its work on the chunks
+    (the forward, which holds no interpreter, runs beside that work instead)."""
+    wakers: Counter[str] = Counter()
+    wake_all = scheduler_module.wake_all
+
+    def recorded(jobs: list[Job]) -> None:
+        wakers[threading.current_thread().name] += 1
+        wake_all(jobs)
+
+    monkeypatch.setattr(scheduler_module, "wake_all", recorded)
+    assert await concurrently(stub, [0.0, 0.0, 0.0, 0.0])
+    assert wakers and set(wakers) == {"specrpc-waker"}, wakers
 
 
 def test_batching_setting_defaults_on_and_is_validated() -> None:
