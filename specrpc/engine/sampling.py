@@ -133,7 +133,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """
     device = generator.device if generator is not None else probs.device
     cdf = probs.to(torch.float64).cumsum(dim=-1)  # [N, V]
-    total = cdf[..., -1:]  # [N, 1]
+    total = cdf[..., -1:].contiguous()  # [N, 1] (searchsorted copies a strided column with a warning)
     u = torch.rand(total.shape, dtype=torch.float64, device=device, generator=generator).to(probs.device)  # [N, 1]
     drawn = torch.searchsorted(cdf, u * total, right=True)  # [N, 1] the first token whose cumulative mass exceeds it
     last = torch.searchsorted(cdf, total)  # [N, 1] the last token with mass: u * total never rounds past it
