@@ -304,23 +304,19 @@ class Scheduler:
         except Exception as exc:  # outside any one stream's share: every stream of the step fails, the thread goes on
             results = [exc] * len(ready)
         seconds = time.perf_counter() - t0
-        wakes = self._wakes
-        try:
-            for job, result in zip(ready, results, strict=True):
-                if job.done_posted:
-                    continue
-                try:
-                    if isinstance(result, Exception):
-                        raise result
-                    final = self._deliver(job, result, seconds, wakes)
-                except Exception as exc:
-                    final = self._fail(job, exc)
-                if final is not None:
-                    self._finish(job, final)
-                self._reap_cancelled()
-        finally:
-            if not self._jobs:
-                self._wake_posted()
+        wakes = self._wakes  # woken as the next step's forward starts, or by `_run` once no job is left
+        for job, result in zip(ready, results, strict=True):
+            if job.done_posted:
+                continue
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                final = self._deliver(job, result, seconds, wakes)
+            except Exception as exc:
+                final = self._fail(job, exc)
+            if final is not None:
+                self._finish(job, final)
+            self._reap_cancelled()
 
     def _wake_posted(self) -> None:
         """Wake the readers of what the last batched step posted, through the waker thread (`Waker`). The next step
