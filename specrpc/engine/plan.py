@@ -118,10 +118,16 @@ def _most(drafting: Drafting, gen: Generation, k: int, load: BatchLoad | None) -
     verify's length."""
     if gen.fixed_k is not None or gen.constraint is None:
         return k
-    most = min(gen.room(), _cap(drafting, gen))
+    return max(k, _longest(drafting, gen, load))
+
+
+def _longest(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> int:
+    """The most draft tokens the stream may verify this step: its room, its request's k or the server's cap, and in
+    a batch the guard's limit."""
+    most = min(gen.room(), _cap(drafting, gen) if gen.fixed_k is None else gen.fixed_k)
     if load is not None and load.k_limit is not None:
         most = min(most, load.k_limit)
-    return max(k, most)
+    return most
 
 
 def _expected_speedup(gen: Generation, p: Plan, load: BatchLoad | None) -> float:
@@ -260,9 +266,7 @@ def _draft_pays_more(drafting: Drafting, gen: Generation, found: Proposal, load:
         return False
     if gen.fixed_k is None and policy.realized_speedup("draft") <= policy.min_speedup:
         return False  # the draft is off in fact (its probes still come through `_k`)
-    most = min(gen.room(), _cap(drafting, gen) if gen.fixed_k is None else gen.fixed_k)
-    if load is not None and load.k_limit is not None:
-        most = min(most, load.k_limit)
+    most = _longest(drafting, gen, load)
     if gen.fixed_k is None:
         draft = max(policy.speedups("draft", most, batch=load)[1:], default=0.0)
     else:
