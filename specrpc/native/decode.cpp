@@ -153,8 +153,8 @@ struct Weight {
     const float* scale;
 };
 
-// R panels (rows n0 ..) × TT tokens (activation rows x, stride ldx >= cols): acc[r][t] accumulates W[row, k] x[t, k] over
-// k = 0 .. cols - 1 in that order, one fused multiply-add each, so a token's outputs are the same bits whatever
+// R panels (rows n0 ..) × TT tokens (activation rows x, stride ldx >= cols): acc[r][t] accumulates W[row, k] x[t, k]
+// over k = 0 .. cols - 1 in that order, one fused multiply-add each, so a token's outputs are the same bits whatever
 // shares the forward with it. Each panel column is loaded once for all TT tokens.
 template <int R, int TT, int PF, typename W>
 static inline void panels(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
@@ -417,6 +417,14 @@ static inline void rms_norm(const float* x, const float* __restrict w, float* ou
     const float ss = dot(x, x, n);
     const float r = 1.0f / std::sqrt(ss / (float)n + eps);
     for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * (w ? w[i] : 1.0f);
+}
+
+// Row x normalised (`rms_norm`, weights w) into the model's h as its row t, the input of `product`, and quantized there
+// too where that product multiplies int8 activations (`quantizes`).
+static inline void norm_input(const Model* m, const float* x, const float* __restrict w, int64_t t, Weight product) {
+    float* h = m->h + t * m->d;
+    rms_norm(x, w, h, m->d, m->eps);
+    if (quantizes(product)) quantize_cols(m, h, m->d, t, 0, m->d);
 }
 
 // rope(x) at one position, in place, for one head of dh values.
@@ -711,10 +719,11 @@ static inline void weigh_values(const float* __restrict vh, float* const* w, flo
     }
 }
 
-// Share `chunk` of `chunks` (equal ± 1, at most QUERIES) of the queries of the row of tokens t0 .. t1 - 1 (one slot, consecutive positions) on KV head g of
-// layer l: query j is token t0 + j / rep's head g * rep + j % rep (the heads sharing g). Each query attends causally
-// to its slot's positions up to its own (within the layer's window) exactly as it would alone: its scores, softmax and
-// weighted sum of values are formed in the same order whatever else is attended in the same pass.
+// Share `chunk` of `chunks` (equal ± 1, at most QUERIES) of the queries of the row of tokens t0 .. t1 - 1 (one slot,
+// consecutive positions) on KV head g of layer l: query j is token t0 + j / rep's head g * rep + j % rep (the heads
+// sharing g). Each query attends causally to its slot's positions up to its own (within the layer's window) exactly
+// as it would alone: its scores, softmax and weighted sum of values are formed in the same order whatever else is
+// attended in the same pass.
 // quantized: each query's output also quantized for the o product (`quantize_cols`; dh a multiple of QBLOCK).
 static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos_of, const int64_t* slot_of, int64_t t0,
                    int64_t t1, int64_t g, int64_t chunk, int64_t chunks, float scale, bool quantized) {
@@ -816,10 +825,7 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             const Layer& L = m->layer[l];
             const Weight qkv{L.qkv, L.qkv_scale}, o{L.o, L.o_scale}, up{L.up, L.up_scale}, down{L.down, L.down_scale};
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t) {
-                rms_norm(m->x + t * d, L.attn_norm, m->h + t * d, d, m->eps);
-                if (quantizes(qkv)) quantize_cols(m, m->h + t * d, d, t, 0, d);
-            }
+            for (int64_t t = 0; t < T; ++t) norm_input(m, m->x + t * d, L.attn_norm, t, qkv);
             gemm(m, qkv, L.qkv_bias, m->h, d, m->qkv, T, nqkv, d, false);
 #pragma omp for schedule(static)
             for (int64_t tj = 0; tj < T * nheads; ++tj) {  // q and k heads: norm, rotary; k and v into the cache
@@ -847,10 +853,7 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             }
             gemm(m, o, L.o_bias, m->att, hq * dh, m->x, T, d, hq * dh, true);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t) {
-                rms_norm(m->x + t * d, L.mlp_norm, m->h + t * d, d, m->eps);
-                if (quantizes(up)) quantize_cols(m, m->h + t * d, d, t, 0, d);
-            }
+            for (int64_t t = 0; t < T; ++t) norm_input(m, m->x + t * d, L.mlp_norm, t, up);
             gemm(m, up, L.up_bias, m->h, d, m->up, T, 2 * ffn, d, false);
             // the gated SiLU in place over each row's gate half, which down reads (rows 2 ffn apart), in pieces of
             // SILU_COLUMNS columns (whole quantization blocks), each quantized where it is written
@@ -866,10 +869,7 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
         }
         const Weight head{m->head, m->head_scale};
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n_logits; ++i) {
-            rms_norm(m->x + rows[i] * d, m->norm, m->h + i * d, d, m->eps);
-            if (quantizes(head)) quantize_cols(m, m->h + i * d, d, i, 0, d);
-        }
+        for (int64_t i = 0; i < n_logits; ++i) norm_input(m, m->x + rows[i] * d, m->norm, i, head);
         gemm(m, head, nullptr, m->h, d, logits, n_logits, m->vocab, d, false);
     }
     return 0;
