@@ -126,9 +126,8 @@ def test_forced_tokens_are_drafted_without_draft_forwards(pair: tuple[Path, Path
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Under `((a|b)cdeab)+` the grammar forces five letters after each a or b. A k = 8 draft after the first token
     takes the forced run, draws one letter, takes the next run's first two: one draft forward (the catch-up with
-    the run after it) for eight tokens, not eight; the output stays masked target-only's. Step by step, as drafting
-    runs where no fused native call guesses (`test_greedy_drafts_under_a_grammar_are_guessed_then_checked`)."""
-    engine = make_engine(pair, native=False)
+    the run after it) for eight tokens, not eight; the output stays masked target-only's."""
+    engine = make_engine(pair)
     grammar = letters.compile(ConstraintSpec("regex", "((a|b)cdeab)+"))
     prompt = Letters()("cab")
     request = GenerationRequest(prompt, 24, GREEDY, num_draft_tokens=8, proposer="draft", grammar=grammar)
@@ -149,76 +148,6 @@ def test_forced_tokens_are_drafted_without_draft_forwards(pair: tuple[Path, Path
     assert fed == [len(prompt) + 1 + 5], "the catch-up and the forced run in one forward, nothing per token"
     monkeypatch.undo()
     assert decode(engine, engine.new_slot(0), request) == masked_reference(pair[0], prompt, grammar, 24)
-
-
-@pytest.mark.parametrize(("pattern", "k"), [("((a|b)cdeab)+", 4), (f"{UNITS}+", 2), (f"{UNITS}+", 3),
-                                            ("(abab|cc)(a|b)*e", 3), ("(abab|cc)(a|b)*e", 8)])
-def test_greedy_drafts_under_a_grammar_are_guessed_then_checked(pair: tuple[Path, Path], letters: GrammarCompiler,
-                                                                 pattern: str, k: int) -> None:
-    """With the native step, greedy drafting under a grammar guesses: the catch-up and every draft in one fused call,
-    the parser checking them after, the draft's cache cut after the ones it allows (`DraftModelProposer._guess`).
-    At every state of a masked greedy decode the proposal equals step-by-step drafting's (each draw the masked
-    argmax, forced runs taken), the draft's cache holds no refused guess and goes on to give the same logits, and a
-    step whose guesses were all taken ran no other draft forward; guesses were both taken and refused
-    along the way."""
-    requires_native()
-    guessing, stepping = make_engine(pair), make_engine(pair)
-    assert guessing.draft is not None and stepping.draft is not None
-    assert guessing.drafter is not None and stepping.drafter is not None
-    stepping.draft.feed_greedy = lambda *args, **kwargs: None  # type: ignore[method-assign]  # step by step there
-    fused = guessing.draft.feed_greedy
-    guessed: list[int] = []  # the guesses of each fused call that kept its logits
-
-    def counted(ids: torch.Tensor, start: int, slot: int, count: int, logits: torch.Tensor | None = None
-                ) -> torch.Tensor | None:
-        out = fused(ids, start, slot, count, logits)
-        if logits is not None and out is not None:
-            guessed.append(count)
-        return out
-
-    guessing.draft.feed_greedy = counted  # type: ignore[method-assign]
-    forward = guessing.draft.forward
-    forwards: list[int] = []  # the guessing draft's forwards besides the fused calls, per step
-
-    def step_by_step(*args: Any, **kwargs: Any) -> torch.Tensor:
-        forwards[-1] += 1
-        return forward(*args, **kwargs)
-
-    guessing.draft.forward = step_by_step  # type: ignore[method-assign]
-    grammar = letters.compile(ConstraintSpec("regex", pattern))
-    prompt = Letters()("cab")
-    path = masked_reference(pair[0], prompt, grammar, 24)
-    checks = {e: grammar.start() for e in ("guessing", "stepping")}
-    taken: list[int] = []  # how many guesses the parser allowed, per check
-    valid_prefix = checks["guessing"].valid_prefix
-
-    def checked(tokens: list[int]) -> int:
-        taken.append(valid_prefix(tokens))
-        return taken[-1]
-
-    checks["guessing"].valid_prefix = checked  # type: ignore[method-assign]
-    for i in range(len(path) - 1):
-        tokens = prompt + path[: i + 1]
-        drafts, lengths = [], []
-        forwards.append(0)
-        calls = len(guessed)
-        for name, engine in (("guessing", guessing), ("stepping", stepping)):
-            assert engine.draft is not None and engine.drafter is not None
-            checks[name].commit(path[i])
-            drafts.append(engine.drafter.propose(tokens, 0, k, GREEDY, None, checks[name]).token_ids)
-            lengths.append(engine.draft.length(0))
-            engine.draft.truncate(0, min(engine.draft.length(0), len(tokens) - 1))  # as the engine rolls back
-        assert drafts[0] == drafts[1], f"at {i}"
-        assert len(tokens) - 1 <= lengths[0] <= len(tokens) + len(drafts[0]), "no refused guess left cached"
-        if len(guessed) > calls and taken[-1] == guessed[-1]:
-            assert forwards[-1] == 0, "every guess taken: the fused call was the step's only draft forward"
-    assert any(t == g for t, g in zip(taken, guessed, strict=True)), "all guesses taken at some step"
-    assert any(t < g for t, g in zip(taken, guessed, strict=True)), "a guess refused at some step"
-    full = prompt + path
-    assert guessing.draft.length(0) == stepping.draft.length(0) == len(full) - 2
-    after = [e.draft.forward(torch.tensor(full[-2:]), len(full) - 2, 0) for e in (guessing, stepping)
-             if e.draft is not None]  # [1, V] each
-    assert torch.equal(after[0], after[1]), "the guessing draft's cache holds what step-by-step drafting's does"
 
 
 def test_forced_tokens_ride_along_beyond_the_drawn_k(pair: tuple[Path, Path], letters: GrammarCompiler) -> None:

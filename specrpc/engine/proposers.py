@@ -221,16 +221,6 @@ class _Stream:
         self.drawn += 1
         self.force()
 
-    def guessed(self, tokens: list[int]) -> None:
-        """Take greedy drafts the grammar allows that are in the draft's cache already (`DraftModelProposer._guess`):
-        drawn, and fed."""
-        if tokens:
-            assert self.constraint is not None and self.params.greedy and self.cursor is None
-            self.constraint.advance_all(tokens)
-            self._drafted.append(torch.tensor(tokens, dtype=torch.long, device=self.device))  # [G]
-            self.n += len(tokens)
-            self.drawn += len(tokens)
-
     def unfed(self) -> tuple[torch.Tensor, int]:
         """The drafted tokens the draft's cache lacks [T] (they go in with one forward) and the index of the first
         among the drafts; counted as fed from now on."""
@@ -270,8 +260,7 @@ class DraftModelProposer:
         """Catch the draft cache up to `tokens` (chunked: it may hold only a prefix), then sample k tokens (under
         `constraint`'s mask, its matcher advancing through them and rewound after: fewer when the grammar ends;
         and under `transform` at each position). Tokens the grammar forces are drafted without drawing
-        (`_Stream.force`) and go into the draft's cache with the token before them, in one forward. Greedy under a
-        grammar alone, the drafts are guessed in one fused call and checked after (`_guess`)."""
+        (`_Stream.force`) and go into the draft's cache with the token before them, in one forward."""
         if k == 0:
             return EMPTY
         start = self.model.length(slot)
@@ -287,18 +276,14 @@ class DraftModelProposer:
         model = self.model
         stream = _Stream.start(model, tokens, k, most, params, generator, constraint, transform)
         ahead = stream.lead()
-        position = len(tokens)
-        checked = params.greedy and constraint is not None and transform is None  # guesses the grammar checks after
-        logits = self._guess(stream, tokens[start:] + ahead, start, position, slot) if checked else None
-        guessed = logits is not None
+        logits = feed(model, slot, tokens[start:] + ahead, start, self.prefill_chunk)  # [1, V]
+        # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
+        # (the draft sat out steps, or a new prompt) is prefill, not drafting: leave it out of the step time.
         catch_up_s = 0.0
-        if logits is None:
-            logits = feed(model, slot, tokens[start:] + ahead, start, self.prefill_chunk)  # [1, V]
-            # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
-            # (the draft sat out steps, or a new prompt) is prefill, not drafting: leave it out of the step time.
-            if not steady:
-                catch_up_s = time.perf_counter() - t0
-                t0 += catch_up_s
+        if not steady:
+            catch_up_s = time.perf_counter() - t0
+            t0 += catch_up_s
+        position = len(tokens)
         looped = self._greedy_loop(logits, position, slot, k) if plain else None
         if looped is not None:
             proposal = Proposal(looped.tolist(), None, self.name)  # [k]
@@ -309,8 +294,7 @@ class DraftModelProposer:
                     fresh, at = stream.unfed()
                     logits = model.forward(fresh, position + at, slot, num_logits=1)  # [1, V]
             proposal = stream.proposal(self.name)
-        # a forward each, the catch-up's first if steady; a catch-up fused with guesses is timed only when steady
-        timed = proposal.drawn if steady else 0 if guessed else proposal.drawn - 1
+        timed = proposal.drawn if steady else proposal.drawn - 1  # a forward each, the catch-up's first if steady
         step_s = (time.perf_counter() - t0) / timed if timed > 0 else None
         return dataclasses.replace(proposal, step_s=step_s, catch_up_s=catch_up_s)
 
@@ -368,37 +352,6 @@ class DraftModelProposer:
             timings.append((len(step), time.perf_counter() - t0))
             active = drafting
         return [stream.proposal(self.name) for stream in streams], timings, catch_up_s
-
-    def _guess(self, stream: _Stream, fed: list[int], start: int, position: int, slot: int) -> torch.Tensor | None:
-        """Greedy drafting under a grammar, guessed first and checked after: the catch-up `fed` (at positions start..)
-        and as many greedy drafts as `stream` draws in one fused call, as without a grammar, each draft's logits
-        kept; then one check of the parser takes the leading drafts the grammar allows (it seldom overrules a
-        draft's argmax, which is then the masked argmax, exactly what step-by-step drafting draws) and the draft's
-        cache is cut after them. Returns the logits [1, V] `stream` draws its next token from (the first refused
-        guess's, or those after the run the grammar forces there, fed in one forward), or None where the fused call
-        does not serve (then it drafts step by step)."""
-        fused = getattr(self.model, "feed_greedy", None)  # optional: not part of the CausalLM protocol
-        constraint = stream.constraint
-        count = min(stream.k - stream.drawn, stream.most - stream.n)
-        if fused is None or constraint is None or not stream.more or count < 1:
-            return None
-        logits = torch.empty(count, self.model.vocab_size)  # [count, V]
-        ids = torch.tensor(fed, dtype=torch.long, device=self.model.device)  # [F]
-        guesses: torch.Tensor | None = fused(ids, start, slot, count, logits)  # [count]
-        if guesses is None:
-            return None
-        drafted: list[int] = guesses.tolist()
-        known = next((i for i, t in enumerate(drafted) if t >= constraint.vocab), count)  # ids the grammar has
-        allowed = constraint.valid_prefix(drafted[:known]) if known else 0
-        stream.guessed(drafted[:allowed])
-        if allowed == count:  # all taken: the cache holds the catch-up and every draft but the last, as unguarded
-            return logits[count - 1 :]  # [1, V], drawn from no more (stream.more is False)
-        self.model.truncate(slot, start + len(fed) + allowed)  # the refused guess and those after it out
-        row = logits[allowed : allowed + 1]  # [1, V] where the refused guess was the argmax
-        if stream.force() and stream.more:  # the run the grammar forces there: one forward, then draw after it
-            fresh, at = stream.unfed()
-            row = self.model.forward(fresh, position + at, slot, num_logits=1)  # [1, V]
-        return row
 
     def _feed_greedy(self, tokens: list[int], start: int, slot: int, k: int) -> torch.Tensor | None:
         """The catch-up on tokens[start:] and k greedy drafts [k] in one call of the model's (a lean model's native

@@ -138,7 +138,7 @@ def library() -> ctypes.CDLL | None:
     row.restype = ctypes.c_int
     greedy = lib.specrpc_greedy
     greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     greedy.restype = ctypes.c_int
     transform = lib.specrpc_transform
     transform.argtypes = [ctypes.POINTER(Controls), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,

@@ -909,12 +909,11 @@ static int64_t argmax(const float* logits, int64_t n) {
 
 // A greedy draft: the `n_feed` tokens `feed` at positions start.. of `slot` (a catch-up on what the draft has not
 // seen), then `steps` more one-token forwards, each fed the argmax of the one before: out [steps + 1] holds the
-// argmax after the feed and each step's. `logits` holds the logits each argmax was taken from, row i at
-// logits + i * stride ([steps + 1, vocab] with stride vocab; stride 0: one [vocab] row of scratch). Returns 0, or -1
-// as `forward` does (the positions written before it stay written).
+// argmax after the feed and each step's. `logits` [vocab] is scratch. Returns 0, or -1 as `forward` does (the
+// positions written before it stay written).
 extern "C" int specrpc_greedy(const Model* m, const int64_t* feed, int64_t n_feed, int64_t start, int64_t slot,
-                              int64_t steps, int64_t* out, float* logits, int64_t stride, int threads) {
-    if (n_feed < 1 || n_feed > m->max_tokens || stride < 0) return -1;
+                              int64_t steps, int64_t* out, float* logits, int threads) {
+    if (n_feed < 1 || n_feed > m->max_tokens) return -1;
     int64_t positions[64], slots[64];
     if (m->max_tokens > 64) return -1;
     for (int64_t t = 0; t < n_feed; ++t) {
@@ -926,9 +925,8 @@ extern "C" int specrpc_greedy(const Model* m, const int64_t* feed, int64_t n_fee
     out[0] = argmax(logits, m->vocab);
     for (int64_t i = 0; i < steps; ++i) {
         const int64_t pos = start + n_feed + i;
-        float* next = logits + (i + 1) * stride;
-        if (forward(m, out + i, &pos, &slot, 1, &row, 1, next, threads) != 0) return -1;
-        out[i + 1] = argmax(next, m->vocab);
+        if (forward(m, out + i, &pos, &slot, 1, &row, 1, logits, threads) != 0) return -1;
+        out[i + 1] = argmax(logits, m->vocab);
     }
     return 0;
 }

@@ -258,22 +258,16 @@ class NativeStep:
             out += self.run_batch(pack)
         return out
 
-    def greedy(self, feed: torch.Tensor, start: int, slot: int, steps: int, logits: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def greedy(self, feed: torch.Tensor, start: int, slot: int, steps: int) -> torch.Tensor:
         """Feed tokens [F] int64 (F <= MAX_TOKENS) at positions start.. of `slot`, then `steps` one-token forwards
         each fed the argmax of the one before (their K/V written there too): the argmaxes int64 [steps + 1], after
-        the feed and after each step, one call for the whole draft. `logits` (float32 [steps + 1, V], contiguous),
-        where given, receives the logits each argmax was taken from."""
+        the feed and after each step, one call for the whole draft."""
         ids = feed.to(torch.long).contiguous()  # [F]
         out = torch.empty(steps + 1, dtype=torch.long)  # [steps + 1]
-        if logits is None:
-            scratch, stride = torch.empty(self.vocab), 0  # [V], each step's logits over the last
-        else:
-            assert logits.shape == (steps + 1, self.vocab) and logits.dtype == torch.float32 and logits.is_contiguous()
-            scratch, stride = logits, self.vocab  # [steps + 1, V]
+        scratch = torch.empty(self.vocab)  # [V]
         self._prefetch(1)  # a draft is one-token steps after its feed
         if self._greedy(self._model_ref, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
-                        scratch.data_ptr(), stride, torch.get_num_threads()) != 0:
+                        scratch.data_ptr(), torch.get_num_threads()) != 0:
             raise ValueError(f"native greedy draft: {ids.shape[0]} tokens fed at position {start} of slot {slot}, "
                              f"then {steps} steps: out of range")
         return out

@@ -309,17 +309,15 @@ class LlamaLM:
         self.cache.commit(slot, position + k - 1)
         return tokens
 
-    def feed_greedy(self, ids: torch.Tensor, start: int, slot: int, k: int, logits: torch.Tensor | None = None
-                    ) -> torch.Tensor | None:
+    def feed_greedy(self, ids: torch.Tensor, start: int, slot: int, k: int) -> torch.Tensor | None:
         """ids [F] at positions start.. of `slot`, then k greedy tokens [k] (the argmax after the feed, and k-1 more
-        one-token forwards), in one native call; None where the native step does not take it (draft otherwise).
-        `logits` (float32 [k, V]), where given, receives the logits each token was the argmax of."""
+        one-token forwards), in one native call; None where the native step does not take it (draft otherwise)."""
         if self.native is None or k < 1 or ids.shape[0] > self.native_rows:
             return None
         count = ids.shape[0] + k - 1
         self.cache.begin_write(slot, start, count)
         with torch.inference_mode():
-            tokens = self.native.greedy(ids, start, slot, k - 1, logits)  # [k]
+            tokens = self.native.greedy(ids, start, slot, k - 1)  # [k]
         self.cache.commit(slot, start + count)
         return tokens
 
