@@ -63,7 +63,13 @@ def _verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> Veri
     on the device, each of which costs more than the comparison right after a forward has flushed the caches)."""
     k = draft_ids.shape[0]
     host = torch.cat([draft_ids, target_logits.argmax(dim=-1)]).tolist()  # [2k+1]: drafts, target ids; one sync
-    drafts, target_ids = host[:k], host[k:]
+    return accept_greedy(host[:k], host[k:])
+
+
+def accept_greedy(drafts: list[int], target_ids: list[int]) -> VerifyResult:
+    """Greedy verification on the host: `drafts` [k] accepted while each equals the target's argmax at its position
+    (`target_ids` [k+1], the first maximum on ties), then the target's argmax at the first mismatch (or the bonus)."""
+    k = len(drafts)
     n = next((i for i in range(k) if drafts[i] != target_ids[i]), k)
     return VerifyResult(accepted=n, tokens=target_ids[: n + 1], bonus=n == k)  # accepted drafts == target ids
 
