@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specrpc.engine.sampling import SamplingParams, logits_to_probs, sample
+from specrpc.engine.sampling import SamplingParams, argmax_ids, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def verify(
     assert target_logits.shape == (k + 1, vocab), "target_logits must be [k+1, V]"
     assert draft_probs is None or draft_probs.shape == (k, vocab), "draft_probs must be [k, V] with the target's V"
     if params.greedy and k == 0:  # plain greedy decoding: the argmax, without the acceptance machinery
-        return VerifyResult(accepted=0, tokens=[int(target_logits.argmax(dim=-1)[0])], bonus=True)  # as below, ties too
+        return VerifyResult(accepted=0, tokens=argmax_ids(target_logits), bonus=True)  # as below, ties too
     draft_ids = draft_ids.to(target_logits.device)  # [k]
     if params.greedy:
         return _verify_greedy(draft_ids, target_logits)
