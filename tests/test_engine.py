@@ -16,12 +16,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specrpc.bench.simulated import simulated_verifier
 from specrpc.config import ASSETS, EngineConfig
+from specrpc.engine import engine as engine_module
 from specrpc.engine.engine import PREFILL_STALL, Engine, Stall
-from specrpc.engine.generation import GenerationRequest, Slot, TokenLogprob
+from specrpc.engine.generation import GenerationRequest, GenerationStats, Slot, StepResult, TokenLogprob
 from specrpc.engine.plan import plan
 from specrpc.engine.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
 from specrpc.engine.proposers import DraftRequest, lookup_kind
 from specrpc.engine.sampling import SamplingParams, logits_to_probs
+from specrpc.engine.verify import VerifyResult, accept_greedy, verify
 from specrpc.models import load_model, load_tokenizer
 from specrpc.models.backends import native as native_step
 from specrpc.models.llama import LlamaLM
@@ -369,6 +371,42 @@ def test_batched_streams_equal_their_solo_runs(pair: tuple[Path, Path]) -> None:
             batched_lp[i] += result.logprobs
     for a, b in zip(batched_lp, solo_lp, strict=True):
         assert_logprobs_close(a, b)
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["solo", "batch"])
+def test_greedy_rows_verified_on_the_host_equal_the_verifiers_path(pair: tuple[Path, Path], together: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy rows without a grammar or logits transform, plain and drafted, are verified on the host from one
+    argmax over the step's rows (`Engine._greedy_targets`, `accept_greedy`): alone and in a batch, every step's
+    result and every request's figures are those of the verifier's path (which a verifier other than `verify`
+    takes)."""
+    engine = make_engine(pair, slots=3)
+    requests = [GenerationRequest([0, 5, 2, 1, 1], 20, GREEDY, 0, "draft"),
+                GenerationRequest([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 20, GREEDY, 4, "lookup", logprobs=True),
+                GenerationRequest([4, 4, 1], 20, GREEDY, 3, "draft")]
+    on_host: list[int] = []  # drafts of each row verified on the host
+
+    def counted(drafts: list[int], target_ids: list[int]) -> VerifyResult:
+        on_host.append(len(drafts))
+        return accept_greedy(drafts, target_ids)
+
+    monkeypatch.setattr(engine_module, "accept_greedy", counted)
+
+    def decode_all() -> tuple[list[StepResult | Exception], list[GenerationStats]]:
+        gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+        results: list[StepResult | Exception] = []
+        for group in ([gens] if together else [[g] for g in gens]):
+            while not all(g.finished for g in group):
+                results += engine.step([g for g in group if not g.finished])
+        return results, [g.stats for g in gens]
+
+    host = decode_all()
+    assert len(on_host) == sum(stats.verify_steps for stats in host[1]), "every decoding row verified on the host"
+    assert 0 in on_host and max(on_host) > 0
+    on_host.clear()
+    engine.verifier = lambda *args: verify(*args)
+    assert decode_all() == host
+    assert on_host == []
 
 
 @pytest.mark.parametrize("k", [0, 2])

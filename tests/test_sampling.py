@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from specrpc import native
-from specrpc.engine.sampling import SamplingParams, _min_p, logits_to_probs, make_generator, sample
+from specrpc.engine.sampling import SamplingParams, _min_p, argmax_ids, logits_to_probs, make_generator, sample
 
 CPU = torch.device("cpu")
 
@@ -66,6 +66,23 @@ def test_greedy_is_one_hot_at_first_argmax() -> None:
     got = logits_to_probs(logits, SamplingParams(temperature=0.0, top_k=1, top_p=0.5))
     torch.testing.assert_close(got, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
     assert got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_ids_are_torchs_argmax_ties_nan_and_infinities_too(dtype: torch.dtype) -> None:
+    """The greedy host path's argmax (numpy's for float32 on the CPU) picks what torch's does: the first maximum on
+    ties, the first NaN above everything, +inf over finite values, the first of a row all -inf."""
+    g = torch.Generator().manual_seed(0)
+    inf, nan = float("inf"), float("nan")
+    named = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, nan, 5.0, nan], [-inf, -inf, -inf, -inf], [0.0, inf, 2.0, inf]])
+    assert argmax_ids(named.to(dtype)) == [1, 1, 0, 1]
+    for rows, vocab in [(1, 8192), (5, 8192), (3, 7)]:
+        logits = torch.randint(0, 4, (rows, vocab), generator=g).float()  # [R, V] many ties
+        logits[torch.rand(rows, vocab, generator=g) < 0.02] = nan
+        logits[torch.rand(rows, vocab, generator=g) < 0.3] = -inf
+        logits = logits.to(dtype)
+        assert argmax_ids(logits) == logits.argmax(dim=-1).tolist()
+        assert argmax_ids(logits[:, ::2]) == logits[:, ::2].argmax(dim=-1).tolist()  # a strided view
 
 
 @pytest.mark.parametrize("k", [1, 5, 31])

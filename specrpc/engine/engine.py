@@ -20,7 +20,6 @@ from specrpc.engine.plan import Drafting, Plan, draft_lag, plan, plan_batch
 from specrpc.engine.policy import AdaptivePolicy, BatchCosts, BatchGuard, CostModel, host_kind
 from specrpc.engine.prefix import reuse_prefix
 from specrpc.engine.proposers import (
-    EMPTY,
     GIVEN,
     DraftModelProposer,
     DraftRequest,
@@ -28,8 +27,8 @@ from specrpc.engine.proposers import (
     Proposal,
     feed,
 )
-from specrpc.engine.sampling import SamplingParams
-from specrpc.engine.verify import VerifyResult, verify
+from specrpc.engine.sampling import SamplingParams, argmax_ids
+from specrpc.engine.verify import VerifyResult, accept_greedy, verify
 from specrpc.models import BatchRow, CausalLM
 
 Verifier = Callable[
@@ -189,13 +188,11 @@ class Engine:
                                len(gens[i].slot.tokens) - 1, gens[i].slot.index, len(ids))
         outs, forward_s = self._forward(rows, proposals, solo, results)
         timing = Timing(t_start, timing_propose, forward_s)
-        argmax = {} if solo else self._plain_argmax(gens, proposals, outs)
+        greedy = self._greedy_targets(gens, proposals, outs)
         for i, logits in outs.items():
             try:
-                if i in argmax:
-                    results[i] = self._commit_plain(gens[i], argmax[i], logits)
-                elif i in proposals:
-                    results[i] = self._accept(gens[i], proposals[i], logits, timing if solo else None)
+                if i in proposals:
+                    results[i] = self._accept(gens[i], proposals[i], logits, timing if solo else None, greedy.get(i))
                 else:
                     results[i] = self._prefilled(gens[i], rows[i], logits)
             except Exception as exc:
@@ -381,22 +378,27 @@ class Engine:
             time.sleep(self.stall.verify_s)
         return dict(zip(order, outs, strict=True)), seconds
 
-    def _accept(self, gen: Generation, proposal: Proposal, logits: torch.Tensor, timing: Timing | None
-                ) -> StepResult:
+    def _accept(self, gen: Generation, proposal: Proposal, logits: torch.Tensor, timing: Timing | None,
+                target_ids: list[int] | None = None) -> StepResult:
         """Verify `proposal` against the target's logits [k+1, V] and commit; the caches roll back to the context.
-        `timing`: a lone stream's step, which its policy judges (None in a batch, which the guard judges)."""
+        `timing`: a lone stream's step, which its policy judges (None in a batch, which the guard judges).
+        `target_ids`: the target's argmax at each position where `_greedy_targets` read it, verified on the host."""
         policy = gen.slot.policy
         if timing is not None:  # a lone verify is a batch of one row: it refines its size's batch cost too
             policy.costs.observe_target(len(proposal) + 1, timing.forward_s)
             self.batch_costs.observe_target(len(proposal) + 1, timing.forward_s)
-        result = self.verifier(
-            torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
-            self._pad_probs(proposal.probs),  # a draft's probabilities are masked and transformed already
-            gen.shaped(self._pad_logits(logits), proposal),  # [k+1, V] mask and transform along the draft
-            gen.params,
-            gen.generator,
-        )
-        tokens = gen.as_the_parser_allows(result.tokens, self._pad_logits(logits), proposal)
+        if target_ids is not None:
+            result = accept_greedy(proposal.token_ids, target_ids)
+            tokens = result.tokens
+        else:
+            result = self.verifier(
+                torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
+                self._pad_probs(proposal.probs),  # a draft's probabilities are masked and transformed already
+                gen.shaped(self._pad_logits(logits), proposal),  # [k+1, V] mask and transform along the draft
+                gen.params,
+                gen.generator,
+            )
+            tokens = gen.as_the_parser_allows(result.tokens, self._pad_logits(logits), proposal)
         gen.count_verify(proposal, result.accepted + 1)
         if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
             if len(proposal):
@@ -415,26 +417,27 @@ class Engine:
             policy.costs.observe_host(kind, host_s)
         return step
 
-    def _plain_argmax(self, gens: list[Generation], proposals: dict[int, Proposal], outs: dict[int, torch.Tensor]
-                      ) -> dict[int, int]:
-        """The token of each plain greedy row of a batch without a grammar or logits transform (what `verify` takes
-        for k = 0: the argmax, the first on ties), all rows' in one argmax and one read-back instead of a verify per
-        row: at 8 streams the per-row verifies took a twentieth of a step."""
+    def _greedy_targets(self, gens: list[Generation], proposals: dict[int, Proposal], outs: dict[int, torch.Tensor]
+                        ) -> dict[int, list[int]]:
+        """The target's argmax at each position (what `verify` reads: the first maximum on ties) of every greedy row
+        without a grammar or logits transform, plain or drafted, all rows' in one argmax and one read-back, for
+        `_accept` to verify on the host (`accept_greedy`): at 8 streams a verify per row took a twentieth of a step,
+        and alone, at int8 weights, the draft ids' tensor, the verify's other ops (each slow right after a forward)
+        and torch's argmax were a quarter to a third of a greedy step's verify and commit."""
         if self.verifier is not verify:
             return {}
-        plain = [i for i, p in proposals.items() if not p.token_ids and i in outs and gens[i].params.greedy
-                 and gens[i].constraint is None and gens[i].transform is None]
-        if len(plain) < 2:
+        rows = [i for i in proposals if i in outs and gens[i].params.greedy and gens[i].constraint is None
+                and gens[i].transform is None]
+        if not rows:
             return {}
-        tokens: list[int] = torch.cat([outs[i][:1] for i in plain]).argmax(dim=-1).tolist()  # [R, V_t] → [R]
-        return dict(zip(plain, tokens, strict=True))
-
-    def _commit_plain(self, gen: Generation, token: int, logits: torch.Tensor) -> StepResult:
-        """A plain step's `token` (`_plain_argmax`) committed as `_accept` would after a k = 0 verify in a batch."""
-        gen.count_verify(EMPTY, 1)
-        step = gen.commit([token], accepted=0, proposed=0, logits=logits)
-        self._roll_back(gen)
-        return step
+        logits = [outs[i][: len(proposals[i]) + 1] for i in rows]  # [k+1, V_t] each
+        ids = argmax_ids(logits[0] if len(rows) == 1 else torch.cat(logits))  # [Σ k+1]
+        targets: dict[int, list[int]] = {}
+        start = 0
+        for i, row in zip(rows, logits, strict=True):
+            targets[i] = ids[start : start + row.shape[0]]
+            start += row.shape[0]
+        return targets
 
     def _prefilled(self, gen: Generation, row: BatchRow, logits: torch.Tensor) -> StepResult:
         """After the target ran prompt chunk `row` (logits [1, V] of its last position). A prefill-only request ends

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specrpc.engine.sampling import SamplingParams, logits_to_probs, sample
+from specrpc.engine.sampling import SamplingParams, argmax_ids, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def verify(
     assert target_logits.shape == (k + 1, vocab), "target_logits must be [k+1, V]"
     assert draft_probs is None or draft_probs.shape == (k, vocab), "draft_probs must be [k, V] with the target's V"
     if params.greedy and k == 0:  # plain greedy decoding: the argmax, without the acceptance machinery
-        return VerifyResult(accepted=0, tokens=[int(target_logits.argmax(dim=-1)[0])], bonus=True)  # as below, ties too
+        return VerifyResult(accepted=0, tokens=argmax_ids(target_logits), bonus=True)  # as below, ties too
     draft_ids = draft_ids.to(target_logits.device)  # [k]
     if params.greedy:
         return _verify_greedy(draft_ids, target_logits)
@@ -63,7 +63,13 @@ def _verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> Veri
     on the device, each of which costs more than the comparison right after a forward has flushed the caches)."""
     k = draft_ids.shape[0]
     host = torch.cat([draft_ids, target_logits.argmax(dim=-1)]).tolist()  # [2k+1]: drafts, target ids; one sync
-    drafts, target_ids = host[:k], host[k:]
+    return accept_greedy(host[:k], host[k:])
+
+
+def accept_greedy(drafts: list[int], target_ids: list[int]) -> VerifyResult:
+    """Greedy verification on the host: `drafts` [k] accepted while each equals the target's argmax at its position
+    (`target_ids` [k+1], the first maximum on ties), then the target's argmax at the first mismatch (or the bonus)."""
+    k = len(drafts)
     n = next((i for i in range(k) if drafts[i] != target_ids[i]), k)
     return VerifyResult(accepted=n, tokens=target_ids[: n + 1], bonus=n == k)  # accepted drafts == target ids
 
