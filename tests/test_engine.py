@@ -376,14 +376,16 @@ def test_batched_streams_equal_their_solo_runs(pair: tuple[Path, Path]) -> None:
 @pytest.mark.parametrize("together", [False, True], ids=["solo", "batch"])
 def test_greedy_rows_verified_on_the_host_equal_the_verifiers_path(pair: tuple[Path, Path], together: bool,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy rows without a grammar or logits transform, plain and drafted, are verified on the host from one
-    argmax over the step's rows (`Engine._greedy_targets`, `accept_greedy`): alone and in a batch, every step's
-    result and every request's figures are those of the verifier's path (which a verifier other than `verify`
-    takes)."""
-    engine = make_engine(pair, slots=3)
+    """Greedy rows, plain and drafted, are verified on the host: without a grammar or logits transform from one
+    argmax over the step's rows (`Engine._greedy_targets`), with a transform (a repetition penalty here) from the
+    argmax of its rows as shaped, both by `accept_greedy`. Alone and in a batch, every step's result and every
+    request's figures are those of the verifier's path (which a verifier other than `verify` takes)."""
+    engine = make_engine(pair, slots=4)
+    penalty = SamplingParams(temperature=0.0, repetition_penalty=1.5, penalty_last_n=8)
     requests = [GenerationRequest([0, 5, 2, 1, 1], 20, GREEDY, 0, "draft"),
                 GenerationRequest([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 20, GREEDY, 4, "lookup", logprobs=True),
-                GenerationRequest([4, 4, 1], 20, GREEDY, 3, "draft")]
+                GenerationRequest([4, 4, 1], 20, GREEDY, 3, "draft"),
+                GenerationRequest([2, 3, 2, 3, 2, 3], 20, penalty, 3, "draft")]
     on_host: list[int] = []  # drafts of each row verified on the host
 
     def counted(drafts: list[int], target_ids: list[int]) -> VerifyResult:

@@ -391,13 +391,14 @@ class Engine:
             result = accept_greedy(proposal.token_ids, target_ids)
             tokens = result.tokens
         else:
-            result = self.verifier(
-                torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
-                self._pad_probs(proposal.probs),  # a draft's probabilities are masked and transformed already
-                gen.shaped(self._pad_logits(logits), proposal),  # [k+1, V] mask and transform along the draft
-                gen.params,
-                gen.generator,
-            )
+            shaped = gen.shaped(self._pad_logits(logits), proposal)  # [k+1, V] mask and transform along the draft
+            if gen.params.greedy and self.verifier is verify:  # a grammar's or transform's rows, on the host too
+                result = accept_greedy(proposal.token_ids, argmax_ids(shaped))
+            else:
+                result = self.verifier(
+                    torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
+                    self._pad_probs(proposal.probs),  # a draft's probabilities are masked and transformed already
+                    shaped, gen.params, gen.generator)
             tokens = gen.as_the_parser_allows(result.tokens, self._pad_logits(logits), proposal)
         gen.count_verify(proposal, result.accepted + 1)
         if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
