@@ -391,7 +391,8 @@ class Engine:
             result = accept_greedy(proposal.token_ids, target_ids)
             tokens = result.tokens
         else:
-            shaped = gen.shaped(self._pad_logits(logits), proposal)  # [k+1, V] mask and transform along the draft
+            padded = self._pad_logits(logits)  # [k+1, V]
+            shaped = gen.shaped(padded, proposal)  # [k+1, V] mask and transform along the draft
             if gen.params.greedy and self.verifier is verify:  # a grammar's or transform's rows, on the host too
                 result = accept_greedy(proposal.token_ids, argmax_ids(shaped))
             else:
@@ -399,7 +400,7 @@ class Engine:
                     torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
                     self._pad_probs(proposal.probs),  # a draft's probabilities are masked and transformed already
                     shaped, gen.params, gen.generator)
-            tokens = gen.as_the_parser_allows(result.tokens, self._pad_logits(logits), proposal)
+            tokens = gen.as_the_parser_allows(result.tokens, padded, proposal)
         gen.count_verify(proposal, result.accepted + 1)
         if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
             if len(proposal):
