@@ -376,10 +376,10 @@ def test_batched_streams_equal_their_solo_runs(pair: tuple[Path, Path]) -> None:
 @pytest.mark.parametrize("together", [False, True], ids=["solo", "batch"])
 def test_greedy_rows_verified_on_the_host_equal_the_verifiers_path(pair: tuple[Path, Path], together: bool,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy rows, plain and drafted, are verified on the host: without a grammar or logits transform from one
-    argmax over the step's rows (`Engine._greedy_targets`), with a transform (a repetition penalty here) from the
-    argmax of its rows as shaped, both by `accept_greedy`. Alone and in a batch, every step's result and every
-    request's figures are those of the verifier's path (which a verifier other than `verify` takes)."""
+    """Greedy rows, plain and drafted, are verified on the host by `accept_greedy` on the argmax of each row as
+    shaped: as the target gave it without a grammar or logits transform, with a transform's changes (a repetition
+    penalty here). Alone and in a batch, every step's result and every request's figures are those of the
+    verifier's path (which a verifier other than `verify` takes)."""
     engine = make_engine(pair, slots=4)
     penalty = SamplingParams(temperature=0.0, repetition_penalty=1.5, penalty_last_n=8)
     requests = [GenerationRequest([0, 5, 2, 1, 1], 20, GREEDY, 0, "draft"),

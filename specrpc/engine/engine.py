@@ -188,11 +188,10 @@ class Engine:
                                len(gens[i].slot.tokens) - 1, gens[i].slot.index, len(ids))
         outs, forward_s = self._forward(rows, proposals, solo, results)
         timing = Timing(t_start, timing_propose, forward_s)
-        greedy = self._greedy_targets(gens, proposals, outs)
         for i, logits in outs.items():
             try:
                 if i in proposals:
-                    results[i] = self._accept(gens[i], proposals[i], logits, timing if solo else None, greedy.get(i))
+                    results[i] = self._accept(gens[i], proposals[i], logits, timing if solo else None)
                 else:
                     results[i] = self._prefilled(gens[i], rows[i], logits)
             except Exception as exc:
@@ -319,8 +318,7 @@ class Engine:
         fast path). Returns the proposals and the seconds a batch's drafts spent catching up beyond one steady
         forward (the price of steps they sat out, not what drafting costs)."""
         proposals = {i: p.proposal for i, p in plans.items() if not p.draft_k}
-        wanted = {i: p.draft_k for i, p in plans.items() if p.draft_k}
-        most = {i: p.draft_most or p.draft_k for i, p in plans.items() if p.draft_k}
+        wanted = {i: p for i, p in plans.items() if p.draft_k}  # the draft model's plans
         if not wanted:
             return proposals, 0.0
         assert self.drafter is not None
@@ -328,12 +326,13 @@ class Engine:
         self._went_to_device()
         try:
             if solo:
-                (i, k), = wanted.items()
-                proposals[i] = self._draft_alone(gens[i], k, most[i])
+                (i, p), = wanted.items()
+                proposals[i] = self._draft_alone(gens[i], p.draft_k, p.draft_most)
             else:
                 drafted, timings, catch_up_s = self.drafter.propose_batch(
-                    [DraftRequest(gens[i].slot.tokens, gens[i].slot.index, k, gens[i].params, gens[i].generator,
-                                  gens[i].constraint, gens[i].transform, most[i]) for i, k in wanted.items()])
+                    [DraftRequest(gens[i].slot.tokens, gens[i].slot.index, p.draft_k, gens[i].params,
+                                  gens[i].generator, gens[i].constraint, gens[i].transform, p.draft_most)
+                     for i, p in wanted.items()])
                 proposals.update(zip(wanted, drafted, strict=True))
                 for width, seconds in timings:
                     self.batch_costs.observe_draft(width, seconds)
@@ -344,8 +343,8 @@ class Engine:
         return proposals, catch_up_s
 
     def _draft_alone(self, gen: Generation, k: int, most: int) -> Proposal:
-        """A lone stream's k draft-model tokens (at most `most` with the grammar's forced ones); its policy learns
-        the draft step's and catch-up's costs."""
+        """A lone stream's k draft-model tokens (at most `most` with the grammar's forced ones, at least k: 0 is
+        k); its policy learns the draft step's and catch-up's costs."""
         assert self.drafter is not None
         lag = draft_lag(self.drafting, gen)
         proposal = self.drafter.propose(gen.slot.tokens, gen.slot.index, k, gen.params, gen.generator, gen.constraint,
@@ -378,29 +377,28 @@ class Engine:
             time.sleep(self.stall.verify_s)
         return dict(zip(order, outs, strict=True)), seconds
 
-    def _accept(self, gen: Generation, proposal: Proposal, logits: torch.Tensor, timing: Timing | None,
-                target_ids: list[int] | None = None) -> StepResult:
+    def _accept(self, gen: Generation, proposal: Proposal, logits: torch.Tensor, timing: Timing | None
+                ) -> StepResult:
         """Verify `proposal` against the target's logits [k+1, V] and commit; the caches roll back to the context.
-        `timing`: a lone stream's step, which its policy judges (None in a batch, which the guard judges).
-        `target_ids`: the target's argmax at each position where `_greedy_targets` read it, verified on the host."""
+        `timing`: a lone stream's step, which its policy judges (None in a batch, which the guard judges). Greedy
+        rows are verified on the host (`accept_greedy` on the argmax of each row as shaped, the first maximum on
+        ties, as `verify` reads it): right after a forward, the draft ids' tensor, the verifier's other ops and
+        torch's argmax were a quarter to a third of a greedy step's verify and commit at int8 weights, and at 8
+        streams a verify per row took a twentieth of a step."""
         policy = gen.slot.policy
         if timing is not None:  # a lone verify is a batch of one row: it refines its size's batch cost too
             policy.costs.observe_target(len(proposal) + 1, timing.forward_s)
             self.batch_costs.observe_target(len(proposal) + 1, timing.forward_s)
-        if target_ids is not None:
-            result = accept_greedy(proposal.token_ids, target_ids)
-            tokens = result.tokens
+        padded = self._pad_logits(logits)  # [k+1, V]
+        shaped = gen.shaped(padded, proposal)  # [k+1, V] mask and transform along the draft (as is without either)
+        if gen.params.greedy and self.verifier is verify:
+            result = accept_greedy(proposal.token_ids, argmax_ids(shaped))
         else:
-            padded = self._pad_logits(logits)  # [k+1, V]
-            shaped = gen.shaped(padded, proposal)  # [k+1, V] mask and transform along the draft
-            if gen.params.greedy and self.verifier is verify:  # a grammar's or transform's rows, on the host too
-                result = accept_greedy(proposal.token_ids, argmax_ids(shaped))
-            else:
-                result = self.verifier(
-                    torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
-                    self._pad_probs(proposal.probs),  # a draft's probabilities are masked and transformed already
-                    shaped, gen.params, gen.generator)
-            tokens = gen.as_the_parser_allows(result.tokens, padded, proposal)
+            result = self.verifier(
+                torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
+                self._pad_probs(proposal.probs),  # a draft's probabilities are masked and transformed already
+                shaped, gen.params, gen.generator)
+        tokens = gen.as_the_parser_allows(result.tokens, padded, proposal)
         gen.count_verify(proposal, result.accepted + 1)
         if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean
             if len(proposal):
@@ -418,28 +416,6 @@ class Engine:
             host_s = time.perf_counter() - timing.start - timing.propose_s - timing.forward_s - stalled
             policy.costs.observe_host(kind, host_s)
         return step
-
-    def _greedy_targets(self, gens: list[Generation], proposals: dict[int, Proposal], outs: dict[int, torch.Tensor]
-                        ) -> dict[int, list[int]]:
-        """The target's argmax at each position (what `verify` reads: the first maximum on ties) of every greedy row
-        without a grammar or logits transform, plain or drafted, all rows' in one argmax and one read-back, for
-        `_accept` to verify on the host (`accept_greedy`): at 8 streams a verify per row took a twentieth of a step,
-        and alone, at int8 weights, the draft ids' tensor, the verify's other ops (each slow right after a forward)
-        and torch's argmax were a quarter to a third of a greedy step's verify and commit."""
-        if self.verifier is not verify:
-            return {}
-        rows = [i for i in proposals if i in outs and gens[i].params.greedy and gens[i].constraint is None
-                and gens[i].transform is None]
-        if not rows:
-            return {}
-        logits = [outs[i][: len(proposals[i]) + 1] for i in rows]  # [k+1, V_t] each
-        ids = argmax_ids(logits[0] if len(rows) == 1 else torch.cat(logits))  # [Σ k+1]
-        targets: dict[int, list[int]] = {}
-        start = 0
-        for i, row in zip(rows, logits, strict=True):
-            targets[i] = ids[start : start + row.shape[0]]
-            start += row.shape[0]
-        return targets
 
     def _prefilled(self, gen: Generation, row: BatchRow, logits: torch.Tensor) -> StepResult:
         """After the target ran prompt chunk `row` (logits [1, V] of its last position). A prefill-only request ends
