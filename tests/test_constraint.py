@@ -378,6 +378,26 @@ def test_a_grammar_past_the_parsers_limits_is_the_requests_fault(letters: Gramma
         fine.advance_all(letters.tokenizer.tokenize_str("c"))
 
 
+def test_json_is_laid_out_as_json_dumps_does_so_the_text_between_values_is_forced() -> None:
+    """A schema's and json_object's JSON has `", "` between items and `": "` after keys, no other whitespace
+    (prompts/json_layout.py): the text between two values is forced, drafted without a draft forward, and no reply
+    pads itself with whitespace."""
+    compiler = GrammarCompiler.from_tokenizer_json((ASSETS / "target" / "tokenizer.json").read_text(), [0], 8192)
+    tokenize, spell_ids = compiler.tokenizer.tokenize_str, compiler.tokenizer.decode_str
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    for spec in (ConstraintSpec("json_schema", json.dumps(schema)), ConstraintSpec("json_object")):
+        grammar = compiler.compile(spec)
+        for text, laid_out in (('{"city": "Paris", "days": 2}', True), ('{"city":"Paris","days":2}', False),
+                               ('{"city": "Paris",  "days": 2}', False), ('{\n  "city": "Paris"', False),
+                               ('{"city" : "Paris"', False)):
+            ids = tokenize(text)
+            assert (grammar.start().valid_prefix(ids) == len(ids)) == laid_out, (spec.kind, text)
+    constraint = compiler.compile(ConstraintSpec("json_schema", json.dumps(schema))).start()
+    constraint.advance_all(tokenize('{"city": "Paris"'))
+    assert spell_ids(constraint.forced()).startswith(', "days":')
+
+
 def test_compiled_grammars_are_cached_by_content(letters: GrammarCompiler) -> None:
     spec = ConstraintSpec("regex", "(a|b)+c")
     assert letters.compile(spec) is letters.compile(ConstraintSpec("regex", "(a|b)+c"))

@@ -116,6 +116,10 @@ def test_grammars_force_valid_calls(tool_server: Running) -> None:
                                                   or "")).start()
     assert required.valid_prefix(good) == len(good)
     assert required.valid_prefix(wrong) < len(wrong)
+    for padded in ('{"name": "get_time", "arguments": {"zone":"UTC"}}', '{"name": "get_time" , "arguments": {}}',
+                   '{"name": "get_time", "arguments": {\n"zone": "UTC"}}'):  # the layout's separators only
+        ids = encode(f"<tool_call>\n{padded}\n</tool_call>")
+        assert required.valid_prefix(ids) < len(ids), padded
     assert required.valid_prefix(encode("Hello")) == 0
     named = rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(
         tools, ToolChoice("function", "get_weather"), False, fmt) or "")).start()

@@ -16,13 +16,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import llguidance as llg
 import torch
 
 from specrpc import native
 from specrpc.engine.sampling import mask_logits
+from specrpc.prompts.json_layout import json_layout
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -31,9 +32,6 @@ ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
 
 MAX_GRAMMAR_BYTES = 1 << 20
 """Largest schema or grammar text compiled (1 MiB); longer ones are refused before any work."""
-
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,4}"
-"""Whitespace JSON output may have between tokens: bounded, so a reply cannot run to its token limit on spaces."""
 
 MAX_REFUSED = 8
 """Tokens a grammar's mask may admit and its parser refuse at one position before the step fails (each is cleared
@@ -366,7 +364,7 @@ class GrammarCompiler:
     @staticmethod
     def _source(spec: ConstraintSpec) -> str:
         """The llguidance grammar for `spec`."""
-        options: JsonCompileOptions = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not spec.strict}
+        options = cast("JsonCompileOptions", json_layout(lenient=not spec.strict))
         if spec.kind == "json_object":
             return str(llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options))
         if spec.kind == "json_schema":

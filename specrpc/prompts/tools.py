@@ -21,10 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from specrpc.prompts.json_layout import json_layout
 from specrpc.prompts.tool_formats import ToolFormat
-
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,4}"
-"""Whitespace a call's JSON may have between tokens: bounded, as for response_format (engine/constraint.py)."""
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 """A function name as OpenAI accepts it: letters, digits, `_`, `.` and `-`, at most 64."""
@@ -138,8 +136,9 @@ def lark_text(text: str, fmt: ToolFormat) -> str:
 
 
 def guided(schema: dict[str, Any], tool: Tool) -> dict[str, Any]:
-    """`schema` with llguidance's options: bounded whitespace, lenient unless the tool is strict."""
-    return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, "lenient": not tool.strict}}
+    """`schema` with llguidance's options: the JSON layout of every grammar (json_layout.py), lenient unless the tool
+    is strict."""
+    return {**schema, "x-guidance": json_layout(lenient=not tool.strict)}
 
 
 def call_schema(tool: Tool, key: str = "arguments") -> dict[str, Any]:
