@@ -169,6 +169,44 @@ def test_greedy_with_each_transform_equals_target_only_and_the_reference(pair: t
     assert changed, "the transform changes the greedy output of one of the prompts at least"
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_greedy_draft_under_a_transform_is_one_native_call_with_the_cursors_tokens(
+        pair: tuple[Path, Path], case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy drafting under a transform runs the catch-up and the k drafts in one native call, each draft the
+    argmax of the logits transformed at its position (`LogitsTransform.greedy_draft`), the tokens the step-by-step
+    cursor drafts; a last-N window that would slide over the drafts is left to the cursor."""
+    requires_native()
+    params = replace(CASES[case], temperature=0.0)
+    engine = make_engine(pair)
+    assert engine.drafter is not None and engine.draft is not None
+    draft = engine.draft
+    fused_calls: list[bool] = []
+    feed_greedy = draft.feed_greedy  # type: ignore[attr-defined]
+
+    def counted(*args: object) -> object:
+        fused_calls.append(args[-1] is not None)
+        return feed_greedy(*args)
+
+    monkeypatch.setattr(draft, "feed_greedy", counted)
+    prompt = [3, 1, 4, 1, 5, 2]
+    for k in (1, 4, 8):
+        for cut in range(3, len(prompt) + 1):
+            context = prompt[:cut]
+            transform = LogitsTransform(params, {END}, 2)
+            drafts = []
+            for fused in (True, False):
+                fused_calls.clear()
+                draft.truncate(0, 0)
+                with monkeypatch.context() as m:
+                    if not fused:
+                        m.setattr(LogitsTransform, "greedy_draft", lambda *a: None)
+                    drafts.append(engine.drafter.propose(context, 0, k, params, None, None, transform).token_ids)
+                if fused:
+                    slides = transform.window_start(len(context) + k - 1) > len(context)
+                    assert fused_calls == ([] if slides else [True]), (k, cut)
+            assert drafts[0] == drafts[1], (k, cut)
+
+
 def test_transformed_streams_in_a_batch_equal_their_solo_runs(pair: tuple[Path, Path]) -> None:
     """Each row of a batched draft and verify carries its own stream's transform."""
     engine = make_engine(pair, slots=3)

@@ -125,6 +125,34 @@ class LogitsTransform:
             raise IndexError(f"logits transform: a counted token is outside the logits' vocabulary of {vocab}")
         return out
 
+    def greedy_draft(self, context: list[int], vocab: int, k: int) -> native.DraftTransform | None:
+        """The transform of k greedy drafts after `context` for the native fused draft (decode.cpp's `pick`: this
+        module's native pass at each drafted position, the same values as `Cursor.apply`), or None where that draft
+        cannot take it: no native library, or a last-N window short enough to slide over the drafted tokens. The
+        returned structure keeps the arrays it points into alive. Its time is the draft's: `work_s` counts only
+        building it."""
+        lib = native.library()
+        n = len(context)
+        if lib is None or self.window_start(n + k - 1) > n:
+            return None
+        t0 = time.perf_counter()
+        ids, counts = self.counted(context)
+        gone, gone_end = array("q"), array("q", [0])
+        if self.params.penalized:  # what slides out of a last-N window at each drafted position (committed tokens)
+            for i in range(1, k):
+                gone.extend(context[pos] for pos in range(self.window_start(n + i - 1), self.window_start(n + i)))
+                gone_end.append(len(gone))
+        else:
+            gone_end.extend([0] * (k - 1))
+        generated = n - self.prompt_len
+        banned = k if self.params.ignore_eos else max(0, self.params.min_tokens - generated)
+        controls = self._native_controls(vocab)
+        spec = native.DraftTransform(ctypes.addressof(controls), _address(ids), _address(counts), len(ids),
+                                     _address(gone), _address(gone_end), banned, None)
+        spec.keep = (controls, ids, counts, gone, gone_end)
+        self.work_s += time.perf_counter() - t0
+        return spec
+
     def counted(self, context: list[int]) -> Counted:
         """The committed window's tokens and counts at `context` for `native_rows` (none without penalties)."""
         if not self.params.penalized:

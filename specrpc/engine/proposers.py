@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from specrpc import native
 from specrpc.engine.constraint import MAX_REFUSED, Constraint
 from specrpc.engine.logits_transform import Cursor, LogitsTransform
 from specrpc.engine.sampling import SamplingParams, logits_to_probs, sample
@@ -267,7 +268,9 @@ class DraftModelProposer:
         t0 = time.perf_counter()
         steady = len(tokens) - start <= STEADY_CATCH_UP
         plain = params.greedy and constraint is None and transform is None  # the fused greedy paths may serve
-        fused = self._feed_greedy(tokens, start, slot, k) if plain else None
+        shaped = (transform.greedy_draft(tokens, self.model.vocab_size, k)
+                  if params.greedy and constraint is None and transform is not None else None)
+        fused = self._feed_greedy(tokens, start, slot, k, shaped) if plain or shaped is not None else None
         if fused is not None:  # the catch-up and the k drafts in one call: k forwards, the first over the catch-up
             ids: list[int] = fused.tolist()  # [k]
             # a catch-up of a few more tokens (after a prompt lookup step, or a plain one) is a few more rows in the
@@ -353,14 +356,16 @@ class DraftModelProposer:
             active = drafting
         return [stream.proposal(self.name) for stream in streams], timings, catch_up_s
 
-    def _feed_greedy(self, tokens: list[int], start: int, slot: int, k: int) -> torch.Tensor | None:
+    def _feed_greedy(self, tokens: list[int], start: int, slot: int, k: int,
+                     transform: native.DraftTransform | None) -> torch.Tensor | None:
         """The catch-up on tokens[start:] and k greedy drafts [k] in one call of the model's (a lean model's native
-        step on CPU), or None where it has none."""
+        step on CPU), each the argmax of the logits as `transform` leaves them where given, or None where it has
+        none."""
         fused = getattr(self.model, "feed_greedy", None)  # optional: not part of the CausalLM protocol
         if fused is None:
             return None
         ids = torch.tensor(tokens[start:], dtype=torch.long, device=self.model.device)  # [F]
-        drafted: torch.Tensor | None = fused(ids, start, slot, k)
+        drafted: torch.Tensor | None = fused(ids, start, slot, k, transform)
         return drafted
 
     def _greedy_loop(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:

@@ -107,6 +107,16 @@ class Controls(ctypes.Structure):
                 ("repetition", ctypes.c_float), ("frequency", ctypes.c_float), ("presence", ctypes.c_float)]
 
 
+class DraftTransform(ctypes.Structure):
+    """decode.cpp's DraftTransform: a greedy draft's logits transform (transform.cpp's `Controls`, the committed
+    window's counts, what slides out of a last-N window at each drafted position, the positions with end-of-text
+    banned) and a [vocab] float32 scratch row. Whoever fills it keeps the arrays it points into alive."""
+
+    _fields_ = [("controls", ctypes.c_void_p), ("window_ids", ctypes.c_void_p), ("window_counts", ctypes.c_void_p),
+                ("n_window", ctypes.c_int64), ("gone", ctypes.c_void_p), ("gone_end", ctypes.c_void_p),
+                ("banned", ctypes.c_int64), ("scratch", ctypes.c_void_p)]
+
+
 PENALTIES = {"repetition": 1, "frequency": 2, "presence": 4}
 """transform.cpp's `Penalty` bits by name: which penalties a `Controls` applies."""
 
@@ -138,7 +148,7 @@ def library() -> ctypes.CDLL | None:
     row.restype = ctypes.c_int
     greedy = lib.specrpc_greedy
     greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(DraftTransform)]
     greedy.restype = ctypes.c_int
     transform = lib.specrpc_transform
     transform.argtypes = [ctypes.POINTER(Controls), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,

@@ -907,12 +907,42 @@ static int64_t argmax(const float* logits, int64_t n) {
     return best;
 }
 
+struct Controls;  // transform.cpp's
+extern "C" int specrpc_transform(const Controls* c, const float* logits, float* out, int64_t rows, int64_t vocab,
+                                 int64_t first, const int64_t* window_ids, const int64_t* window_counts,
+                                 int64_t n_window, const int64_t* drafted, const int64_t* gone,
+                                 const int64_t* gone_end, int64_t banned);
+
+// The logits transform of a greedy draft (native.DraftTransform): transform.cpp's, at each drafted position, from
+// the committed window's counts and the tokens drafted before it, so the argmax is the transformed one.
+struct DraftTransform {
+    const Controls* controls;
+    const int64_t* window_ids;     // [n_window] the committed window's tokens
+    const int64_t* window_counts;  // [n_window] and their counts
+    int64_t n_window;
+    const int64_t* gone;           // what slides out of a last-N window, position by position (all committed)
+    const int64_t* gone_end;       // [steps + 1] gone[gone_end[p - 1] .. gone_end[p]) leaves at position p
+    int64_t banned;                // leading positions with end-of-text banned
+    float* scratch;                // [vocab]
+};
+
+// The argmax of the logits [vocab] at drafted position i (transformed where `t` is given, after drafted[0 .. i)),
+// or -1 where the transform refuses a token id.
+static int64_t pick(const Model* m, const DraftTransform* t, const float* logits, const int64_t* drafted, int64_t i) {
+    if (t == nullptr) return argmax(logits, m->vocab);
+    if (specrpc_transform(t->controls, logits, t->scratch, 1, m->vocab, i, t->window_ids, t->window_counts,
+                          t->n_window, drafted, t->gone, t->gone_end, i < t->banned ? 1 : 0) != 0)
+        return -1;
+    return argmax(t->scratch, m->vocab);
+}
+
 // A greedy draft: the `n_feed` tokens `feed` at positions start.. of `slot` (a catch-up on what the draft has not
 // seen), then `steps` more one-token forwards, each fed the argmax of the one before: out [steps + 1] holds the
-// argmax after the feed and each step's. `logits` [vocab] is scratch. Returns 0, or -1 as `forward` does (the
-// positions written before it stay written).
+// argmax after the feed and each step's, of the logits as `transform` leaves them where it is given (nullptr: as
+// they are). `logits` [vocab] is scratch. Returns 0, or -1 as `forward` does (the positions written before it stay
+// written) or where the transform refuses a token id.
 extern "C" int specrpc_greedy(const Model* m, const int64_t* feed, int64_t n_feed, int64_t start, int64_t slot,
-                              int64_t steps, int64_t* out, float* logits, int threads) {
+                              int64_t steps, int64_t* out, float* logits, int threads, const DraftTransform* transform) {
     if (n_feed < 1 || n_feed > m->max_tokens) return -1;
     int64_t positions[64], slots[64];
     if (m->max_tokens > 64) return -1;
@@ -922,11 +952,11 @@ extern "C" int specrpc_greedy(const Model* m, const int64_t* feed, int64_t n_fee
     }
     const int64_t last = n_feed - 1, row = 0;
     if (forward(m, feed, positions, slots, n_feed, &last, 1, logits, threads) != 0) return -1;
-    out[0] = argmax(logits, m->vocab);
+    if ((out[0] = pick(m, transform, logits, out, 0)) < 0) return -1;
     for (int64_t i = 0; i < steps; ++i) {
         const int64_t pos = start + n_feed + i;
         if (forward(m, out + i, &pos, &slot, 1, &row, 1, logits, threads) != 0) return -1;
-        out[i + 1] = argmax(logits, m->vocab);
+        if ((out[i + 1] = pick(m, transform, logits, out, i + 1)) < 0) return -1;
     }
     return 0;
 }

@@ -258,16 +258,23 @@ class NativeStep:
             out += self.run_batch(pack)
         return out
 
-    def greedy(self, feed: torch.Tensor, start: int, slot: int, steps: int) -> torch.Tensor:
+    def greedy(self, feed: torch.Tensor, start: int, slot: int, steps: int,
+               transform: native.DraftTransform | None = None) -> torch.Tensor:
         """Feed tokens [F] int64 (F <= MAX_TOKENS) at positions start.. of `slot`, then `steps` one-token forwards
         each fed the argmax of the one before (their K/V written there too): the argmaxes int64 [steps + 1], after
-        the feed and after each step, one call for the whole draft."""
+        the feed and after each step, one call for the whole draft; of the logits as `transform` leaves them at each
+        position where it is given (its scratch row is set here)."""
         ids = feed.to(torch.long).contiguous()  # [F]
         out = torch.empty(steps + 1, dtype=torch.long)  # [steps + 1]
         scratch = torch.empty(self.vocab)  # [V]
+        shaped = None
+        if transform is not None:
+            rows = torch.empty(self.vocab)  # [V] the transformed row
+            transform.scratch = rows.data_ptr()
+            shaped = ctypes.byref(transform)
         self._prefetch(1)  # a draft is one-token steps after its feed
         if self._greedy(self._model_ref, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
-                        scratch.data_ptr(), torch.get_num_threads()) != 0:
+                        scratch.data_ptr(), torch.get_num_threads(), shaped) != 0:
             raise ValueError(f"native greedy draft: {ids.shape[0]} tokens fed at position {start} of slot {slot}, "
                              f"then {steps} steps: out of range")
         return out

@@ -21,6 +21,7 @@ from specrpc.models.kv_cache import KVCache
 from specrpc.models.llama.checkpoint import load_llama_weights
 from specrpc.models.llama.config import LlamaArgs
 from specrpc.models.llama.weights import LlamaWeights, map_linears, with_int8_decode, with_packed_decode
+from specrpc.native import DraftTransform
 
 log = logging.getLogger(__name__)
 
@@ -309,15 +310,17 @@ class LlamaLM:
         self.cache.commit(slot, position + k - 1)
         return tokens
 
-    def feed_greedy(self, ids: torch.Tensor, start: int, slot: int, k: int) -> torch.Tensor | None:
+    def feed_greedy(self, ids: torch.Tensor, start: int, slot: int, k: int,
+                    transform: DraftTransform | None = None) -> torch.Tensor | None:
         """ids [F] at positions start.. of `slot`, then k greedy tokens [k] (the argmax after the feed, and k-1 more
-        one-token forwards), in one native call; None where the native step does not take it (draft otherwise)."""
+        one-token forwards; of the logits as `transform` leaves them, where given), in one native call; None where
+        the native step does not take it (draft otherwise)."""
         if self.native is None or k < 1 or ids.shape[0] > self.native_rows:
             return None
         count = ids.shape[0] + k - 1
         self.cache.begin_write(slot, start, count)
         with torch.inference_mode():
-            tokens = self.native.greedy(ids, start, slot, k - 1)  # [k]
+            tokens = self.native.greedy(ids, start, slot, k - 1, transform)  # [k]
         self.cache.commit(slot, start + count)
         return tokens
 
