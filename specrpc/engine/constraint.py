@@ -364,7 +364,7 @@ class GrammarCompiler:
     @staticmethod
     def _source(spec: ConstraintSpec) -> str:
         """The llguidance grammar for `spec`."""
-        options = cast("JsonCompileOptions", json_layout(lenient=not spec.strict))
+        options: JsonCompileOptions = cast("JsonCompileOptions", json_layout(lenient=not spec.strict))
         if spec.kind == "json_object":
             return str(llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options))
         if spec.kind == "json_schema":
