@@ -13,6 +13,7 @@ import {
   Code, ConnectError, type Constraint, type ConverseEvent, type GenerateOptions, type GenerationEvent, SpecrpcClient,
   type Tool, type ToolCall, grpcStatus,
 } from "../src/index.js";
+import { type ConverseRequest } from "../src/gen/specrpc/v1/generator_pb.js";
 
 const REPO = resolve(dirname(fileURLToPath(import.meta.url)), "../../../..");
 const SPECRPC = join(REPO, ".venv", "bin", "specrpc");
@@ -287,8 +288,20 @@ describe("SpecrpcClient against specrpc serve", { skip }, () => {
     });
 
   test("converse: tools with toolChoice required yield toolCall events whose arguments parse; a tool result " +
-    "turn is accepted", async () => {
-    const conv = client.converse({ system: "You can call functions.", tools: [WEATHER], toolChoice: "required",
+    "turn is accepted", async (t) => {
+    const sent: ConverseRequest[] = []; // what the server cannot show back: parallelToolCalls, toolCallId
+    const spy = new SpecrpcClient({ baseUrl: client.baseUrl, interceptors: [(next) => async (req) => {
+      if (!req.stream) return await next(req);
+      const messages = req.message;
+      return await next({ ...req, message: (async function* () {
+        for await (const m of messages) {
+          sent.push(m as unknown as ConverseRequest);
+          yield m;
+        }
+      })() });
+    }] });
+    t.after(() => spy.close());
+    const conv = spy.converse({ system: "You can call functions.", tools: [WEATHER], toolChoice: "required",
       parallelToolCalls: false, maxNewTokens: 200 });
     await conv.started;
     const events: ConverseEvent[] = await collect(conv.say("What is the weather in Paris?"));
@@ -324,6 +337,11 @@ describe("SpecrpcClient against specrpc serve", { skip }, () => {
     if (last.generation.finishReason === "stop") assert.ok("age" in (JSON.parse(last.replyText) as object));
     else assert.match(last.replyText, /^\{"name": /);
     await conv.close();
+    const start = sent[0]?.action;
+    assert.ok(start?.case === "start" && start.value.parallelToolCalls === false);
+    const results = sent.flatMap((m) => m.action.case === "turn" && m.action.value.role === "tool"
+      ? [m.action.value.toolCallId] : []);
+    assert.deepEqual(results, [call.id, timeCall.id]);
   });
 
   test("converse: a bad tool schema is INVALID_ARGUMENT naming start.tools", async () => {
