@@ -445,8 +445,9 @@ export class Conversation implements AsyncIterable<ConverseEvent> {
   }
 
   /** Send the result of tool call `callId` (a turn with role "tool"; an object is sent as its JSON text) and
-   * iterate the reply's events up to and including its turn summary, as `say`. With several calls, send each
-   * result: each turn starts a reply, cancelling the one in flight. */
+   * iterate the reply's events up to and including its turn summary, as `say`. Send it once the calling reply's
+   * turn summary has come (a turn cancels the reply in flight); with several calls, each result is a turn with its
+   * own reply. */
   toolResult(callId: string, result: string | object,
     options: Omit<TurnOptions, "role" | "toolCallId"> = {}): AsyncIterable<ConverseEvent> {
     if (!callId) throw invalidArgument("toolResult needs the call's id (ToolCall.id)");
