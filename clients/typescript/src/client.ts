@@ -15,6 +15,8 @@ import {
 import { AsyncQueue } from "./queue.js";
 import {
   type Chunk,
+  type Constraint,
+  type ConstraintOptions,
   type ConverseEvent,
   type FinishReason,
   type GenerateOptions,
@@ -27,14 +29,22 @@ import {
   type SessionStarted,
   type SpeculationOptions,
   type Summary,
+  type Tool,
+  type ToolChoice,
+  type TurnRole,
   chunkFrom,
+  constraintToProto,
   editorToProto,
+  invalidArgument,
   modelInfoFrom,
   phraseFrom,
   fimLayoutToProto,
   samplingToProto,
   speculationToProto,
   summaryFrom,
+  toolCallFrom,
+  toolChoiceToProto,
+  toolsToProto,
   turnSummaryFrom,
 } from "./types.js";
 
@@ -237,20 +247,26 @@ export class CompletionSession {
   readonly sessionId: string;
   current: Generation | undefined;
 
-  constructor(private readonly client: SpecrpcClient, private readonly defaults: RequestOptions = {},
-    sessionId?: string) {
+  constructor(private readonly client: SpecrpcClient,
+    private readonly defaults: RequestOptions & ConstraintOptions = {}, sessionId?: string) {
     this.sessionId = sessionId ?? randomUUID();
   }
 
+  /** Cancels the request in flight, then completes; a bad constraint throws first and cancels nothing. */
   complete(prefix: string, options: GenerateOptions = {}): Generation {
+    const merged = { ...this.defaults, ...options, sessionId: this.sessionId };
+    constraintToProto(merged.constraint);
     this.cancel();
-    this.current = this.client.complete(prefix, { ...this.defaults, ...options, sessionId: this.sessionId });
+    this.current = this.client.complete(prefix, merged);
     return this.current;
   }
 
+  /** Cancels the request in flight, then fills in; a bad constraint throws first and cancels nothing. */
   infill(prefix: string, suffix: string, options: InfillOptions = {}): Generation {
+    const merged = { ...this.defaults, ...options, sessionId: this.sessionId };
+    constraintToProto(merged.constraint);
     this.cancel();
-    this.current = this.client.infill(prefix, suffix, { ...this.defaults, ...options, sessionId: this.sessionId });
+    this.current = this.client.infill(prefix, suffix, merged);
     return this.current;
   }
 
@@ -273,19 +289,36 @@ export interface ConverseOptions {
   signal?: AbortSignal;
   /** A deadline for the whole stream (default none: sessions are long-lived). */
   timeoutMs?: number;
+  /** Functions the replies may call: rendered through the model's chat template, or described in the system prompt
+   * for a model whose template does not speak of tools. Calls come as toolCall events. */
+  tools?: Tool[];
+  /** How replies use the tools (default: "auto" with tools, "none" without). */
+  toolChoice?: ToolChoice;
+  /** Whether a reply may make several calls (default true). */
+  parallelToolCalls?: boolean;
 }
 
 export interface TurnOptions {
-  role?: string;
+  /** Who speaks ("user" when unset). */
+  role?: TurnRole;
   sampling?: SamplingOptions;
   maxNewTokens?: number;
   speculation?: SpeculationOptions;
+  /** What this reply must match; exclusive with tools in use (set toolChoice "none" beside it). */
+  constraint?: Constraint;
+  /** Functions this reply may call instead of the session's (when not empty); toolChoice then defaults to "auto". */
+  tools?: Tool[];
+  /** How this reply uses the tools, instead of the session's choice. */
+  toolChoice?: ToolChoice;
+  /** With role "tool": the id of the call (ToolCall.id) this turn's text is the result of. */
+  toolCallId?: string;
 }
 
 type ConverseRequestInit = MessageInitShape<typeof ConverseRequestSchema>;
 
-/** A Converse session: `send`/`say` turns, `cancel` (barge-in), `rewind`; `for await` gives every event (chunks,
- * phrases, turn summaries, rewinds). Consume events either through the session or through `say`, not both. */
+/** A Converse session: `send`/`say` turns, `toolResult`, `cancel` (barge-in), `rewind`; `for await` gives every
+ * event (chunks, phrases, tool calls, turn summaries, rewinds). Consume events either through the session or through
+ * `say`/`toolResult`, not both. */
 export class Conversation implements AsyncIterable<ConverseEvent> {
   sessionId: string;
   /** Resolves once the server has opened the session. */
@@ -310,6 +343,9 @@ export class Conversation implements AsyncIterable<ConverseEvent> {
           speculation: speculationToProto(options.speculation),
           maxNewTokens: options.maxNewTokens ?? 0,
           stop: options.stop ?? [],
+          tools: toolsToProto(options.tools, "tools"),
+          toolChoice: toolChoiceToProto(options.toolChoice, "toolChoice"),
+          parallelToolCalls: options.parallelToolCalls,
         },
       },
     });
@@ -349,6 +385,9 @@ export class Conversation implements AsyncIterable<ConverseEvent> {
           case "phrase":
             this.events.push(phraseFrom(ev.value));
             break;
+          case "toolCall":
+            this.events.push(toolCallFrom(ev.value));
+            break;
           case "summary":
             this.events.push(turnSummaryFrom(ev.value));
             break;
@@ -373,17 +412,22 @@ export class Conversation implements AsyncIterable<ConverseEvent> {
     }
   }
 
-  /** Send a turn (a reply still in flight is cancelled by the server first). */
+  /** Send a turn (a reply still in flight is cancelled by the server first). Throws INVALID_ARGUMENT, sending
+   * nothing, on a constraint without exactly one kind, a tool choice it does not know, or toolCallId without role
+   * "tool". */
   send(text: string, options: TurnOptions = {}): void {
-    this.requests.push({
-      action: {
-        case: "turn",
-        value: {
-          text, role: options.role ?? "", sampling: samplingToProto(options.sampling),
-          maxNewTokens: options.maxNewTokens ?? 0, speculation: speculationToProto(options.speculation),
-        },
-      },
-    });
+    if (options.toolCallId && options.role !== "tool") {
+      throw invalidArgument(`toolCallId goes with role "tool" (got role ${JSON.stringify(options.role ?? "user")})`);
+    }
+    const value = {
+      text, role: options.role ?? "", sampling: samplingToProto(options.sampling),
+      maxNewTokens: options.maxNewTokens ?? 0, speculation: speculationToProto(options.speculation),
+      constraint: constraintToProto(options.constraint, "turn.constraint"),
+      tools: toolsToProto(options.tools, "turn.tools"),
+      toolChoice: toolChoiceToProto(options.toolChoice, "turn.toolChoice"),
+      toolCallId: options.toolCallId ?? "",
+    };
+    this.requests.push({ action: { case: "turn", value } });
   }
 
   /** Send a turn and iterate its events up to and including its turn summary. */
@@ -398,6 +442,17 @@ export class Conversation implements AsyncIterable<ConverseEvent> {
         }
       },
     };
+  }
+
+  /** Send the result of tool call `callId` (a turn with role "tool"; an object is sent as its JSON text) and
+   * iterate the reply's events up to and including its turn summary, as `say`. Send it once the calling reply's
+   * turn summary has come (a turn cancels the reply in flight); with several calls, each result is a turn with its
+   * own reply. */
+  toolResult(callId: string, result: string | object,
+    options: Omit<TurnOptions, "role" | "toolCallId"> = {}): AsyncIterable<ConverseEvent> {
+    if (!callId) throw invalidArgument("toolResult needs the call's id (ToolCall.id)");
+    const text = typeof result === "string" ? result : JSON.stringify(result);
+    return this.say(text, { ...options, role: "tool", toolCallId: callId });
   }
 
   /** Barge-in: stop the reply in flight within one engine step (its turn summary says "cancelled"). */
@@ -459,9 +514,11 @@ export class SpecrpcClient {
   }
 
 
-  /** Continue `prompt`: an async iterable of chunks, then one summary. */
+  /** Continue `prompt`: an async iterable of chunks, then one summary. A constraint without exactly one kind throws
+   * INVALID_ARGUMENT here, before any call. */
   complete(prompt: string, options: GenerateOptions = {}): Generation {
     const request = {
+      constraint: constraintToProto(options.constraint),
       prompt, maxNewTokens: options.maxNewTokens ?? 0, sampling: samplingToProto(options.sampling),
       stop: options.stop ?? [], speculation: speculationToProto(options.speculation),
       sessionId: options.sessionId ?? "", truncatePrompt: options.truncatePrompt ?? false, path: options.path ?? "",
@@ -473,9 +530,11 @@ export class SpecrpcClient {
   }
 
   /** Fill in the middle between prefix and suffix (extraFiles: other files as context; typedLine, repoName,
-   * truncate and layout as InfillOptions says). */
+   * truncate and layout as InfillOptions says). A constraint without exactly one kind throws INVALID_ARGUMENT here,
+   * before any call. */
   infill(prefix: string, suffix: string, options: InfillOptions = {}): Generation {
     const request = {
+      constraint: constraintToProto(options.constraint),
       prefix, suffix, extra: options.extraFiles ?? [], path: options.path ?? "",
       maxNewTokens: options.maxNewTokens ?? 0, sampling: samplingToProto(options.sampling),
       stop: options.stop ?? [], speculation: speculationToProto(options.speculation), sessionId: options.sessionId ?? "",
@@ -489,7 +548,7 @@ export class SpecrpcClient {
   }
 
   /** An editor buffer's completion session (see CompletionSession). */
-  completionSession(defaults: RequestOptions = {}, sessionId?: string): CompletionSession {
+  completionSession(defaults: RequestOptions & ConstraintOptions = {}, sessionId?: string): CompletionSession {
     return new CompletionSession(this, defaults, sessionId);
   }
 

@@ -15,6 +15,8 @@ export {
 } from "./client.js";
 export type {
   Chunk,
+  Constraint,
+  ConstraintOptions,
   ConverseEvent,
   EditorOptions,
   ExtraFile,
@@ -23,6 +25,7 @@ export type {
   GenerateOptions,
   GenerationEvent,
   InfillOptions,
+  JsonSchema,
   ModelDescription,
   ModelInfo,
   Phrase,
@@ -37,6 +40,10 @@ export type {
   Timing,
   TokenAlternative,
   TokenLogprob,
+  Tool,
+  ToolCall,
+  ToolChoice,
+  TurnRole,
   TurnSummary,
 } from "./types.js";
 export { Code, ConnectError } from "@connectrpc/connect";

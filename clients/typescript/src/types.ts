@@ -1,7 +1,10 @@
 // Plain typed results and options: stable shapes for plugins, mapped from the generated protobuf-es messages.
 import { create } from "@bufbuild/protobuf";
+import { Code, ConnectError } from "@connectrpc/connect";
 
 import {
+  type Constraint as ConstraintMsg,
+  ConstraintSchema,
   type GenerationSummary,
   type ModelInfo as ModelInfoMsg,
   type Phrase as PhraseMsg,
@@ -10,6 +13,12 @@ import {
   type SpeculationParams,
   SpeculationParamsSchema,
   type TokenChunk,
+  type Tool as ToolMsg,
+  type ToolCall as ToolCallMsg,
+  type ToolChoice as ToolChoiceMsg,
+  ToolChoiceMode,
+  ToolChoiceSchema,
+  ToolSchema,
   type TurnSummary as TurnSummaryMsg,
   FimLayout as FimLayoutEnum,
   FinishReason as FinishReasonEnum,
@@ -78,7 +87,32 @@ export interface EditorOptions {
   topLogprobs?: number;
 }
 
-export interface GenerateOptions extends RequestOptions, EditorOptions {
+/** A JSON Schema: an object (sent as its JSON text) or its JSON text. */
+export type JsonSchema = Record<string, unknown> | string;
+
+/** What a reply must match: exactly one of `jsonSchema`, `regex` (Rust `regex` syntax, matching the whole reply),
+ * `grammar` (Lark, llguidance's dialect, or llama.cpp's GBNF `root ::= ...`) or `jsonObject: true` (any JSON object).
+ * The server masks every token the grammar forbids, on the draft and the target alike, so speculation stays exact.
+ * The reply ends with finish reason "stop" when the grammar is complete; one cut by maxNewTokens, a stop string or
+ * an editor limit ends with that reason and may be incomplete. JSON comes laid out as `", "` and `": "`. A schema
+ * or grammar that does not compile is INVALID_ARGUMENT naming the problem; giving none or several kinds is
+ * INVALID_ARGUMENT from the client, before any call. Logprobs stay the target's raw ones, before the mask. */
+export type Constraint =
+  | { jsonSchema: JsonSchema; regex?: never; grammar?: never; jsonObject?: never;
+    /** Ignore schema keywords the compiler does not implement instead of refusing the schema (OpenAI's
+     * `strict: false`): the reply then matches what was implemented and may not validate in full. */
+    lenient?: boolean; }
+  | { regex: string; jsonSchema?: never; grammar?: never; jsonObject?: never; lenient?: never }
+  | { grammar: string; jsonSchema?: never; regex?: never; jsonObject?: never; lenient?: never }
+  | { jsonObject: true; jsonSchema?: never; regex?: never; grammar?: never; lenient?: never };
+
+/** The output constraint complete and infill (and a Converse turn) take. */
+export interface ConstraintOptions {
+  /** What the output must match; unset: free text. */
+  constraint?: Constraint;
+}
+
+export interface GenerateOptions extends RequestOptions, EditorOptions, ConstraintOptions {
   /** Keep the prompt's last tokens when it does not fit the context instead of failing. */
   truncatePrompt?: boolean;
   /** Path of the file the prompt opens: the model sees the prompt as the start of that file. */
@@ -91,7 +125,7 @@ export interface ExtraFile {
   text: string;
 }
 
-export interface InfillOptions extends RequestOptions, EditorOptions {
+export interface InfillOptions extends RequestOptions, EditorOptions, ConstraintOptions {
   extraFiles?: ExtraFile[];
   /** Path of the file being edited. */
   path?: string;
@@ -181,13 +215,51 @@ export interface Phrase {
   timeMs: number;
 }
 
+/** A function a Converse reply may call. */
+export interface Tool {
+  /** 1 to 64 letters, digits, '_', '.' or '-'; distinct among the tools of a session or turn. */
+  name: string;
+  /** What it does, for the model. */
+  description?: string;
+  /** Its parameters as a JSON Schema object (or its JSON text); unset: none. A call's arguments are
+   * grammar-constrained to it, so they parse and validate. */
+  parameters?: JsonSchema;
+  /** Refuse (INVALID_ARGUMENT) schema keywords the compiler does not implement instead of ignoring them. */
+  strict?: boolean;
+}
+
+/** Whether and how a reply calls the tools: "auto" (text, or calls once the model writes its call marker; the
+ * default with tools), "none" (text only; the tools stay in the prompt), "required" (calls only, at least one), or
+ * `{ function: name }` (a call of that declared function only). */
+export type ToolChoice = "auto" | "none" | "required" | { function: string };
+
+/** Who speaks a Converse turn ("user" when unset); "tool" carries a call's result (with toolCallId). */
+export type TurnRole = "user" | "assistant" | "system" | "tool";
+
+/** A complete tool call of a reply (its text is not in the chunks or phrases). */
+export interface ToolCall {
+  type: "toolCall";
+  /** The call's id (`call_…`): a tool-result turn names it (Conversation.toolResult). */
+  id: string;
+  /** The function called. */
+  name: string;
+  /** Its arguments: a JSON object as the model wrote it (it validates against the function's parameters unless
+   * the reply was cut short). */
+  argumentsJson: string;
+  /** Its position among the reply's calls, from 0. */
+  index: number;
+}
+
 /** The end of one reply. */
 export interface TurnSummary {
   type: "turnSummary";
   turnIndex: number;
   generation: Summary;
   timeToFirstPhraseMs: number;
+  /** The reply's text outside tool calls. */
   replyText: string;
+  /** The reply's tool calls, as their toolCall events came. */
+  toolCalls: ToolCall[];
 }
 
 export interface SessionStarted {
@@ -204,7 +276,7 @@ export interface Rewound {
   historyTokens: number;
 }
 
-export type ConverseEvent = Chunk | Phrase | TurnSummary | Rewound;
+export type ConverseEvent = Chunk | Phrase | ToolCall | TurnSummary | Rewound;
 
 export interface ModelDescription {
   name: string;
@@ -302,6 +374,84 @@ export function editorToProto(o: EditorOptions): {
   };
 }
 
+/** A request the client refuses before calling: INVALID_ARGUMENT, as the server would answer. */
+export function invalidArgument(message: string): ConnectError {
+  return new ConnectError(message, Code.InvalidArgument);
+}
+
+/** A JSON Schema as JSON text; `field` names it in errors. */
+function schemaText(schema: unknown, field: string): string {
+  if (typeof schema === "string") return schema;
+  if (typeof schema !== "object" || schema === null || Array.isArray(schema)) {
+    throw invalidArgument(`${field} must be a JSON Schema object or its JSON text`);
+  }
+  try {
+    return JSON.stringify(schema);
+  } catch (err) {
+    throw invalidArgument(`${field} is not serialisable as JSON: ${String(err)}`);
+  }
+}
+
+const CONSTRAINT_KINDS = ["jsonSchema", "regex", "grammar", "jsonObject"] as const;
+
+/** The request's Constraint message (undefined when unset); exactly one kind, else INVALID_ARGUMENT naming
+ * `field`. */
+export function constraintToProto(c: Constraint | undefined, field = "constraint"): ConstraintMsg | undefined {
+  if (c === undefined) return undefined;
+  const fields = c as Record<string, unknown>;
+  const given = CONSTRAINT_KINDS.filter((k) => fields[k] !== undefined);
+  const kind = given[0];
+  if (given.length !== 1 || kind === undefined) {
+    throw invalidArgument(`${field}: give exactly one of jsonSchema, regex, grammar or jsonObject (got ${
+      given.length === 0 ? "none" : given.join(", ")})`);
+  }
+  if (fields.lenient !== undefined && kind !== "jsonSchema") {
+    throw invalidArgument(`${field}.lenient applies to jsonSchema only`);
+  }
+  const value = fields[kind];
+  if (kind === "jsonObject") {
+    if (value !== true) throw invalidArgument(`${field}.jsonObject must be true (leave ${field} unset for free text)`);
+    return create(ConstraintSchema, { kind: { case: kind, value } });
+  }
+  if (kind === "jsonSchema") {
+    return create(ConstraintSchema, {
+      kind: { case: kind, value: schemaText(value, `${field}.jsonSchema`) }, lenient: fields.lenient === true,
+    });
+  }
+  if (typeof value !== "string") throw invalidArgument(`${field}.${kind} must be a string`);
+  return create(ConstraintSchema, { kind: { case: kind, value } });
+}
+
+/** Tool declarations as messages; `field` names them in errors. */
+export function toolsToProto(tools: Tool[] | undefined, field: string): ToolMsg[] {
+  return (tools ?? []).map((t, i) => create(ToolSchema, {
+    name: t.name, description: t.description ?? "", strict: t.strict ?? false,
+    parametersJson: t.parameters === undefined ? "" : schemaText(t.parameters, `${field}[${i}].parameters`),
+  }));
+}
+
+const TOOL_CHOICE_MODES: Record<Exclude<ToolChoice, object>, ToolChoiceMode> = {
+  auto: ToolChoiceMode.AUTO, none: ToolChoiceMode.NONE, required: ToolChoiceMode.REQUIRED,
+};
+
+/** A tool choice as its message (undefined when unset: the server's default); `field` names it in errors. */
+export function toolChoiceToProto(choice: ToolChoice | undefined, field: string): ToolChoiceMsg | undefined {
+  if (choice === undefined) return undefined;
+  if (typeof choice === "object" && choice !== null && typeof choice.function === "string" && choice.function) {
+    return create(ToolChoiceSchema, { function: choice.function });
+  }
+  const mode = typeof choice === "string" ? TOOL_CHOICE_MODES[choice as keyof typeof TOOL_CHOICE_MODES] : undefined;
+  if (mode === undefined) {
+    throw invalidArgument(`${field} must be "auto", "none", "required" or { function: name }; got ${
+      JSON.stringify(choice)}`);
+  }
+  return create(ToolChoiceSchema, { mode });
+}
+
+export function toolCallFrom(c: ToolCallMsg): ToolCall {
+  return { type: "toolCall", id: c.id, name: c.name, argumentsJson: c.argumentsJson, index: c.index };
+}
+
 export function chunkFrom(c: TokenChunk): Chunk {
   return {
     type: "chunk", text: c.text, tokenIds: [...c.tokenIds], acceptedDraftTokens: c.acceptedDraftTokens,
@@ -352,6 +502,7 @@ export function turnSummaryFrom(t: TurnSummaryMsg): TurnSummary {
     generation: t.generation ? summaryFrom(t.generation) : summaryFrom({} as GenerationSummary),
     timeToFirstPhraseMs: t.timeToFirstPhraseMs,
     replyText: t.replyText,
+    toolCalls: t.toolCalls.map(toolCallFrom),
   };
 }
 

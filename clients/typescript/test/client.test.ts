@@ -10,8 +10,10 @@ import { after, before, describe, test } from "node:test";
 import { fileURLToPath } from "node:url";
 
 import {
-  Code, ConnectError, type ConverseEvent, type GenerateOptions, type GenerationEvent, SpecrpcClient, grpcStatus,
+  Code, ConnectError, type Constraint, type ConverseEvent, type GenerateOptions, type GenerationEvent, SpecrpcClient,
+  type Tool, type ToolCall, grpcStatus,
 } from "../src/index.js";
+import { type ConverseRequest } from "../src/gen/specrpc/v1/generator_pb.js";
 
 const REPO = resolve(dirname(fileURLToPath(import.meta.url)), "../../../..");
 const SPECRPC = join(REPO, ".venv", "bin", "specrpc");
@@ -47,6 +49,35 @@ async function collect<T>(it: AsyncIterable<T>): Promise<T[]> {
 }
 
 const skip = whyNot();
+
+const PERSON = {
+  type: "object",
+  properties: { name: { type: "string", maxLength: 12 }, age: { type: "integer", minimum: 0, maximum: 150 } },
+  required: ["name", "age"],
+  additionalProperties: false,
+};
+
+const WEATHER: Tool = {
+  name: "get_weather", description: "The current weather in a city",
+  parameters: {
+    type: "object",
+    properties: { city: { type: "string", maxLength: 16 }, unit: { type: "string", enum: ["celsius", "fahrenheit"] } },
+    required: ["city", "unit"], additionalProperties: false,
+  },
+};
+
+const TIME: Tool = {
+  name: "get_time", description: "The time in a time zone",
+  parameters: JSON.stringify({
+    type: "object", properties: { zone: { type: "string", maxLength: 16 } }, required: ["zone"],
+    additionalProperties: false,
+  }),
+};
+
+function isInvalidArgument(pattern: RegExp): (err: unknown) => boolean {
+  return (err: unknown) => err instanceof ConnectError && err.code === Code.InvalidArgument &&
+    pattern.test(err.rawMessage);
+}
 
 describe("SpecrpcClient against specrpc serve", { skip }, () => {
   let server: ChildProcess | undefined;
@@ -203,6 +234,119 @@ describe("SpecrpcClient against specrpc serve", { skip }, () => {
 
     const rewound = await conv.rewind(2);
     assert.equal(rewound.keptChars, Math.min(2, [...barged.replyText].length));
+    await conv.close();
+  });
+
+  test("a JSON-schema constraint: the completion parses and has the required keys", async () => {
+    const gen = client.complete("Here is a person as JSON:", { maxNewTokens: 96, constraint: { jsonSchema: PERSON } });
+    const summary = await gen.result();
+    assert.equal(summary?.finishReason, "stop", gen.text); // the grammar completed
+    const person = JSON.parse(gen.text) as Record<string, unknown>;
+    assert.deepEqual(Object.keys(person).sort(), ["age", "name"]);
+    assert.ok(typeof person.name === "string" && Number.isInteger(person.age), gen.text);
+    const again = client.complete("Here is a person as JSON:", { maxNewTokens: 96,
+      constraint: { jsonSchema: JSON.stringify(PERSON) } }); // the same schema as its text
+    await again.result();
+    assert.equal(again.text, gen.text);
+  });
+
+  test("a regex constraint on infill and on a completion session; jsonObject", async (t) => {
+    const session = client.completionSession({ maxNewTokens: 16, constraint: { regex: "[0-9]{3}" } });
+    const number = session.complete("The answer is ");
+    assert.equal((await number.result())?.finishReason, "stop");
+    assert.match(number.text, /^[0-9]{3}$/);
+    const object = client.complete("{", { maxNewTokens: 64, constraint: { jsonObject: true } });
+    if ((await object.result())?.finishReason === "stop") assert.equal(typeof JSON.parse(object.text), "object");
+    else assert.match(object.text, /^\{/);
+    if (!(await client.modelInfo()).supportsInfill) return t.skip("no fill-in-the-middle tokens");
+    const middle = client.infill("x = ", "\nprint(x)\n", { maxNewTokens: 16, constraint: { regex: "[0-9]{2}" } });
+    assert.equal((await middle.result())?.finishReason, "stop");
+    assert.match(middle.text, /^[0-9]{2}$/);
+  });
+
+  test("a bad schema is INVALID_ARGUMENT from the server; no kind or two kinds, from the client before any call",
+    async () => {
+      await assert.rejects(client.complete("x", { constraint: { jsonSchema: { type: "strange" } } }).result(),
+        isInvalidArgument(/json_schema/));
+      await assert.rejects(client.complete("x", { constraint: { regex: "[a-" } }).result(),
+        isInvalidArgument(/regex/));
+      const calls: string[] = [];
+      const spy = new SpecrpcClient({ baseUrl: client.baseUrl,
+        interceptors: [(next) => async (req) => { calls.push(req.url); return await next(req); }] });
+      try {
+        const two = { regex: "a", grammar: "root ::= \"a\"" } as unknown as Constraint;
+        assert.throws(() => spy.complete("x", { constraint: two }), isInvalidArgument(/exactly one.*regex, grammar/));
+        assert.throws(() => spy.infill("x", "y", { constraint: {} as Constraint }), isInvalidArgument(/got none/));
+        const session = spy.completionSession();
+        assert.throws(() => session.complete("x", { constraint: { jsonSchema: [1] } as unknown as Constraint }),
+          isInvalidArgument(/jsonSchema must be a JSON Schema object/));
+        assert.equal(session.current, undefined);
+      } finally {
+        spy.close();
+      }
+      assert.deepEqual(calls, []);
+    });
+
+  test("converse: tools with toolChoice required yield toolCall events whose arguments parse; a tool result " +
+    "turn is accepted", async (t) => {
+    const sent: ConverseRequest[] = []; // what the server cannot show back: parallelToolCalls, toolCallId
+    const spy = new SpecrpcClient({ baseUrl: client.baseUrl, interceptors: [(next) => async (req) => {
+      if (!req.stream) return await next(req);
+      const messages = req.message;
+      return await next({ ...req, message: (async function* () {
+        for await (const m of messages) {
+          sent.push(m as unknown as ConverseRequest);
+          yield m;
+        }
+      })() });
+    }] });
+    t.after(() => spy.close());
+    const conv = spy.converse({ system: "You can call functions.", tools: [WEATHER], toolChoice: "required",
+      parallelToolCalls: false, maxNewTokens: 200 });
+    await conv.started;
+    const events: ConverseEvent[] = await collect(conv.say("What is the weather in Paris?"));
+    const calls = events.filter((e): e is ToolCall => e.type === "toolCall");
+    const summary = events.at(-1);
+    assert.ok(summary?.type === "turnSummary");
+    assert.equal(calls.length, 1, JSON.stringify(events));
+    assert.deepEqual(summary.toolCalls, calls);
+    const [call] = calls;
+    assert.ok(call && call.name === "get_weather" && call.index === 0 && call.id !== "");
+    const args = JSON.parse(call.argumentsJson) as Record<string, unknown>;
+    assert.ok(typeof args.city === "string" && ["celsius", "fahrenheit"].includes(String(args.unit)));
+    assert.equal(events.filter((e) => e.type === "chunk").map((c) => c.text).join(""), ""); // calls are not text
+
+    assert.throws(() => conv.send("21", { toolCallId: call.id }), isInvalidArgument(/role "tool"/));
+    const reply: ConverseEvent[] = await collect(conv.toolResult(call.id, { temperature: 21 },
+      { toolChoice: "none", maxNewTokens: 6 }));
+    const after = reply.at(-1);
+    assert.ok(after?.type === "turnSummary" && after.toolCalls.length === 0 && after.replyText !== "");
+    assert.ok(!reply.some((e) => e.type === "toolCall"));
+
+    // a turn's own tools and a named function; then a turn constrained to a JSON object, its tools off
+    const timed = await collect(conv.say("And the time in Tokyo?", { tools: [WEATHER, TIME],
+      toolChoice: { function: "get_time" } }));
+    const timeCall = timed.find((e): e is ToolCall => e.type === "toolCall");
+    assert.ok(timeCall && timeCall.name === "get_time", JSON.stringify(timed));
+    assert.equal(typeof (JSON.parse(timeCall.argumentsJson) as { zone: unknown }).zone, "string");
+    await collect(conv.toolResult(timeCall.id, "09:00", { toolChoice: "none", maxNewTokens: 4 }));
+    const json = await collect(conv.say("Summarise as JSON.", { toolChoice: "none", maxNewTokens: 64,
+      constraint: { jsonSchema: PERSON } }));
+    const last = json.at(-1);
+    assert.ok(last?.type === "turnSummary");
+    if (last.generation.finishReason === "stop") assert.ok("age" in (JSON.parse(last.replyText) as object));
+    else assert.match(last.replyText, /^\{"name": /);
+    await conv.close();
+    const start = sent[0]?.action;
+    assert.ok(start?.case === "start" && start.value.parallelToolCalls === false);
+    const results = sent.flatMap((m) => m.action.case === "turn" && m.action.value.role === "tool"
+      ? [m.action.value.toolCallId] : []);
+    assert.deepEqual(results, [call.id, timeCall.id]);
+  });
+
+  test("converse: a bad tool schema is INVALID_ARGUMENT naming start.tools", async () => {
+    const conv = client.converse({ tools: [{ name: "f", parameters: "[]" }] });
+    await assert.rejects(conv.started, isInvalidArgument(/start\.tools\[0\]/));
     await conv.close();
   });
 
