@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
 import pytest
 from conftest import free_port
 from specrpc_client import (
     NO_RETRY,
     AsyncClient,
     Client,
+    Constraint,
     DeadlineExceeded,
     FimLayout,
     FinishReason,
@@ -30,6 +34,9 @@ from specrpc_client import (
     RewriteResult,
     Sampling,
     TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolChoice,
     TurnSummary,
     Unavailable,
 )
@@ -174,6 +181,113 @@ async def test_invalid_argument_is_a_typed_error(client: AsyncClient) -> None:
         await client.generate("x", sampling=Sampling(temperature=-1.0)).result()
     assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details
     assert isinstance(err.value, ValueError)
+
+
+# ---- structured output and tool calls ----------------------------------------------------------------------------
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population", "capital"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"name": "get_time", "description": "Time in a zone", "parameters": TIME}]  # both shapes Tool.parse reads
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+async def test_constraints_travel_on_generate_infill_and_the_editor_session(client: AsyncClient,
+                                                                            server: Running) -> None:
+    """A JSON Schema (a dict on the async client, JSON text on the blocking one) gives JSON that validates and ends
+    with STOP; a regex is matched whole, through a completion session's defaults too."""
+    for seed in range(2):
+        gen = client.generate("A city record: ", max_new_tokens=120, sampling=Sampling(temperature=1.0, seed=seed),
+                              constraint=Constraint(json_schema=CITY))
+        summary = await gen.result()
+        jsonschema.validate(json.loads(gen.text), CITY)
+        assert summary is not None and summary.finish_reason is FinishReason.STOP
+    async with client.completion_session(max_new_tokens=20, constraint=Constraint(regex=r"[0-9]{1,6}")) as editor:
+        number = editor.complete("x = ", sampling=Sampling(temperature=1.0, seed=3))
+        assert await number.result() is not None and re.fullmatch(r"[0-9]{1,6}", number.text)
+    if (await client.model_info()).supports_infill:
+        yes_no = Constraint(grammar='root ::= "yes" | "no"')
+        middle = client.infill("answer = ", "\n", max_new_tokens=8, constraint=yes_no)
+        assert await middle.result() is not None and middle.text in ("yes", "no")
+
+    def blocking() -> str:
+        with Client(f"127.0.0.1:{server.port}", timeout=30) as c:
+            gen = c.generate("A city record: ", max_new_tokens=120, constraint=Constraint(json_schema=json.dumps(CITY)))
+            return "".join(chunk.text for chunk in gen)
+
+    jsonschema.validate(json.loads(await asyncio.to_thread(blocking)), CITY)
+
+
+async def test_bad_constraints_are_refused(client: AsyncClient) -> None:
+    """Two kinds at once (or none) are a ValueError before any call; a schema the server cannot compile is
+    InvalidArgument naming the problem."""
+    for kinds in ({}, {"regex": "a", "grammar": "root ::= \"a\""}, {"json_schema": CITY, "json_object": True}):
+        with pytest.raises(ValueError, match="exactly one of json_schema, regex, grammar, json_object"):
+            Constraint(**kinds)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument) as err:
+        await client.generate("x", max_new_tokens=4, constraint=Constraint(json_schema={"type": "strange"})).result()
+    assert "invalid json_schema" in err.value.details
+    with pytest.raises(InvalidArgument, match="invalid regex"):
+        await client.infill("x", "y", max_new_tokens=4, constraint=Constraint(regex="(unclosed")).result()
+
+
+async def test_converse_tool_call_then_a_tool_result_turn(client: AsyncClient) -> None:
+    """tool_choice required on the shipped pair (the plain tool format): the reply's call is a typed ToolCall event,
+    in the summary too, whose arguments parse and validate; the result goes back as a tool turn and the next reply
+    continues the conversation."""
+    async with client.voice_session(tools=[Tool("get_weather", "Weather in a city", WEATHER)],
+                                    tool_choice="required", parallel_tool_calls=False, max_new_tokens=200) as voice:
+        reply = voice.say("What is the weather in Paris?", sampling=Sampling(temperature=1.0, seed=5))
+        events = [event async for event in reply.events()]
+        summary = events[-1]
+        assert isinstance(summary, TurnSummary)
+        calls = [event for event in events if isinstance(event, ToolCall)]
+        assert len(calls) == 1 and summary.tool_calls == tuple(calls) == tuple(reply.tool_calls)
+        call = calls[0]
+        assert call.name == "get_weather" and call.id and call.index == 0
+        jsonschema.validate(call.parsed_arguments(), WEATHER)
+        assert call.arguments not in reply.text  # a call's text is not reply text
+
+        answer = voice.tool_result(call, {"temperature": 21}, tool_choice="none", max_new_tokens=6)
+        done = await answer.done()
+        assert done.turn_index == 1 and not done.tool_calls and done.reply_text == answer.text
+        assert done.generation.completion_tokens > 0
+
+
+async def test_sync_conversation_calls_a_named_function_from_openai_declarations(server: Running) -> None:
+    def run() -> tuple[list[ToolCall], TurnSummary]:
+        with Client(f"127.0.0.1:{server.port}", timeout=60) as c, c.conversation(tools=TOOLS,
+                                                                                 max_new_tokens=200) as conv:
+            events = list(conv.say("What time is it in Tokyo?", sampling=Sampling(temperature=1.0, seed=2),
+                                   tool_choice={"type": "function", "function": {"name": "get_time"}}))
+            calls = [event for event in events if isinstance(event, ToolCall)]
+            last = list(conv.tool_result(calls[0].id, "09:00", tool_choice=ToolChoice.parse("none"),
+                                         max_new_tokens=4))[-1]
+            assert isinstance(last, TurnSummary)
+            return calls, last
+
+    calls, after = await asyncio.to_thread(run)
+    assert calls and all(call.name == "get_time" for call in calls)
+    for call in calls:
+        jsonschema.validate(call.parsed_arguments(), SCHEMAS[call.name])
+    assert after.turn_index == 1 and not after.tool_calls
 
 
 # ---- editors -----------------------------------------------------------------------------------------------------
@@ -448,6 +562,38 @@ async def test_cli_complete_takes_a_prediction_file(server: Running, tmp_path: P
     rc, out, err = await _run(str(BIN / "specrpc"), "complete", "class Stack:\n", "--port", str(server.port),
                               "--max-new-tokens", "12", "--prediction", str(predicted), "--timeout", "30")
     assert rc == 0 and out.strip() and "prediction " in err and "used" in err, err
+
+
+async def test_cli_complete_structured_output(server: Running, tmp_path: Path) -> None:
+    schema = tmp_path / "city.json"
+    schema.write_text(json.dumps(CITY))
+    rc, out, err = await _run(str(BIN / "specrpc"), "complete", "A city record: ", "--json-schema", str(schema),
+                              "--port", str(server.port), "--max-new-tokens", "120", "--temperature", "1",
+                              "--seed", "4", "--timeout", "30")
+    assert rc == 0, err
+    jsonschema.validate(json.loads(out), CITY)
+    assert "· stop" in err
+    rc, out, err = await _run(str(BIN / "specrpc"), "complete", "x = ", "--regex", "[0-9]{1,6}", "--port",
+                              str(server.port), "--max-new-tokens", "20", "--timeout", "30")
+    assert rc == 0 and re.fullmatch(r"[0-9]{1,6}\n", out), err
+    schema.write_text('{"type": "strange"}')
+    rc, _, err = await _run(str(BIN / "specrpc"), "complete", "x", "--json-schema", str(schema), "--port",
+                            str(server.port), "--max-new-tokens", "4", "--timeout", "30")
+    assert rc == 1 and "INVALID_ARGUMENT" in err and "json_schema" in err
+
+
+async def test_cli_chat_prints_a_tool_call_and_sends_the_typed_result(server: Running, tmp_path: Path) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS[:1]))
+    rc, out, err = await _run(str(BIN / "specrpc"), "chat", "--tools", str(tools), "--tool-choice", "required",
+                              "--no-parallel-tool-calls", "--port", str(server.port), "--max-new-tokens", "200",
+                              "--temperature", "1", "--seed", "5", "--timeout", "60",
+                              stdin=b'What is the weather in Paris?\n{"temperature": 21}\n')
+    assert rc == 0, err
+    call = re.search(r"^\[tool call (\S+)\] get_weather (.*)$", out, re.MULTILINE)
+    assert call is not None, out
+    jsonschema.validate(json.loads(call.group(2)), WEATHER)
+    assert err.count("TTFT") == 2 and "[session: 2 turns" in err  # the result turn got a reply
 
 
 async def test_cli_complete_reports_errors(server: Running) -> None:

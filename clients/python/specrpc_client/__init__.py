@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from specrpc_client.sync import Client, Conversation, Generation
     from specrpc_client.types import (
         Chunk,
+        Constraint,
         ExtraFile,
         FimLayout,
         FinishReason,
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
         Timing,
         TokenAlternative,
         TokenLogprob,
+        Tool,
+        ToolCall,
+        ToolChoice,
+        ToolChoiceMode,
         TurnSummary,
     )
 
@@ -56,11 +61,11 @@ _WHERE = {
                               "PermissionDenied", "ResourceExhausted", "SpecrpcError", "Unauthenticated",
                               "Unavailable"],
     "specrpc_client.sync": ["Client", "Conversation", "Generation"],
-    "specrpc_client.types": ["Chunk", "ExtraFile", "FimLayout", "FinishReason", "LineChange", "ModelDescription",
-                             "ModelInfo", "Phrase", "Proposer", "RewriteResult", "Rewound", "Sampling",
-                             "SessionStarted", "Speculation",
-                             "SpeculationPolicy", "SpeculationStats", "Summary", "Timing", "TokenAlternative",
-                             "TokenLogprob", "TurnSummary"],
+    "specrpc_client.types": ["Chunk", "Constraint", "ExtraFile", "FimLayout", "FinishReason", "LineChange",
+                             "ModelDescription", "ModelInfo", "Phrase", "Proposer", "RewriteResult", "Rewound",
+                             "Sampling", "SessionStarted", "Speculation", "SpeculationPolicy", "SpeculationStats",
+                             "Summary", "Timing", "TokenAlternative", "TokenLogprob", "Tool", "ToolCall", "ToolChoice",
+                             "ToolChoiceMode", "TurnSummary"],
 }
 _MODULE = {name: module for module, names in _WHERE.items() for name in names}
 __all__ = [
@@ -72,6 +77,7 @@ __all__ = [
     "Chunk",
     "Client",
     "CompletionSession",
+    "Constraint",
     "Conversation",
     "DeadlineExceeded",
     "ExtraFile",
@@ -101,6 +107,10 @@ __all__ = [
     "Timing",
     "TokenAlternative",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
+    "ToolChoiceMode",
     "TurnSummary",
     "Unauthenticated",
     "Unavailable",

@@ -5,17 +5,28 @@ from __future__ import annotations
 import enum
 import hashlib
 import ipaddress
+import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import grpc
 
 from specrpc_client._stubs import pb
-from specrpc_client.types import ExtraFile, FimLayout, Sampling, Speculation, extra_to_proto
+from specrpc_client.types import (
+    Constraint,
+    ExtraFile,
+    FimLayout,
+    Sampling,
+    Speculation,
+    Tool,
+    ToolChoice,
+    extra_to_proto,
+    tools_to_proto,
+)
 
 USER_AGENT = "specrpc-client-python/0.1"
 SESSION_HEADER = "x-session-id"
@@ -181,12 +192,27 @@ class Connection:
 # ---- requests --------------------------------------------------------------------------------------------------
 
 def _common(max_new_tokens: int, sampling: Sampling | None, stop: Sequence[str],
-            speculation: Speculation | None) -> dict[str, object]:
+            speculation: Speculation | None, constraint: Constraint | None = None) -> dict[str, object]:
     kw: dict[str, object] = {"max_new_tokens": max_new_tokens, "stop": list(stop)}
     if sampling is not None:
         kw["sampling"] = sampling.to_proto()
     if speculation is not None:
         kw["speculation"] = speculation.to_proto()
+    if constraint is not None:
+        kw["constraint"] = constraint.to_proto()
+    return kw
+
+
+ToolDeclarations = Sequence[Tool | Mapping[str, Any]]
+"""Tools, or OpenAI function declarations (Tool.parse)."""
+ToolChoiceLike = ToolChoice | str | Mapping[str, Any]
+"""A ToolChoice, 'auto' / 'none' / 'required', a function's name, or OpenAI's named-function mapping."""
+
+
+def _tool_fields(tools: ToolDeclarations, tool_choice: ToolChoiceLike | None) -> dict[str, object]:
+    kw: dict[str, object] = {"tools": tools_to_proto(tools)}
+    if tool_choice is not None:
+        kw["tool_choice"] = ToolChoice.parse(tool_choice).to_proto()
     return kw
 
 
@@ -204,33 +230,36 @@ class EditorFields:
 
 def generate_request(prompt: str | Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling | None = None,
                      stop: Sequence[str] = (), speculation: Speculation | None = None, session_id: str = "",
-                     truncate_prompt: bool = False, path: str = "",
-                     editor: EditorFields = EditorFields()) -> pb.GenerateRequest:
+                     truncate_prompt: bool = False, path: str = "", editor: EditorFields = EditorFields(),
+                     constraint: Constraint | None = None) -> pb.GenerateRequest:
     """A GenerateRequest; `prompt` is text or token ids; `path`: the file the prompt text opens. `editor`:
     n_indent (end before a new line indented less), max_time_ms (a time budget from the first token, ended at the
     next newline), prefill_only (only cache the prompt in the session), logprobs and top_logprobs (0..20),
     prediction (the output as predicted, for example the text being rewritten: the server drafts from it; the
-    output is the same without it, and the summary counts its accepted and rejected tokens)."""
+    output is the same without it, and the summary counts its accepted and rejected tokens). `constraint`: what
+    the output must match (a JSON Schema, a regex, a grammar, any JSON object)."""
     text, ids = (prompt, []) if isinstance(prompt, str) else ("", list(prompt))
     return pb.GenerateRequest(prompt=text, prompt_token_ids=ids, session_id=session_id,
                               truncate_prompt=truncate_prompt, path=path, **vars(editor),
-                              **_common(max_new_tokens, sampling, stop, speculation))  # type: ignore[arg-type]
+                              **_common(max_new_tokens, sampling, stop, speculation,
+                                        constraint))  # type: ignore[arg-type]
 
 
 def infill_request(prefix: str, suffix: str = "", *, extra_files: Sequence[ExtraFile | tuple[str, str]] = (),
                    path: str = "", max_new_tokens: int = 0, sampling: Sampling | None = None,
                    stop: Sequence[str] = (), speculation: Speculation | None = None,
                    session_id: str = "", typed_line: str = "", repo_name: str = "", truncate: bool = False,
-                   layout: FimLayout | str = FimLayout.UNSPECIFIED, editor: EditorFields = EditorFields()
-                   ) -> pb.InfillRequest:
+                   layout: FimLayout | str = FimLayout.UNSPECIFIED, editor: EditorFields = EditorFields(),
+                   constraint: Constraint | None = None) -> pb.InfillRequest:
     """An InfillRequest (fill-in-the-middle). `typed_line`: the current line's text before the cursor when sent
     apart from `prefix`; `truncate`: trim the prompt to fit instead of failing; `layout`: a FimLayout or its name;
-    `editor` as in `generate_request`."""
+    `editor` and `constraint` as in `generate_request`."""
     kind = FimLayout.parse(layout) if isinstance(layout, str) else layout
     return pb.InfillRequest(prefix=prefix, suffix=suffix, extra=extra_to_proto(extra_files), path=path,
                             session_id=session_id, typed_line=typed_line, repo_name=repo_name, truncate=truncate,
                             layout=cast("pb.FimLayout.ValueType", int(kind)), **vars(editor),
-                            **_common(max_new_tokens, sampling, stop, speculation))  # type: ignore[arg-type]
+                            **_common(max_new_tokens, sampling, stop, speculation,
+                                      constraint))  # type: ignore[arg-type]
 
 
 def rewrite_request(path: str, text: str, region_start: int, region_end: int, cursor: int, *,
@@ -249,20 +278,36 @@ def rewrite_request(path: str, text: str, region_start: int, region_end: int, cu
 
 
 def session_start(session_id: str, *, system: str = "", phrase_mode: bool = True, sampling: Sampling | None = None,
-                  speculation: Speculation | None = None, max_new_tokens: int = 0,
-                  stop: Sequence[str] = ()) -> pb.ConverseRequest:
-    """The first message of a Converse stream."""
+                  speculation: Speculation | None = None, max_new_tokens: int = 0, stop: Sequence[str] = (),
+                  tools: ToolDeclarations = (), tool_choice: ToolChoiceLike | None = None,
+                  parallel_tool_calls: bool | None = None) -> pb.ConverseRequest:
+    """The first message of a Converse stream; `tools` the replies may call, `tool_choice` (unset: auto with tools)
+    and `parallel_tool_calls` (unset: the server's default, true) are the session's defaults."""
     start = pb.SessionStart(session_id=session_id, system=system, phrase_mode=phrase_mode,
+                            **_tool_fields(tools, tool_choice),  # type: ignore[arg-type]
                             **_common(max_new_tokens, sampling, stop, speculation))  # type: ignore[arg-type]
+    if parallel_tool_calls is not None:
+        start.parallel_tool_calls = parallel_tool_calls
     return pb.ConverseRequest(start=start)
 
 
 def turn_request(text: str, *, role: str = "", sampling: Sampling | None = None, max_new_tokens: int = 0,
-                 speculation: Speculation | None = None) -> pb.ConverseRequest:
-    """A user turn."""
-    turn = pb.Turn(text=text, role=role, max_new_tokens=max_new_tokens)
+                 speculation: Speculation | None = None, constraint: Constraint | None = None,
+                 tools: ToolDeclarations = (), tool_choice: ToolChoiceLike | None = None,
+                 tool_call_id: str = "") -> pb.ConverseRequest:
+    """A turn (role: user by default; "tool" with `tool_call_id` for a call's result). `constraint`: what the reply
+    must match (not with tools in use); `tools` and `tool_choice` replace the session's for this reply when given."""
+    turn = pb.Turn(text=text, role=role, max_new_tokens=max_new_tokens, tool_call_id=tool_call_id,
+                   **_tool_fields(tools, tool_choice))  # type: ignore[arg-type]
     if sampling is not None:
         turn.sampling.CopyFrom(sampling.to_proto())
     if speculation is not None:
         turn.speculation.CopyFrom(speculation.to_proto())
+    if constraint is not None:
+        turn.constraint.CopyFrom(constraint.to_proto())
     return pb.ConverseRequest(turn=turn)
+
+
+def tool_result_text(result: str | Mapping[str, Any] | Sequence[Any]) -> str:
+    """A tool's result as a turn's text: text as given, anything else as JSON."""
+    return result if isinstance(result, str) else json.dumps(result)

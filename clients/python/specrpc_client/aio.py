@@ -7,17 +7,28 @@ import collections
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
 from specrpc_client import _core
-from specrpc_client._core import DEFAULT_RETRY, UNSET, Connection, Deadline, PemSource, RetryPolicy, Timeout
+from specrpc_client._core import (
+    DEFAULT_RETRY,
+    UNSET,
+    Connection,
+    Deadline,
+    PemSource,
+    RetryPolicy,
+    Timeout,
+    ToolChoiceLike,
+    ToolDeclarations,
+)
 from specrpc_client._stubs import pb, pb_grpc
 from specrpc_client.errors import SpecrpcError, from_rpc_error
 from specrpc_client.types import (
     Chunk,
+    Constraint,
     ExtraFile,
     FimLayout,
     FinishReason,
@@ -29,11 +40,13 @@ from specrpc_client.types import (
     SessionStarted,
     Speculation,
     Summary,
+    ToolCall,
     TurnSummary,
     chunk_from,
     ended,
     model_info_from,
     phrase_from,
+    tool_call_from,
     turn_summary_from,
 )
 
@@ -258,19 +271,23 @@ class AsyncClient:
                  stop: Sequence[str] = (), speculation: Speculation | None = None, session_id: str = "",
                  truncate_prompt: bool = False, path: str = "", n_indent: int = 0, max_time_ms: int = 0,
                  prefill_only: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                 prediction: str = "", timeout: Timeout = UNSET) -> AsyncGeneration:
+                 prediction: str = "", constraint: Constraint | None = None,
+                 timeout: Timeout = UNSET) -> AsyncGeneration:
         """Continue a prompt (text or token ids; `path`: the file the text opens); the stream starts now. Call
         inside a running event loop. Editor fields: `n_indent` ends before a new line indented less than that many
         characters, `max_time_ms` ends at the next newline once that budget from the first token is spent,
         `prefill_only` only caches the prompt in the session (the result is a summary alone), `logprobs` (with
         `top_logprobs` alternatives, at most 20) puts each token's log-probability on its chunk. `prediction`: the
         output as predicted (for example the region being rewritten): the server drafts from it, the output is the
-        same without it, and the summary counts its accepted and rejected tokens (Infill takes it too)."""
+        same without it, and the summary counts its accepted and rejected tokens (Infill takes it too).
+        `constraint`: what the output must match, for example `Constraint(json_schema={...})` (Infill takes it
+        too); a bad schema or grammar is InvalidArgument."""
         request = _core.generate_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                          speculation=speculation, session_id=session_id,
                                          truncate_prompt=truncate_prompt, path=path,
                                          editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
-                                                                   top_logprobs, prediction))
+                                                                   top_logprobs, prediction),
+                                         constraint=constraint)
         return self._stream("Generate", request, session_id, self._timeout(timeout))
 
     def rewrite(self, path: str, text: str, region_start: int, region_end: int, cursor: int, *,
@@ -290,7 +307,7 @@ class AsyncClient:
                speculation: Speculation | None = None, session_id: str = "", typed_line: str = "",
                repo_name: str = "", truncate: bool = False, layout: FimLayout | str = FimLayout.UNSPECIFIED,
                n_indent: int = 0, max_time_ms: int = 0, prefill_only: bool = False, logprobs: bool = False,
-               top_logprobs: int = 0, prediction: str = "",
+               top_logprobs: int = 0, prediction: str = "", constraint: Constraint | None = None,
                timeout: Timeout = UNSET) -> AsyncGeneration:
         """Fill in the middle between prefix and suffix (extra_files: other files as context; typed_line: the
         current line's text before the cursor when sent apart from prefix; repo_name: the repository, for families
@@ -301,7 +318,8 @@ class AsyncClient:
                                        speculation=speculation, session_id=session_id, typed_line=typed_line,
                                        repo_name=repo_name, truncate=truncate, layout=layout,
                                        editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
-                                                                 top_logprobs, prediction))
+                                                                 top_logprobs, prediction),
+                                       constraint=constraint)
         return self._stream("Infill", request, session_id, self._timeout(timeout))
 
     def completion_session(self, session_id: str | None = None, **defaults: Any) -> CompletionSession:
@@ -317,7 +335,8 @@ class CompletionSession:
     """Completions for one editor buffer: every request cancels the one before (cancel-on-keystroke), and all share
     one session id, so the server reuses the cached prompt prefix (`summary.cached_prompt_tokens`).
 
-    defaults: max_new_tokens, sampling, stop, speculation, timeout, applied to each request unless overridden.
+    defaults: max_new_tokens, sampling, stop, speculation, constraint, timeout (any option of `generate` that
+    `infill` takes too), applied to each request unless overridden.
     """
 
     def __init__(self, client: AsyncClient, session_id: str | None = None, **defaults: Any) -> None:
@@ -353,17 +372,20 @@ class CompletionSession:
 
 
 _BARGED = object()
-Event = Chunk | Phrase | TurnSummary
+Event = Chunk | Phrase | ToolCall | TurnSummary
 
 
 class Reply:
     """One reply of a VoiceSession. Iterate it for Phrases (what text-to-speech should say, in order; the iteration
-    ends at the reply's end or at a barge-in); `events()` gives chunks, phrases and the TurnSummary."""
+    ends at the reply's end or at a barge-in); `events()` gives chunks, phrases, tool calls and the TurnSummary.
+    A tool call's text is in none of the chunks or phrases: it arrives as a ToolCall once complete
+    (`tool_calls`)."""
 
     def __init__(self) -> None:
         self.started_at = time.perf_counter()
         self.chunks: list[Chunk] = []
         self.phrases: list[Phrase] = []
+        self.tool_calls: list[ToolCall] = []
         self.summary: TurnSummary | None = None
         self.barged = False
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -387,6 +409,9 @@ class Reply:
         elif kind == "phrase":
             event = phrase_from(msg.phrase, (time.perf_counter() - self.started_at) * 1e3)
             self.phrases.append(event)
+        elif kind == "tool_call":
+            event = tool_call_from(msg.tool_call)
+            self.tool_calls.append(event)
         else:
             event = self.summary = turn_summary_from(msg.summary)
             if not self._finished.done():
@@ -404,7 +429,7 @@ class Reply:
         self._queue.put_nowait(_BARGED)
 
     async def events(self) -> AsyncIterator[Event]:
-        """Chunks and phrases as they arrive, then the TurnSummary."""
+        """Chunks, phrases and tool calls as they arrive, then the TurnSummary."""
         while True:
             event = await self._queue.get()
             if event is _BARGED:
@@ -441,16 +466,23 @@ class VoiceSession:
 
     session_id: reuse one to resume a session's history (default: a new random id, sent as `x-session-id`).
     timeout: a deadline for the whole stream (default None: a voice session is long-lived).
+    tools: functions the replies may call (Tool, or OpenAI function declarations); tool_choice: 'auto' (the
+    default with tools), 'none', 'required', a function's name or a ToolChoice; parallel_tool_calls: whether a
+    reply may make several calls (unset: yes). A reply's calls are in `reply.tool_calls` (and its events); answer
+    each with `tool_result(call, result)`.
     """
 
     def __init__(self, client: AsyncClient, session_id: str | None = None, *, system: str = "",
                  phrase_mode: bool = True, sampling: Sampling | None = None, speculation: Speculation | None = None,
-                 max_new_tokens: int = 0, stop: Sequence[str] = (), timeout: float | None = None) -> None:
+                 max_new_tokens: int = 0, stop: Sequence[str] = (), tools: ToolDeclarations = (),
+                 tool_choice: ToolChoiceLike | None = None, parallel_tool_calls: bool | None = None,
+                 timeout: float | None = None) -> None:
         self.client = client
         self.session_id = session_id or uuid.uuid4().hex
         self._start = _core.session_start(self.session_id, system=system, phrase_mode=phrase_mode,
                                           sampling=sampling, speculation=speculation,
-                                          max_new_tokens=max_new_tokens, stop=stop)
+                                          max_new_tokens=max_new_tokens, stop=stop, tools=tools,
+                                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         self.timeout = timeout
         self.started: SessionStarted | None = None
         self._call: Any = None
@@ -540,16 +572,30 @@ class VoiceSession:
         return self._replies[-1] if self._replies else None
 
     def say(self, text: str, *, role: str = "", sampling: Sampling | None = None, max_new_tokens: int = 0,
-            speculation: Speculation | None = None) -> Reply:
-        """Send a turn; iterate the Reply for its phrases. A reply still in flight is cancelled (barged in)."""
+            speculation: Speculation | None = None, constraint: Constraint | None = None,
+            tools: ToolDeclarations = (), tool_choice: ToolChoiceLike | None = None,
+            tool_call_id: str = "") -> Reply:
+        """Send a turn; iterate the Reply for its phrases. A reply still in flight is cancelled (barged in).
+        `constraint`: what this reply must match (not with tools in use); `tools` / `tool_choice`: this reply's,
+        instead of the session's; role "tool" with `tool_call_id`: a call's result (see `tool_result`)."""
+        request = _core.turn_request(text, role=role, sampling=sampling, max_new_tokens=max_new_tokens,
+                                     speculation=speculation, constraint=constraint, tools=tools,
+                                     tool_choice=tool_choice, tool_call_id=tool_call_id)
         previous = self.in_flight
         if previous is not None:
             previous._barge()
-        self._send(_core.turn_request(text, role=role, sampling=sampling, max_new_tokens=max_new_tokens,
-                                      speculation=speculation))
+        self._send(request)
         reply = Reply()
         self._replies.append(reply)
         return reply
+
+    def tool_result(self, call: ToolCall | str, result: str | Mapping[str, Any] | Sequence[Any],
+                    **turn: Any) -> Reply:
+        """Send a call's result (text as given, anything else as JSON) as a `tool` turn; the Reply continues the
+        conversation. `call`: the ToolCall or its id; `turn`: the options of `say` (tool_choice, max_new_tokens,
+        ...)."""
+        call_id = call if isinstance(call, str) else call.id
+        return self.say(_core.tool_result_text(result), role="tool", tool_call_id=call_id, **turn)
 
     async def barge_in(self) -> TurnSummary | None:
         """Stop the reply in flight (within one engine step); its summary, or None when nothing was in flight.

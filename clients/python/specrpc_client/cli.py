@@ -7,6 +7,7 @@ the stats line (and errors) to stderr, so `specrpc complete ... > out.txt` keeps
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -59,6 +60,42 @@ def _editor_arguments(p: argparse.ArgumentParser) -> None:
                         "token by token; the stats count its accepted and rejected tokens")
 
 
+def _constraint_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("structured output (one of)")
+    one = g.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", type=Path, metavar="FILE",
+                     help="a JSON Schema file: the output is JSON that validates against it")
+    one.add_argument("--regex", metavar="PATTERN", help="a regular expression (Rust regex syntax) the whole output "
+                                                         "matches")
+    one.add_argument("--grammar", type=Path, metavar="FILE",
+                     help="a grammar file (Lark, or llama.cpp's GBNF `root ::= ...`) the output matches")
+    one.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--lenient", action="store_true",
+                   help="with --json-schema: ignore keywords the server does not implement instead of refusing")
+
+
+def _tool_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tools")
+    g.add_argument("--tools", type=Path, metavar="FILE",
+                   help="a JSON file: a list of functions the model may call, as OpenAI declares them "
+                        '({"type": "function", "function": {...}}) or as {"name", "description", "parameters"}')
+    g.add_argument("--tool-choice", default=None, metavar="auto|none|required|NAME",
+                   help="for the turns you type: 'auto' (default with --tools), 'none', 'required', or the name of "
+                        "the function to call; the replies to tool results use 'auto'")
+    g.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call per reply")
+
+
+CHAT_DESCRIPTION = """\
+Chat over Converse: each stdin line is a turn, the reply streams back. Ctrl-C during a reply
+cancels it (barge-in); '/rewind N' keeps N characters of the last reply; '/quit' or EOF ends.
+
+With --tools, a call the model makes is printed on stdout as
+  [tool call CALL_ID] NAME {"argument": ...}
+and the next line you type (prompt 'CALL_ID> ') is its result, text or JSON, sent back as a
+`tool` turn; the reply to it streams as usual and may call again. A reply with several calls
+asks for each result in turn."""
+
+
 def add_commands(commands: Any) -> None:
     """Register `complete` and `chat` on an argparse subparsers object."""
     complete = commands.add_parser(
@@ -78,14 +115,14 @@ def add_commands(commands: Any) -> None:
     _connection_arguments(complete)
     _generation_arguments(complete)
     _editor_arguments(complete)
+    _constraint_arguments(complete)
     complete.set_defaults(func=run_complete)
 
-    chat = commands.add_parser(
-        "chat", help="interactive Converse session",
-        description="Chat over Converse: each stdin line is a turn, the reply streams back. Ctrl-C during a reply "
-                    "cancels it (barge-in); '/rewind N' keeps N characters of the last reply; '/quit' or EOF ends.")
+    chat = commands.add_parser("chat", help="interactive Converse session", description=CHAT_DESCRIPTION,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     chat.add_argument("--system", default="", help="system prompt")
     chat.add_argument("--phrases", action="store_true", help="print phrase events (text-to-speech chunks)")
+    _tool_arguments(chat)
     _connection_arguments(chat)
     _generation_arguments(chat)
     chat.set_defaults(func=run_chat)
@@ -113,6 +150,33 @@ def _request_options(args: argparse.Namespace) -> dict[str, Any]:
             "speculation": speculation}
 
 
+def _constraint(args: argparse.Namespace) -> Any:
+    """The Constraint the structured-output flags ask for, or None."""
+    from specrpc_client import Constraint
+
+    if args.json_schema is not None:
+        return Constraint(json_schema=args.json_schema.read_text(), lenient=args.lenient)
+    if args.lenient:
+        raise ValueError("--lenient goes with --json-schema")
+    if args.regex is not None:
+        return Constraint(regex=args.regex)
+    if args.grammar is not None:
+        return Constraint(grammar=args.grammar.read_text())
+    return Constraint(json_object=True) if args.json_object else None
+
+
+def _tools(path: Path | None) -> list[Any]:
+    """The declarations in a --tools file (a JSON list)."""
+    from specrpc_client import Tool
+
+    if path is None:
+        return []
+    declared = json.loads(path.read_text())
+    if not isinstance(declared, list):
+        raise ValueError(f"{path}: a list of function declarations is expected")
+    return [Tool.parse(d) for d in declared]
+
+
 def stats_line(summary: Any, ttft_ms: float | None, elapsed_s: float) -> str:
     """tokens, TTFT, tokens/s, acceptance rate (and why it ended) in one line."""
     spec = summary.speculation
@@ -138,7 +202,7 @@ def logprob_lines(chunks: list[Any]) -> list[str]:
     return lines
 
 
-def _fail(exc: Exception) -> int:
+def _fail(exc: BaseException) -> int:
     print(f"specrpc: {exc}", file=sys.stderr)
     return 1
 
@@ -148,9 +212,13 @@ def run_complete(args: argparse.Namespace) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     options = _request_options(args)
-    options.update(n_indent=args.n_indent, max_time_ms=args.max_time_ms, prefill_only=args.prefill_only,
-                   logprobs=args.logprobs, top_logprobs=args.top_logprobs,
-                   prediction=args.prediction.read_text() if args.prediction is not None else "")
+    try:
+        options.update(n_indent=args.n_indent, max_time_ms=args.max_time_ms, prefill_only=args.prefill_only,
+                       logprobs=args.logprobs, top_logprobs=args.top_logprobs,
+                       prediction=args.prediction.read_text() if args.prediction is not None else "",
+                       constraint=_constraint(args))
+    except (OSError, ValueError) as exc:
+        return _fail(exc)
     chunks = []
     try:
         with _client(args) as client:
@@ -186,25 +254,68 @@ def run_chat(args: argparse.Namespace) -> int:
     import threading
     import time
 
-    from specrpc_client import Chunk, Phrase, SpecrpcError, TurnSummary
+    from specrpc_client import Chunk, Phrase, SpecrpcError, ToolCall, TurnSummary
 
     options = _request_options(args)
     options.pop("stop")
+    try:
+        tools = _tools(args.tools)
+    except (OSError, ValueError) as exc:
+        return _fail(exc)
     interactive = sys.stdin.isatty()
     totals = {"turns": 0, "tokens": 0, "proposed": 0, "accepted": 0, "seconds": 0.0}
+
+    def read_line(prompt: str) -> str | None:
+        """The next stdin line without its newline; None at EOF or '/quit'."""
+        if interactive:
+            print(prompt, end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        return None if not line or line.strip() == "/quit" else line.rstrip("\n")
+
+    def show(events: Any) -> list[ToolCall]:
+        """Stream a reply's events (Ctrl-C meanwhile is a barge-in, not an exit); the calls it made."""
+        started = time.perf_counter()
+        first: float | None = None
+        calls: list[ToolCall] = []
+        previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+        if previous is not None:
+            signal.signal(signal.SIGINT, lambda *_: conv.cancel())
+        try:
+            for event in events:
+                if isinstance(event, Chunk):
+                    if first is None and event.token_ids:
+                        first = (time.perf_counter() - started) * 1e3
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                elif isinstance(event, Phrase):
+                    print(f"\n  [phrase {event.start_char}-{event.end_char} at {event.time_ms:.0f} ms]",
+                          file=sys.stderr)
+                elif isinstance(event, ToolCall):
+                    calls.append(event)
+                    print(f"\n[tool call {event.id}] {event.name} {event.arguments}", flush=True)
+                elif isinstance(event, TurnSummary):
+                    elapsed = time.perf_counter() - started
+                    g = event.generation
+                    sys.stdout.write("\n")
+                    print(stats_line(g, first, elapsed), file=sys.stderr)
+                    totals["turns"] += 1
+                    totals["tokens"] += g.completion_tokens
+                    totals["proposed"] += g.speculation.draft_tokens_proposed
+                    totals["accepted"] += g.speculation.draft_tokens_accepted
+                    totals["seconds"] += elapsed
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        return calls
+
     try:
         with _client(args) as client, client.conversation(
                 args.session_id or None, system=args.system, phrase_mode=args.phrases, stop=args.stop,
-                **options) as conv:
+                tools=tools, tool_choice=args.tool_choice,
+                parallel_tool_calls=False if args.no_parallel_tool_calls else None, **options) as conv:
             print(f"[session {conv.session_id}{' resumed' if conv.started and conv.started.resumed else ''}; "
                   f"/rewind N, /quit]", file=sys.stderr)
-            while True:
-                if interactive:
-                    print("> ", end="", file=sys.stderr, flush=True)
-                line = sys.stdin.readline()
-                if not line or line.strip() == "/quit":
-                    break
-                text = line.rstrip("\n")
+            while (text := read_line("> ")) is not None:
                 if not text.strip():
                     continue
                 if text.startswith("/rewind"):
@@ -217,40 +328,22 @@ def run_chat(args: argparse.Namespace) -> int:
                     print(f"[rewound: kept {r.kept_chars} chars, {r.kept_tokens} tokens; history "
                           f"{r.history_tokens} tokens]", file=sys.stderr)
                     continue
-                started = time.perf_counter()
-                first: float | None = None
-                # Ctrl-C while a reply streams is a barge-in, not an exit.
-                previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is \
-                    threading.main_thread() else None
-                if previous is not None:
-                    signal.signal(signal.SIGINT, lambda *_: conv.cancel())
-                try:
-                    for event in conv.say(text):
-                        if isinstance(event, Chunk):
-                            if first is None and event.token_ids:
-                                first = (time.perf_counter() - started) * 1e3
-                            sys.stdout.write(event.text)
-                            sys.stdout.flush()
-                        elif isinstance(event, Phrase):
-                            print(f"\n  [phrase {event.start_char}-{event.end_char} at {event.time_ms:.0f} ms]",
-                                  file=sys.stderr)
-                        elif isinstance(event, TurnSummary):
-                            elapsed = time.perf_counter() - started
-                            g = event.generation
-                            sys.stdout.write("\n")
-                            print(stats_line(g, first, elapsed), file=sys.stderr)
-                            totals["turns"] += 1
-                            totals["tokens"] += g.completion_tokens
-                            totals["proposed"] += g.speculation.draft_tokens_proposed
-                            totals["accepted"] += g.speculation.draft_tokens_accepted
-                            totals["seconds"] += elapsed
-                finally:
-                    if previous is not None:
-                        signal.signal(signal.SIGINT, previous)
+                pending = show(conv.say(text))
+                while pending:  # each call's result is the next line, sent as a tool turn
+                    call = pending.pop(0)
+                    result = read_line(f"{call.id}> ")
+                    if result is None:
+                        return _summarize(totals)
+                    pending += show(conv.tool_result(call, result, tool_choice="auto"))
     except KeyboardInterrupt:
         print(file=sys.stderr)
     except SpecrpcError as exc:
         return _fail(exc)
+    return _summarize(totals)
+
+
+def _summarize(totals: dict[str, Any]) -> int:
+    """Print the session's totals (after at least one turn); the exit status, 0."""
     if totals["turns"]:
         rate = totals["accepted"] / totals["proposed"] if totals["proposed"] else 0.0
         tps = totals["tokens"] / totals["seconds"] if totals["seconds"] else 0.0

@@ -5,17 +5,28 @@ from __future__ import annotations
 import queue
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
 
 from specrpc_client import _core
-from specrpc_client._core import DEFAULT_RETRY, UNSET, Connection, Deadline, PemSource, RetryPolicy, Timeout
+from specrpc_client._core import (
+    DEFAULT_RETRY,
+    UNSET,
+    Connection,
+    Deadline,
+    PemSource,
+    RetryPolicy,
+    Timeout,
+    ToolChoiceLike,
+    ToolDeclarations,
+)
 from specrpc_client._stubs import pb, pb_grpc
 from specrpc_client.errors import SpecrpcError, Unavailable, from_rpc_error
 from specrpc_client.types import (
     Chunk,
+    Constraint,
     ExtraFile,
     FimLayout,
     FinishReason,
@@ -27,11 +38,13 @@ from specrpc_client.types import (
     SessionStarted,
     Speculation,
     Summary,
+    ToolCall,
     TurnSummary,
     chunk_from,
     ended,
     model_info_from,
     phrase_from,
+    tool_call_from,
     turn_summary_from,
 )
 
@@ -214,12 +227,15 @@ class Client:
                  stop: Sequence[str] = (), speculation: Speculation | None = None, session_id: str = "",
                  truncate_prompt: bool = False, path: str = "", n_indent: int = 0, max_time_ms: int = 0,
                  prefill_only: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                 prediction: str = "", timeout: Timeout = UNSET) -> Generation:
+                 prediction: str = "", constraint: Constraint | None = None,
+                 timeout: Timeout = UNSET) -> Generation:
+        """Continue a prompt (the parameters of AsyncClient.generate)."""
         request = _core.generate_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                          speculation=speculation, session_id=session_id,
                                          truncate_prompt=truncate_prompt, path=path,
                                          editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
-                                                                   top_logprobs, prediction))
+                                                                   top_logprobs, prediction),
+                                         constraint=constraint)
         return self._stream("Generate", request, session_id, self._timeout(timeout))
 
     def rewrite(self, path: str, text: str, region_start: int, region_end: int, cursor: int, *,
@@ -239,7 +255,7 @@ class Client:
                speculation: Speculation | None = None, session_id: str = "", typed_line: str = "",
                repo_name: str = "", truncate: bool = False, layout: FimLayout | str = FimLayout.UNSPECIFIED,
                n_indent: int = 0, max_time_ms: int = 0, prefill_only: bool = False, logprobs: bool = False,
-               top_logprobs: int = 0, prediction: str = "",
+               top_logprobs: int = 0, prediction: str = "", constraint: Constraint | None = None,
                timeout: Timeout = UNSET) -> Generation:
         """Fill in the middle between prefix and suffix (the parameters of AsyncClient.infill)."""
         request = _core.infill_request(prefix, suffix, extra_files=extra_files, path=path,
@@ -247,7 +263,8 @@ class Client:
                                        speculation=speculation, session_id=session_id, typed_line=typed_line,
                                        repo_name=repo_name, truncate=truncate, layout=layout,
                                        editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
-                                                                 top_logprobs, prediction))
+                                                                 top_logprobs, prediction),
+                                       constraint=constraint)
         return self._stream("Infill", request, session_id, self._timeout(timeout))
 
     def conversation(self, session_id: str | None = None, **options: Any) -> Conversation:
@@ -258,18 +275,25 @@ class Client:
 _CLOSE = object()
 
 
+Event = Chunk | Phrase | ToolCall | TurnSummary
+
+
 class Conversation:
-    """A blocking Converse session: `say(text)` yields the reply's chunks, phrases (phrase mode) and TurnSummary;
-    `cancel()` (any thread) stops the reply in flight; `rewind(n)` keeps n spoken characters of the last reply."""
+    """A blocking Converse session: `say(text)` yields the reply's chunks, phrases (phrase mode), tool calls and
+    TurnSummary; `tool_result(call, result)` answers a call; `cancel()` (any thread) stops the reply in flight;
+    `rewind(n)` keeps n spoken characters of the last reply. `tools`, `tool_choice` and `parallel_tool_calls` as
+    in VoiceSession."""
 
     def __init__(self, client: Client, session_id: str | None = None, *, system: str = "", phrase_mode: bool = False,
                  sampling: Sampling | None = None, speculation: Speculation | None = None, max_new_tokens: int = 0,
-                 stop: Sequence[str] = (), timeout: float | None = None) -> None:
+                 stop: Sequence[str] = (), tools: ToolDeclarations = (), tool_choice: ToolChoiceLike | None = None,
+                 parallel_tool_calls: bool | None = None, timeout: float | None = None) -> None:
         self.client = client
         self.session_id = session_id or uuid.uuid4().hex
         self._start = _core.session_start(self.session_id, system=system, phrase_mode=phrase_mode,
                                           sampling=sampling, speculation=speculation,
-                                          max_new_tokens=max_new_tokens, stop=stop)
+                                          max_new_tokens=max_new_tokens, stop=stop, tools=tools,
+                                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         self.timeout = timeout
         self.started: SessionStarted | None = None
         self._requests: queue.Queue[Any] = queue.Queue()
@@ -315,15 +339,26 @@ class Conversation:
             raise from_rpc_error(exc, "Converse", self.timeout) from None
 
     def say(self, text: str, *, role: str = "", sampling: Sampling | None = None, max_new_tokens: int = 0,
-            speculation: Speculation | None = None) -> Iterator[Chunk | Phrase | TurnSummary]:
+            speculation: Speculation | None = None, constraint: Constraint | None = None,
+            tools: ToolDeclarations = (), tool_choice: ToolChoiceLike | None = None,
+            tool_call_id: str = "") -> Iterator[Event]:
         """Send a turn and yield its events up to and including the TurnSummary (`cancel()` ends it early; a turn
-        left unread is cancelled by the server when the next one is sent, and its events are skipped)."""
+        left unread is cancelled by the server when the next one is sent, and its events are skipped). The other
+        options as in VoiceSession.say."""
         self._requests.put(_core.turn_request(text, role=role, sampling=sampling, max_new_tokens=max_new_tokens,
-                                              speculation=speculation))
+                                              speculation=speculation, constraint=constraint, tools=tools,
+                                              tool_choice=tool_choice, tool_call_id=tool_call_id))
         self._open_turns += 1
         return self._reply(time.perf_counter())
 
-    def _reply(self, started: float) -> Iterator[Chunk | Phrase | TurnSummary]:
+    def tool_result(self, call: ToolCall | str, result: str | Mapping[str, Any] | Sequence[Any],
+                    **turn: Any) -> Iterator[Event]:
+        """Send a call's result (text as given, anything else as JSON) as a `tool` turn and yield the reply's
+        events, as `say` does (`turn`: its options)."""
+        call_id = call if isinstance(call, str) else call.id
+        return self.say(_core.tool_result_text(result), role="tool", tool_call_id=call_id, **turn)
+
+    def _reply(self, started: float) -> Iterator[Event]:
         self._skip_open_turns_but_last()
         while True:
             msg = self._next()
@@ -332,6 +367,8 @@ class Conversation:
                 yield chunk_from(msg.chunk)
             elif kind == "phrase":
                 yield phrase_from(msg.phrase, (time.perf_counter() - started) * 1e3)
+            elif kind == "tool_call":
+                yield tool_call_from(msg.tool_call)
             elif kind == "summary":
                 self._open_turns -= 1
                 yield turn_summary_from(msg.summary)

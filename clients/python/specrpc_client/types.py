@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast
@@ -95,6 +96,133 @@ class Speculation:
         if self.num_draft_tokens is not None:
             msg.num_draft_tokens = self.num_draft_tokens
         return msg
+
+
+def _json_text(value: str | Mapping[str, Any]) -> str:
+    """A JSON document as text: a mapping is serialized, text is sent as given (the server parses it)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a reply must match (Generate, Infill, a Converse turn): exactly one of a JSON Schema (a mapping or its
+    JSON text), a regular expression (Rust `regex` syntax) the whole reply matches, a grammar (Lark, or llama.cpp's
+    GBNF `root ::= ...`), or any JSON object. The server masks what the grammar forbids on the draft and the target
+    alike, so speculation stays exact; the reply ends (STOP) when the grammar is complete, and one cut by a length
+    or time limit or a stop string may be incomplete. A bad schema or grammar is InvalidArgument.
+
+    `lenient` (json_schema only): ignore keywords the compiler does not implement instead of refusing the schema
+    (OpenAI's `strict: false`); the reply may then not validate in full.
+    """
+
+    json_schema: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    lenient: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            given = ", ".join(kinds) if kinds else "none"
+            raise ValueError(f"a Constraint takes exactly one of json_schema, regex, grammar, json_object "
+                             f"(given: {given})")
+        if self.lenient and self.json_schema is None:
+            raise ValueError("Constraint.lenient applies to json_schema only")
+
+    def to_proto(self) -> pb.Constraint:
+        if self.json_schema is not None:
+            return pb.Constraint(json_schema=_json_text(self.json_schema), lenient=self.lenient)
+        if self.regex is not None:
+            return pb.Constraint(regex=self.regex)
+        if self.grammar is not None:
+            return pb.Constraint(grammar=self.grammar)
+        return pb.Constraint(json_object=True)
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function a Converse reply may call. `parameters`: a JSON Schema object (a mapping or its JSON text; None:
+    no parameters); a call's arguments are grammar-constrained to it. `strict`: refuse schema keywords the compiler
+    does not implement instead of ignoring them."""
+
+    name: str
+    description: str = ""
+    parameters: str | Mapping[str, Any] | None = None
+    strict: bool = False
+
+    @classmethod
+    def parse(cls, declaration: Tool | Mapping[str, Any]) -> Tool:
+        """A Tool, an OpenAI function declaration (`{"type": "function", "function": {"name", "description",
+        "parameters", "strict"}}`) or its inner `{"name", "description", "parameters"}` mapping."""
+        if isinstance(declaration, Tool):
+            return declaration
+        inner = declaration.get("function", declaration)
+        if not isinstance(inner, Mapping) or not isinstance(inner.get("name"), str):
+            raise ValueError(f"a tool declaration needs a name: {json.dumps(declaration)[:200]}")
+        return cls(inner["name"], inner.get("description") or "", inner.get("parameters"),
+                   bool(inner.get("strict", False)))
+
+    def to_proto(self) -> pb.Tool:
+        parameters = "" if self.parameters is None else _json_text(self.parameters)
+        return pb.Tool(name=self.name, description=self.description, parameters_json=parameters, strict=self.strict)
+
+
+class ToolChoiceMode(enum.IntEnum):
+    """How a reply uses the declared tools (UNSPECIFIED: auto with tools, none without)."""
+
+    UNSPECIFIED = 0
+    AUTO = 1  # text, or calls once the model writes the format's call marker
+    NONE = 2  # text only (the tools stay in the prompt)
+    REQUIRED = 3  # calls only (at least one)
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """Whether and which tool a reply calls: a mode, or one declared function by name (the mode is then ignored)."""
+
+    mode: ToolChoiceMode = ToolChoiceMode.UNSPECIFIED
+    function: str = ""
+
+    @classmethod
+    def parse(cls, value: ToolChoice | str | Mapping[str, Any]) -> ToolChoice:
+        """A ToolChoice; 'auto', 'none' or 'required'; any other string names the function to call; or OpenAI's
+        `{"type": "function", "function": {"name": ...}}`."""
+        if isinstance(value, ToolChoice):
+            return value
+        if isinstance(value, Mapping):
+            function = value.get("function")
+            name = function.get("name") if isinstance(function, Mapping) else None
+            if not isinstance(name, str):
+                raise ValueError(f"a tool choice mapping names a function: {json.dumps(value)[:200]}")
+            return cls(function=name)
+        if value.upper() in ("AUTO", "NONE", "REQUIRED"):
+            return cls(ToolChoiceMode[value.upper()])
+        return cls(function=value)
+
+    def to_proto(self) -> pb.ToolChoice:
+        return pb.ToolChoice(mode=cast("pb.ToolChoiceMode.ValueType", int(self.mode)), function=self.function)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call a Converse reply made: its id (a tool-result turn names it), the function, and its arguments as the
+    model wrote them (a JSON object that validates against the function's parameters unless the reply was cut)."""
+
+    id: str
+    name: str
+    arguments: str
+    index: int = 0
+    """Its position among the reply's calls, from 0."""
+
+    def parsed_arguments(self) -> dict[str, Any]:
+        """The arguments as a dict (json.JSONDecodeError, a ValueError, when a cut reply left them incomplete)."""
+        value = json.loads(self.arguments) if self.arguments.strip() else {}
+        if not isinstance(value, dict):
+            raise ValueError(f"tool call {self.id} arguments are not a JSON object: {self.arguments[:200]}")
+        return value
 
 
 @dataclass(frozen=True)
@@ -202,6 +330,9 @@ class TurnSummary:
     generation: Summary
     time_to_first_phrase_ms: float
     reply_text: str
+    """The reply's text outside tool calls."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The reply's tool calls (each also came as a ToolCall event)."""
 
 
 @dataclass(frozen=True)
@@ -318,8 +449,13 @@ def phrase_from(msg: pb.Phrase, received_ms: float = 0.0) -> Phrase:
     return _flat(Phrase, msg, received_ms=received_ms)
 
 
+def tool_call_from(msg: pb.ToolCall) -> ToolCall:
+    return ToolCall(msg.id, msg.name, msg.arguments_json, msg.index)
+
+
 def turn_summary_from(msg: pb.TurnSummary) -> TurnSummary:
-    return _flat(TurnSummary, msg, generation=summary_from(msg.generation))
+    return _flat(TurnSummary, msg, generation=summary_from(msg.generation),
+                 tool_calls=tuple(tool_call_from(call) for call in msg.tool_calls))
 
 
 def model_info_from(msg: pb.ModelInfo) -> ModelInfo:
@@ -331,6 +467,10 @@ def model_info_from(msg: pb.ModelInfo) -> ModelInfo:
         speculation_policy=_flat(SpeculationPolicy, policy, proposer=Proposer(policy.proposer)),
         fim_orders=tuple(msg.fim_orders), fim_default_layout=FimLayout(msg.fim_default_layout),
     )
+
+
+def tools_to_proto(tools: Sequence[Tool | Mapping[str, Any]]) -> list[pb.Tool]:
+    return [Tool.parse(t).to_proto() for t in tools]
 
 
 def extra_to_proto(files: Sequence[ExtraFile | tuple[str, str]]) -> list[pb.ExtraFile]:
