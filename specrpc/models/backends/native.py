@@ -269,8 +269,8 @@ class NativeStep:
         scratch = torch.empty(self.vocab)  # [V]
         shaped = None
         if transform is not None:
-            rows = torch.empty(self.vocab)  # [V] the transformed row
-            transform.scratch = rows.data_ptr()
+            row = torch.empty(self.vocab)  # [V] the logits transformed, each step's in turn
+            transform.scratch = row.data_ptr()
             shaped = ctypes.byref(transform)
         self._prefetch(1)  # a draft is one-token steps after its feed
         if self._greedy(self._model_ref, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
