@@ -18,6 +18,8 @@ from engine_helpers import decode, decode_together, requires_native
 from test_engine import VOCAB, chi_square_pvalue, make_engine, tiny_llama
 from transformers import LlamaForCausalLM
 
+from specrpc.bench.controls import JSON_TASKS, json_cases
+from specrpc.bench.controls import SCHEMA as CONTROLS_SCHEMA
 from specrpc.config import ASSETS, EngineConfig
 from specrpc.engine.constraint import (
     Constraint,
@@ -396,6 +398,35 @@ def test_json_is_laid_out_as_json_dumps_does_so_the_text_between_values_is_force
     constraint = compiler.compile(ConstraintSpec("json_schema", json.dumps(schema))).start()
     constraint.advance_all(tokenize('{"city": "Paris"'))
     assert spell_ids(constraint.forced()).startswith(', "days":')
+
+
+def test_a_verified_token_after_the_grammars_end_is_dropped_not_drawn_again(
+        shipped: tuple[Engine, GrammarCompiler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify whose drafts close the JSON ends with a token after the end (the row after the closing brace):
+    `Generation.commit` drops it, so it is no refusal of the parser's. Taken for one, it was drawn again from the
+    same row, unchanged, up to MAX_REFUSED times a reply. Greedy output stays masked target-only's."""
+    engine, compiler = shipped
+    grammar = compiler.compile(ConstraintSpec("json_schema", json.dumps(CONTROLS_SCHEMA)))
+    refused_after_end: list[int] = []
+    refuse = Constraint.refuse
+
+    def spy(self: Constraint, token: int, path: list[int] | tuple[int, ...] = ()) -> None:
+        after = self._matcher.deep_copy()
+        after.consume_tokens(list(path))
+        if after.is_stopped():
+            refused_after_end.append(token)
+        refuse(self, token, path)
+
+    monkeypatch.setattr(Constraint, "refuse", spy)
+    closed = 0
+    for task in JSON_TASKS[:4]:
+        prompt = [int(t) for t in compiler.tokenizer.tokenize_str(json_cases(len(JSON_TASKS), 96)[
+            JSON_TASKS.index(task)].prompt)]
+        base = GenerationRequest(prompt, 96, GREEDY, grammar=grammar)
+        spec = decode(engine, engine.new_slot(0), replace(base, num_draft_tokens=6, proposer="draft"))
+        assert spec == decode(engine, engine.new_slot(0), replace(base, num_draft_tokens=0))
+        closed += compiler.tokenizer.decode_str([t for t in spec if t]).endswith("}")
+    assert closed == 4 and refused_after_end == []
 
 
 def test_compiled_grammars_are_cached_by_content(letters: GrammarCompiler) -> None:

@@ -191,6 +191,21 @@ class Constraint:
         word = (int(self._bits[row, token // 32]) & 0xFFFFFFFF) & ~(1 << (token % 32))
         self._bits[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
 
+    def takes(self, tokens: list[int]) -> bool:
+        """Whether the grammar takes `tokens` from here, or ends before the first it refuses: what follows its end is
+        never committed (`Generation.commit` stops there), so a verify's token after the end is no refusal (taken as
+        one, it was drawn again from the same row, and again, up to `MAX_REFUSED` times for nothing)."""
+        t0 = time.perf_counter()
+        m = self._matcher
+        n = int(m.validate_tokens(tokens))
+        ok = n == len(tokens)
+        if not ok and n:
+            self._check(m.consume_tokens(tokens[:n]))
+            ok = bool(m.is_stopped())
+            self._check(m.rollback(n))
+        self.work_s += time.perf_counter() - t0
+        return ok
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading `tokens` the grammar allows (a point-mass draft is cut there)."""
         t0 = time.perf_counter()

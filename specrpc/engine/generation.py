@@ -209,7 +209,7 @@ class Generation:
         c = self.constraint
         n = len(tokens) - 1
         for _ in range(MAX_REFUSED):
-            if c is None or c.valid_prefix(tokens) == len(tokens):
+            if c is None or c.takes(tokens):
                 break
             c.refuse(tokens[-1], proposal.token_ids[:n])
             row = self.shaped(logits, proposal)[n : n + 1]  # [1, V]
