@@ -38,6 +38,7 @@ from specrpc.engine.prediction import PredictionProposer
 from specrpc.engine.proposers import Proposal
 from specrpc.engine.sampling import SamplingParams, logits_to_probs, mask_logits
 from specrpc.engine.suffix import SuffixProposer, SuffixTrie
+from specrpc.engine.verify import verify
 from specrpc.models import load_model
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -107,6 +108,26 @@ def test_greedy_constrained_speculation_equals_masked_target_only(pair: tuple[Pa
         plain = decode(engine, engine.new_slot(0), replace(request, num_draft_tokens=0))
         assert spec == plain == masked_reference(pair[0], prompt, grammar, 20)
         assert all(t in range(1, VOCAB) for t in spec if t)
+
+
+def test_greedy_constrained_rows_verified_on_the_host_equal_the_verifiers_path(pair: tuple[Path, Path],
+                                                                              letters: GrammarCompiler) -> None:
+    """The engine verifies greedy rows under a grammar on the host from the rows' masked argmaxes
+    (`Generation.greedy_ids`); a verifier that reads logits gets the rows masked where they are read
+    (`Constraint.greedy_rows`): the same steps, the same figures."""
+    engine = make_engine(pair)
+    grammar = letters.compile(ConstraintSpec("regex", f"{UNITS}+e"))
+    runs = []
+    for verifier in (engine.verifier, lambda *args: verify(*args)):
+        engine.verifier = verifier
+        gen = engine.start(engine.new_slot(0), GenerationRequest(Letters()("cab"), 20, GREEDY, num_draft_tokens=4,
+                                                                 proposer="draft", grammar=grammar))
+        steps = []
+        while not gen.finished:
+            steps.append(engine.step_one(gen))
+        runs.append((steps, gen.stats))
+    assert runs[0] == runs[1]
+    assert sum(s.proposed for s in runs[0][0]) > 0
 
 
 def test_constrained_streams_in_a_batch_equal_their_solo_runs(pair: tuple[Path, Path],
@@ -185,11 +206,12 @@ def test_greedy_rows_are_masked_only_where_the_grammar_overrules_the_argmax(lett
     agreeing = torch.full((3, 6), -5.0)
     agreeing[0, 1] = agreeing[1, 2] = agreeing[2, 3] = 5.0  # a, then b (forced), then c: all allowed
     assert constraint.greedy_rows(agreeing, draft) is agreeing  # no row masked
+    assert constraint.greedy_ids(agreeing, draft) == [1, 2, 3]
     overruled = agreeing.clone()
     overruled[1, 5] = 9.0  # e after a: forbidden, the masked argmax is b (accepted)
     overruled[2, 4] = 9.0  # d after ab: forbidden, the masked argmax is c
     shaped = constraint.greedy_rows(overruled, draft)
-    assert shaped.argmax(dim=-1).tolist() == [1, 2, 3]
+    assert shaped.argmax(dim=-1).tolist() == [1, 2, 3] == constraint.greedy_ids(overruled, draft)
     assert shaped.argmax(dim=-1).tolist() == mask_logits(overruled, constraint.masks(draft)).argmax(dim=-1).tolist()
     assert overruled[1, 5] == 9.0, "the caller's logits are not changed"
 

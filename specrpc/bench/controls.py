@@ -200,7 +200,7 @@ def mask_work(constraint: Constraint, logits: torch.Tensor, drafted: list[int], 
     taken where it is the path's next tokens, `proposers._Stream`; else a drawn token: greedy, the draft's argmax
     checked and a mask filled only where the grammar forbids it, sampled, the position's mask filled and applied to
     its logits: `Constraint.mask_next`), the rollback, and the verify's rows on its logits [k+1, V] (greedy:
-    checked, `Constraint.greedy_rows`; sampled: the k+1 masks, reused, applied: `Constraint.mask_rows`)."""
+    checked, `Constraint.greedy_ids`; sampled: the k+1 masks, reused, applied: `Constraint.mask_rows`)."""
     t0 = time.perf_counter()
     i = 0
     while True:
@@ -216,7 +216,7 @@ def mask_work(constraint: Constraint, logits: torch.Tensor, drafted: list[int], 
         i += 1
     constraint.rewind(len(drafted))
     if greedy:
-        constraint.greedy_rows(logits, drafted)  # [k+1, V]
+        constraint.greedy_ids(logits, drafted)  # [k+1]
     else:
         constraint.mask_rows(logits, drafted)  # [k+1, V]
     return time.perf_counter() - t0

@@ -22,7 +22,7 @@ import llguidance as llg
 import torch
 
 from specrpc import native
-from specrpc.engine.sampling import mask_logits
+from specrpc.engine.sampling import argmax_ids, mask_logits
 from specrpc.prompts.json_layout import json_layout
 
 if TYPE_CHECKING:
@@ -249,18 +249,35 @@ class Constraint:
         self.work_s += time.perf_counter() - t0
         return out
 
+    def greedy_ids(self, logits: torch.Tensor, draft: list[int]) -> list[int]:
+        """Each row's argmax of a greedy verify's logits [k+1, V] along `draft` (transformed already, which commutes
+        with the mask: every transform keeps -inf), under the grammar's mask on every row the verify reads: what
+        `greedy_rows`' rows give, without building them. A drafted token the grammar allows that is the row's argmax
+        is accepted as it is; at the first row where it is not, a check of its argmax decides (allowed: it is the
+        masked argmax, ties too, as the first maximum), and a mask is filled only where the grammar overrules the
+        model, as llama.cpp samples before applying its grammar. The matcher ends where it started."""
+        return self._greedy_walk(logits, draft)[0]
+
     def greedy_rows(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
-        """A greedy verify's logits [k+1, V] along `draft` (transformed already, which commutes with the mask: every
-        transform keeps -inf) with the grammar's mask on the rows whose argmax the verify reads and the grammar
-        forbids; each row the verify reads then has the masked argmax. A drafted token the grammar allows that is
-        the row's argmax is accepted as it is; at the first row where it is not, a check of its argmax decides
-        (allowed: it is the masked argmax, ties too, as the first maximum), and a mask is filled only where the
-        grammar overrules the model, as llama.cpp samples before applying its grammar. The matcher ends where it
-        started; `logits` is not changed (a masked copy is returned)."""
+        """A greedy verify's logits [k+1, V] along `draft` with the grammar's mask on the rows whose argmax the verify
+        reads and the grammar forbids (`greedy_ids`' rows, for a verifier that reads logits): each row the verify
+        reads then has the masked argmax. `logits` is not changed (a masked copy is returned, or `logits` itself
+        where no row is masked)."""
+        masked = self._greedy_walk(logits, draft)[1]
+        if not masked:
+            return logits
+        out = logits.clone()  # [k+1, V]
+        for i, row in masked.items():
+            out[i] = row
+        return out
+
+    def _greedy_walk(self, logits: torch.Tensor, draft: list[int]) -> tuple[list[int], dict[int, torch.Tensor]]:
+        """`greedy_ids`' argmaxes [k+1] and the masked rows [V] it filled, by row."""
         t0 = time.perf_counter()
-        top: list[int] = logits.argmax(dim=-1).tolist()  # [k+1]
+        top = argmax_ids(logits)  # [k+1]
         self.work_s += time.perf_counter() - t0
-        out, taken, k = logits, 0, len(draft)
+        masked: dict[int, torch.Tensor] = {}
+        taken, k = 0, len(draft)
         for i in range(k + 1):
             if i < k and top[i] == draft[i]:
                 continue
@@ -268,17 +285,15 @@ class Constraint:
             taken = i
             if self._matcher.is_stopped() or (top[i] < self.vocab and self.valid_prefix([top[i]]) == 1):
                 break  # the argmax is allowed: the verify's decision at this row is the masked one
-            masked = self.mask_next(out[i : i + 1])  # [1, V]
+            row = self.mask_next(logits[i : i + 1])  # [1, V]
             t0 = time.perf_counter()
-            if out is logits:
-                out = logits.clone()  # [k+1, V]
-            out[i] = masked[0]  # [V]
-            chosen = int(masked[0].argmax())
+            masked[i] = row[0]
+            top[i] = argmax_ids(row)[0]
             self.work_s += time.perf_counter() - t0
-            if i == k or chosen != draft[i]:
+            if i == k or top[i] != draft[i]:
                 break  # rejected here, or the bonus row
         self.rewind(taken)
-        return out
+        return top, masked
 
     def commit(self, token: int) -> bool:
         """Take a committed token; True when the grammar is done after it."""

@@ -27,7 +27,7 @@ from specrpc.engine.proposers import (
     Proposal,
     feed,
 )
-from specrpc.engine.sampling import SamplingParams, argmax_ids
+from specrpc.engine.sampling import SamplingParams
 from specrpc.engine.verify import VerifyResult, accept_greedy, verify
 from specrpc.models import BatchRow, CausalLM
 
@@ -381,23 +381,23 @@ class Engine:
                 ) -> StepResult:
         """Verify `proposal` against the target's logits [k+1, V] and commit; the caches roll back to the context.
         `timing`: a lone stream's step, which its policy judges (None in a batch, which the guard judges). Greedy
-        rows are verified on the host (`accept_greedy` on the argmax of each row as shaped, the first maximum on
-        ties, as `verify` reads it): right after a forward, the draft ids' tensor, the verifier's other ops and
-        torch's argmax were a quarter to a third of a greedy step's verify and commit at int8 weights, and at 8
-        streams a verify per row took a twentieth of a step."""
+        rows are verified on the host (`accept_greedy` on the argmax of each row as shaped, `Generation.greedy_ids`,
+        the first maximum on ties, as `verify` reads it): right after a forward, the draft ids' tensor, the
+        verifier's other ops and torch's argmax were a quarter to a third of a greedy step's verify and commit at int8
+        weights, and at 8 streams a verify per row took a twentieth of a step."""
         policy = gen.slot.policy
         if timing is not None:  # a lone verify is a batch of one row: it refines its size's batch cost too
             policy.costs.observe_target(len(proposal) + 1, timing.forward_s)
             self.batch_costs.observe_target(len(proposal) + 1, timing.forward_s)
         padded = self._pad_logits(logits)  # [k+1, V]
-        shaped = gen.shaped(padded, proposal)  # [k+1, V] mask and transform along the draft (as is without either)
         if gen.params.greedy and self.verifier is verify:
-            result = accept_greedy(proposal.token_ids, argmax_ids(shaped))
+            result = accept_greedy(proposal.token_ids, gen.greedy_ids(padded, proposal))
         else:
             result = self.verifier(
                 torch.tensor(proposal.token_ids, dtype=torch.long, device=logits.device),  # [k]
                 self._pad_probs(proposal.probs),  # a draft's probabilities are masked and transformed already
-                shaped, gen.params, gen.generator)
+                gen.shaped(padded, proposal),  # [k+1, V] mask and transform along the draft (as is without either)
+                gen.params, gen.generator)
         tokens = gen.as_the_parser_allows(result.tokens, padded, proposal)
         gen.count_verify(proposal, result.accepted + 1)
         if proposal.source != "suggestion":  # not a proposer the policy chooses k for: keep its estimates clean

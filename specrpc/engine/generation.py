@@ -17,7 +17,7 @@ from specrpc.engine.logits_transform import Cursor, LogitsTransform
 from specrpc.engine.policy import AdaptivePolicy
 from specrpc.engine.prediction import PredictionProposer
 from specrpc.engine.proposers import EMPTY, Proposal, Proposer
-from specrpc.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specrpc.engine.sampling import SamplingParams, argmax_ids, logits_to_probs, make_generator, sample
 from specrpc.engine.suffix import SuffixProposer
 
 FINISH_LENGTH = "length"
@@ -212,9 +212,11 @@ class Generation:
             if c is None or c.takes(tokens):
                 break
             c.refuse(tokens[-1], proposal.token_ids[:n])
-            row = self.shaped(logits, proposal)[n : n + 1]  # [1, V]
-            token = (int(row[0].argmax()) if self.params.greedy
-                     else int(sample(logits_to_probs(row, self.params), self.generator)[0]))
+            if self.params.greedy:
+                token = self.greedy_ids(logits, proposal)[n]
+            else:
+                row = self.shaped(logits, proposal)[n : n + 1]  # [1, V]
+                token = int(sample(logits_to_probs(row, self.params), self.generator)[0])
             tokens = [*tokens[:-1], token]
         return tokens
 
@@ -227,7 +229,7 @@ class Generation:
         what the grammar forbids at -inf, then the logits transform with that position's counts (unchanged
         without either). Greedy, the mask goes only on the rows whose argmax the verify reads and the grammar
         forbids (`Constraint.greedy_rows`): every row read has its masked argmax, at a mask's cost only where the
-        grammar overrules the target."""
+        grammar overrules the target; the engine's own greedy verify reads only those argmaxes (`greedy_ids`)."""
         if self.constraint is not None and not self.params.greedy:
             logits = self.constraint.mask_rows(logits, proposal.token_ids)  # [k+1, V]
         if self.transform is not None:
@@ -235,6 +237,16 @@ class Generation:
         if self.constraint is not None and self.params.greedy:
             logits = self.constraint.greedy_rows(logits, proposal.token_ids)  # [k+1, V]
         return logits
+
+    def greedy_ids(self, logits: torch.Tensor, proposal: Proposal) -> list[int]:
+        """Each row's argmax of a greedy verify's logits [k+1, V] as `shaped` makes them (the first maximum on ties,
+        as `verify` reads it), without shaping the rows: the transform along the draft, then the grammar's mask
+        only where it overrules a row the verify reads (`Constraint.greedy_ids`)."""
+        if self.transform is not None:
+            logits = self.transform.along(logits, self.slot.tokens, proposal.token_ids)  # [k+1, V]
+        if self.constraint is not None:
+            return self.constraint.greedy_ids(logits, proposal.token_ids)
+        return argmax_ids(logits)
 
     def cursor(self, vocab: int, device: torch.device) -> Cursor | None:
         """The logits transform for drafting after the committed context (None without one)."""
