@@ -26,8 +26,9 @@ from specrpc.edges.history import Message
 from specrpc.edges.server import Running
 from specrpc.edges.validation import prompt_room
 from specrpc.engine.constraint import ConstraintSpec
-from specrpc.prompts.tool_formats import HERMES
+from specrpc.prompts.tool_formats import HERMES, MISTRAL_ARGS, ToolFormat
 from specrpc.prompts.tools import (
+    NO_PARAMETERS,
     ArgumentsPart,
     CallEnded,
     CallStarted,
@@ -100,6 +101,22 @@ def test_text_that_only_looks_like_a_marker_is_text() -> None:
     parts = parser.feed("a <tool") + parser.feed("box> b <tool_c") + parser.finish()
     assert "".join(p.text for p in parts if isinstance(p, TextPart)) == "a <toolbox> b <tool_c"
     assert parser.calls == []
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL_ARGS])
+def test_a_calls_arguments_are_an_object_whatever_its_parameters_leave_out(server: Running, fmt: ToolFormat) -> None:
+    """Parameters `{}` (a schema any JSON meets) still give arguments that are an object, which OpenAI's
+    `arguments` are and the parser reads; a function declared without parameters (an empty parameter list, as
+    OpenAI reads it) is called with `{}` only."""
+    rt = server.runtime
+
+    def accepts(parameters: str, arguments: str) -> bool:
+        grammar = tool_grammar([Tool("f", "", parameters)], ToolChoice("required"), False, fmt) or ""
+        ids = rt.encode_plain(fmt.write([ToolCall("", "f", arguments)]))
+        return rt.grammars.compile(ConstraintSpec("grammar", grammar)).start().valid_prefix(ids) == len(ids)
+
+    assert accepts("{}", '{"a": [1]}') and not accepts("{}", '"a"') and not accepts("{}", "7")
+    assert accepts(NO_PARAMETERS, "{}") and not accepts(NO_PARAMETERS, '{"a": 1}')
 
 
 def test_grammars_force_valid_calls(tool_server: Running) -> None:
@@ -234,8 +251,11 @@ async def test_the_plain_format_on_the_shipped_pair(client: openai.AsyncOpenAI) 
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     'tools[0].function.parameters must describe a JSON object (type "object")'),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
-                                                  "parameters": {"type": "strange"}}}]}, "invalid grammar"),
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "a": {"type": "strange"}}}}}]}, "invalid grammar"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "exclusive"),
 ])
 async def test_bad_tools_are_400_naming_the_field(http: httpx2.AsyncClient, body: dict[str, Any], param: str) -> None:

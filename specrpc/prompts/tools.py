@@ -32,6 +32,10 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MAX_TOOLS = 128
 """Most functions one request declares (OpenAI's limit)."""
 
+NO_PARAMETERS = '{"type": "object", "properties": {}, "additionalProperties": false}'
+"""The parameters of a function declared without any: an empty parameter list, so its call's arguments are `{}`
+(as OpenAI reads an omitted `parameters`)."""
+
 ChoiceMode = Literal["auto", "none", "required", "function"]
 
 
@@ -43,7 +47,7 @@ class Tool:
 
     name: str
     description: str = ""
-    parameters: str = '{"type": "object", "properties": {}}'
+    parameters: str = NO_PARAMETERS
     strict: bool = False
 
     def openai(self) -> dict[str, Any]:
@@ -96,6 +100,9 @@ def check_tools(tools: Sequence[Tool], choice: ToolChoice, field_name: str = "to
             raise InvalidTools(f"{field_name}[{i}].function.parameters is not JSON: {exc}") from None
         if not isinstance(parameters, dict):
             raise InvalidTools(f"{field_name}[{i}].function.parameters must be a JSON Schema object")
+        if parameters.get("type", "object") != "object":
+            raise InvalidTools(f"{field_name}[{i}].function.parameters must describe a JSON object (type \"object\"): "
+                               f"a call's arguments are an object; got type {parameters['type']!r:.80}")
     if choice.mode in ("required", "function") and not tools:
         raise InvalidTools(f"tool_choice {choice.mode!r} needs {field_name}: declare at least one function")
     if choice.mode == "function" and choice.name not in seen:
@@ -142,13 +149,19 @@ def guided(schema: dict[str, Any], tool: Tool) -> dict[str, Any]:
     return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, "lenient": not tool.strict}}
 
 
+def arguments_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON Schema of a call's arguments: the function's parameters, an object even where they leave the type
+    out (`{}`), so a call's arguments always parse as the object OpenAI's `arguments` holds."""
+    return {"type": "object", **json.loads(tool.parameters)}
+
+
 def call_schema(tool: Tool, key: str = "arguments") -> dict[str, Any]:
     """The JSON Schema of one call's object: the function's name, then its arguments under `key` (llguidance keeps
     the order of `properties`, so the name is written first and a stream can announce the call before its
     arguments). The parameters' `$defs` and `definitions` move to the root, where their `#/$defs/…` references
     point."""
-    parameters = json.loads(tool.parameters)
-    hoisted = {k: parameters.pop(k) for k in ("$defs", "definitions") if k in parameters}
+    parameters = arguments_schema(tool)
+    hoisted: dict[str, Any] = {k: parameters.pop(k) for k in ("$defs", "definitions") if k in parameters}
     return guided({
         "type": "object",
         "properties": {"name": {"const": tool.name}, key: parameters},
@@ -162,7 +175,7 @@ def call_rules(i: int, tool: Tool, fmt: ToolFormat) -> list[str]:
     """The Lark rules of a call of `tool` (`fn_<i>`) in the format's shape: a JSON object, or the name, the
     format's `name_args` and the arguments object."""
     if fmt.name_args:
-        arguments = guided(json.loads(tool.parameters), tool)
+        arguments = guided(arguments_schema(tool), tool)
         return [f"fn_{i}: {lark_string(tool.name)} {lark_text(fmt.name_args, fmt)} args_{i}",
                 f"args_{i}: %json {json.dumps(arguments)}"]
     return [f"fn_{i}: %json {json.dumps(call_schema(tool, fmt.key))}"]
