@@ -103,6 +103,15 @@ def test_text_that_only_looks_like_a_marker_is_text() -> None:
     assert parser.calls == []
 
 
+def test_a_call_cut_short_is_pending_with_its_arguments_so_far() -> None:
+    parser = ToolCallParser(HERMES)
+    parser.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": "U')
+    pending = parser.pending
+    assert pending is not None and (pending.name, pending.arguments) == ("get_time", '{"zone": "U')
+    parser.feed('TC"}}\n</tool_call>')
+    assert parser.pending is None and parser.calls[0].id == pending.id
+
+
 @pytest.mark.parametrize("fmt", [HERMES, MISTRAL_ARGS])
 def test_a_calls_arguments_are_an_object_whatever_its_parameters_leave_out(server: Running, fmt: ToolFormat) -> None:
     """Parameters `{}` (a schema any JSON meets) still give arguments that are an object, which OpenAI's
@@ -209,6 +218,28 @@ async def test_a_named_function_not_streamed(tool_server: Running) -> None:
     call = message.tool_calls[0]
     assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), TIME)
+
+
+async def test_a_call_cut_by_max_tokens_is_in_the_whole_reply_as_it_streamed(tool_server: Running) -> None:
+    """A reply cut inside its call ends with `length`; not streamed, its message still carries the call as far as
+    it was written (id, name, arguments so far), as the stream gave it."""
+    request: dict[str, Any] = {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+                               "temperature": 1.0, "seed": 2, "max_tokens": 32}
+    async with sdk(tool_server) as client:
+        whole = await client.chat.completions.create(**request)
+        name, arguments, finish = None, "", None
+        async for chunk in await client.chat.completions.create(**request, stream=True):
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                assert delta.function is not None and delta.index == 0
+                name = delta.function.name or name
+                arguments += delta.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+    choice = whole.choices[0]
+    assert choice.finish_reason == finish == "length" and choice.message.content is None
+    assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.id.startswith("call_") and (call.function.name, call.function.arguments) == (name, arguments)
+    assert arguments.startswith("{") and not arguments.endswith("}")  # cut inside its arguments
 
 
 async def test_auto_and_none_write_text_and_a_tool_result_turn_is_accepted(tool_server: Running) -> None:

@@ -295,6 +295,14 @@ class ToolCallParser:
         """Whether the parser is outside a call (what it holds is text)."""
         return self._state == "text"
 
+    @property
+    def pending(self) -> ToolCall | None:
+        """The call announced and not ended, with its arguments so far: what a reply cut short (`max_tokens`) leaves
+        of its last call, as it was streamed."""
+        if self._state not in ("arguments", "tail"):
+            return None
+        return ToolCall(self._id, self._name, "".join(self._args))
+
     def feed(self, piece: str) -> list[ReplyPart]:
         """The parts `piece` completes."""
         self._buffer += piece

@@ -165,14 +165,16 @@ class OpenAIReply(Reply):
         return events
 
     def _tool_message(self) -> dict[str, Any]:
-        """The whole reply's message with tools: its text (null when it only calls), and its calls."""
+        """The whole reply's message with tools: its text (null when it only calls), and its calls, a call cut short
+        by the token limit included as far as it was written (as streaming gives it; the finish reason says
+        `length`)."""
         assert self.tools is not None
         content = "".join(self.content)
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if self.tools.calls:
+        calls = [*self.tools.calls, *([self.tools.pending] if self.tools.pending else [])]
+        if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}}
-                                     for c in self.tools.calls]
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return message
 
 
