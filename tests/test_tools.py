@@ -26,7 +26,7 @@ from specrpc.edges.history import Message
 from specrpc.edges.server import Running
 from specrpc.edges.validation import prompt_room
 from specrpc.engine.constraint import ConstraintSpec
-from specrpc.prompts.tool_formats import HERMES, MISTRAL_ARGS, ToolFormat
+from specrpc.prompts.tool_formats import HERMES, MISTRAL, MISTRAL_ARGS, ToolFormat
 from specrpc.prompts.tools import (
     NO_PARAMETERS,
     ArgumentsPart,
@@ -126,6 +126,22 @@ def test_a_calls_arguments_are_an_object_whatever_its_parameters_leave_out(serve
 
     assert accepts("{}", '{"a": [1]}') and not accepts("{}", '"a"') and not accepts("{}", "7")
     assert accepts(NO_PARAMETERS, "{}") and not accepts(NO_PARAMETERS, '{"a": 1}')
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL])
+def test_a_named_function_is_called_exactly_once_even_with_parallel_calls(server: Running, fmt: ToolFormat) -> None:
+    """OpenAI's forced function (`tool_choice` naming one) is exactly one call of it; `required` may make several."""
+    rt = server.runtime
+    tools = [Tool("get_time", "", json.dumps(TIME))]
+    call = ToolCall("", "get_time", '{"zone": "UTC"}')
+    one, two = (rt.encode_plain(fmt.write(calls)) for calls in ([call], [call, call]))
+
+    def start(choice: ToolChoice) -> Any:
+        return rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(tools, choice, True, fmt) or "")).start()
+
+    named = start(ToolChoice("function", "get_time"))
+    assert named.valid_prefix(one) == len(one) and named.valid_prefix(two) < len(two)
+    assert start(ToolChoice("required")).valid_prefix(two) == len(two)
 
 
 def test_grammars_force_valid_calls(tool_server: Running) -> None:

@@ -183,14 +183,15 @@ def call_rules(i: int, tool: Tool, fmt: ToolFormat) -> list[str]:
 
 def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt: ToolFormat) -> str | None:
     """The Lark grammar (llguidance's dialect) a reply must match, or None for free text (`none`, or no tools).
-    `required` and a named function: calls only; `auto`: any text, and once it reaches the call marker, calls (for
-    a format whose calls open the reply, Llama 3's: text that does not open with `{`, or a call). With `parallel`
-    (and a format that allows it), calls may follow one another; else one call."""
+    `required`: calls only; a named function: exactly one call of it (OpenAI's forced function); `auto`: any text,
+    and once it reaches the call marker, calls (for a format whose calls open the reply, Llama 3's: text that does
+    not open with `{`, or a call). With `parallel` (and a format that allows it), calls may follow one another; else
+    one call."""
     if choice.mode == "none" or not tools:
         return None
     chosen = [t for t in tools if t.name == choice.name] if choice.mode == "function" else list(tools)
     rules = [rule for i, tool in enumerate(chosen) for rule in call_rules(i, tool, fmt)]
-    many = parallel and fmt.parallel
+    many = parallel and fmt.parallel and choice.mode != "function"
     calls = f"body ({lark_text(fmt.joiner, fmt)} body)*" if many and fmt.joiner else "body"
     more = f" ({lark_text(fmt.separator, fmt)} group)*" if many and not fmt.joiner else ""
     rest = [f"rest: {lark_text(fmt.open[len(fmt.trigger):], fmt)} {calls} {lark_text(fmt.close, fmt)}"]
