@@ -21,11 +21,12 @@ import openai
 import pytest
 from service_helpers import Conversation, base_url
 
+from specrpc.edges import validation
 from specrpc.edges.conversation import render, tool_format
 from specrpc.edges.history import Message
 from specrpc.edges.server import Running
 from specrpc.edges.validation import prompt_room
-from specrpc.engine.constraint import ConstraintSpec
+from specrpc.engine.constraint import ConstraintSpec, InvalidConstraint
 from specrpc.prompts.tool_formats import HERMES, MISTRAL, MISTRAL_ARGS, ToolFormat
 from specrpc.prompts.tools import (
     NO_PARAMETERS,
@@ -142,6 +143,17 @@ def test_a_named_function_is_called_exactly_once_even_with_parallel_calls(server
     named = start(ToolChoice("function", "get_time"))
     assert named.valid_prefix(one) == len(one) and named.valid_prefix(two) < len(two)
     assert start(ToolChoice("required")).valid_prefix(two) == len(two)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL_ARGS])
+def test_a_schema_that_does_not_compile_is_named_by_its_field(server: Running, fmt: ToolFormat) -> None:
+    """The error names the function's parameters as the request wrote them, not a line of the generated grammar."""
+    tools = [Tool("good", "", json.dumps(TIME)), Tool("bad", "", '{"properties": {"a": {"type": 7}}}')]
+    for choice in (ToolChoice("required"), ToolChoice("auto"), ToolChoice("function", "bad")):
+        spec = validation.tool_constraint(tools, choice, True, fmt, "turn.tools")
+        assert spec is not None
+        with pytest.raises(InvalidConstraint, match=r"^turn\.tools\[1\]\.function\.parameters: failed to compile"):
+            server.runtime.grammars.compile(spec)
 
 
 def test_grammars_force_valid_calls(tool_server: Running) -> None:
@@ -302,7 +314,10 @@ async def test_the_plain_format_on_the_shipped_pair(client: openai.AsyncOpenAI) 
      'tools[0].function.parameters must describe a JSON object (type "object")'),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
                                                   "parameters": {"type": "object", "properties": {
-                                                      "a": {"type": "strange"}}}}}]}, "invalid grammar"),
+                                                      "a": {"type": "strange"}}}}}]},
+     "tools[0].function.parameters: failed to compile JSON schema"),
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strange"}}}}}]}, "tools[2].function.parameters: failed to compile JSON schema: Invalid type"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "exclusive"),
 ])
 async def test_bad_tools_are_400_naming_the_field(http: httpx2.AsyncClient, body: dict[str, Any], param: str) -> None:

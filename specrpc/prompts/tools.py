@@ -181,6 +181,29 @@ def call_rules(i: int, tool: Tool, fmt: ToolFormat) -> list[str]:
     return [f"fn_{i}: %json {json.dumps(call_schema(tool, fmt.key))}"]
 
 
+def chosen_tools(tools: Sequence[Tool], choice: ToolChoice) -> list[Tool]:
+    """The functions a reply may call: the named one, or all."""
+    return [t for t in tools if t.name == choice.name] if choice.mode == "function" else list(tools)
+
+
+CALL_RULE = re.compile(r"(?:fn|args)_(\d+):")
+"""A line of `tool_grammar` holding a call's rule (`call_rules`: `fn_<i>` and `args_<i>`)."""
+
+
+def grammar_lines(grammar: str, tools: Sequence[Tool], choice: ToolChoice, field_name: str = "tools"
+                  ) -> tuple[str, ...]:
+    """What each line of `tool_grammar`'s grammar stands for in the request: a call's rule is its function's
+    parameters (`tools[i].function.parameters`), so a schema that does not compile is reported against them
+    (ConstraintSpec.lines); other lines stand for nothing the client wrote."""
+    index = {t.name: i for i, t in enumerate(tools)}
+    chosen = chosen_tools(tools, choice)
+    lines = []
+    for line in grammar.split("\n"):
+        rule = CALL_RULE.match(line)
+        lines.append(f"{field_name}[{index[chosen[int(rule.group(1))].name]}].function.parameters" if rule else "")
+    return tuple(lines)
+
+
 def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt: ToolFormat) -> str | None:
     """The Lark grammar (llguidance's dialect) a reply must match, or None for free text (`none`, or no tools).
     `required`: calls only; a named function: exactly one call of it (OpenAI's forced function); `auto`: any text,
@@ -189,7 +212,7 @@ def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt:
     one call."""
     if choice.mode == "none" or not tools:
         return None
-    chosen = [t for t in tools if t.name == choice.name] if choice.mode == "function" else list(tools)
+    chosen = chosen_tools(tools, choice)
     rules = [rule for i, tool in enumerate(chosen) for rule in call_rules(i, tool, fmt)]
     many = parallel and fmt.parallel and choice.mode != "function"
     calls = f"body ({lark_text(fmt.joiner, fmt)} body)*" if many and fmt.joiner else "body"
