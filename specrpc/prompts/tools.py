@@ -11,7 +11,7 @@ grammar alternation that decides at the first token: the model writes free text,
 call marker the rest is forced to a valid call. An alternation would have to choose "text or call" before the marker
 is written, which either forbids text that merely starts like a call or lets a call's JSON run unconstrained. Where
 the marker is a token of its own, the text is any text that does not spell it, followed by the marker token; where
-calls open the reply (Llama 3), the reply is text that does not open with `{`, or a call."""
+calls open the reply (Llama 3), the reply is text that does not open with `{` (past any whitespace), or a call."""
 
 from __future__ import annotations
 
@@ -222,8 +222,8 @@ def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt:
     group = [f"group: {lead}{lark_text(fmt.trigger, fmt)} rest"]
     if choice.mode != "auto":
         start = [f"start: group{more}"]
-    elif not fmt.trigger:  # calls open the reply: text is what does not open with `{`
-        start = ["start: TEXT | group", "TEXT: /([^{](?s:.*))?/"]
+    elif not fmt.trigger:  # calls open the reply: text is what does not open with `{`, whitespace before it too
+        start = ["start: TEXT | group", r"TEXT: /\s*([^{\s](?s:.*))?/"]  # as the parser reads it
     elif fmt.trigger in fmt.token_ids:  # the marker is a token: text is any text that does not spell it
         start = [f"start: TEXT | TEXT group{more}",
                  f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(fmt.trigger)}(?s:.*)/"]
