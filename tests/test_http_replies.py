@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from specrpc.edges.http.replies import LlamaReply, OpenAIReply, flatten
-from specrpc.engine.generation import FINISH_LENGTH, GenerationStats, Logprob, TokenLogprob
+from specrpc.engine.generation import FINISH_LENGTH, FINISH_STOP, GenerationStats, Logprob, TokenLogprob
+from specrpc.prompts.tool_formats import HERMES
+from specrpc.prompts.tools import ToolCallParser
 from specrpc.serving.scheduler import Chunk, Done
 
 
@@ -67,3 +69,20 @@ def test_log_probabilities_in_each_shape() -> None:
     assert [p["id"] for p in partial["completion_probabilities"]] == [5, 7]
     [final] = llama.end(done(), "def", stream=False)
     assert final["completion_probabilities"][0]["top_logprobs"][1]["token"] == "do"
+
+
+CALLED = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+
+def test_calls_end_with_tool_calls_unless_a_stop_string_cut_the_last_one() -> None:
+    """A reply whose calls are complete ends with `tool_calls`; one a stop string cut inside its last call ends with
+    `stop`, so no client runs that call's incomplete arguments as if the reply were done with it."""
+    for text, finish, arguments in ((CALLED, "tool_calls", ["{}"]),
+                                    (CALLED + '\n<tool_call>\n{"name": "g", "arguments": {"a', "stop", ["{}", '{"a'])):
+        for stream in (False, True):
+            reply = OpenAIReply(chat=True, model="m", include_usage=False, tools=ToolCallParser(HERMES))
+            reply.chunk(text, Chunk(text, [1], 0, 1.6))
+            last = reply.end(done(FINISH_STOP), text, stream)[-1]["choices"][0]
+            assert last["finish_reason"] == finish
+            if not stream:
+                assert [c["function"]["arguments"] for c in last["message"]["tool_calls"]] == arguments

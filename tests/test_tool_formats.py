@@ -142,6 +142,10 @@ def test_llama3_grammars_force_one_json_call_or_text(llama3_tool_server: Running
     assert auto.valid_prefix(text) == len(text) and auto.valid_prefix(good) == len(good)
     not_a_call = rt.encode_plain('{"city": "Paris"}')
     assert auto.valid_prefix(not_a_call) < len(not_a_call)  # a reply that opens with `{` is a call
+    spaced = rt.encode_plain('\n {"name": "undeclared", "parameters": {}}')
+    assert auto.valid_prefix(spaced) < len(spaced)  # so is one that opens with whitespace, then `{`
+    spaced_text = rt.encode_plain("\n It is sunny.")
+    assert auto.valid_prefix(spaced_text) == len(spaced_text)
 
 
 def test_mistral_grammars_force_a_call_list_after_the_marker_token(mistral_tool_server: Running) -> None:

@@ -21,13 +21,15 @@ import openai
 import pytest
 from service_helpers import Conversation, base_url
 
+from specrpc.edges import validation
 from specrpc.edges.conversation import render, tool_format
 from specrpc.edges.history import Message
 from specrpc.edges.server import Running
 from specrpc.edges.validation import prompt_room
-from specrpc.engine.constraint import ConstraintSpec
-from specrpc.prompts.tool_formats import HERMES
+from specrpc.engine.constraint import ConstraintSpec, InvalidConstraint
+from specrpc.prompts.tool_formats import HERMES, MISTRAL, MISTRAL_ARGS, ToolFormat
 from specrpc.prompts.tools import (
+    NO_PARAMETERS,
     ArgumentsPart,
     CallEnded,
     CallStarted,
@@ -100,6 +102,58 @@ def test_text_that_only_looks_like_a_marker_is_text() -> None:
     parts = parser.feed("a <tool") + parser.feed("box> b <tool_c") + parser.finish()
     assert "".join(p.text for p in parts if isinstance(p, TextPart)) == "a <toolbox> b <tool_c"
     assert parser.calls == []
+
+
+def test_a_call_cut_short_is_pending_with_its_arguments_so_far() -> None:
+    parser = ToolCallParser(HERMES)
+    parser.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": "U')
+    pending = parser.pending
+    assert pending is not None and (pending.name, pending.arguments) == ("get_time", '{"zone": "U')
+    parser.feed('TC"}}\n</tool_call>')
+    assert parser.pending is None and parser.calls[0].id == pending.id
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL_ARGS])
+def test_a_calls_arguments_are_an_object_whatever_its_parameters_leave_out(server: Running, fmt: ToolFormat) -> None:
+    """Parameters `{}` (a schema any JSON meets) still give arguments that are an object, which OpenAI's
+    `arguments` are and the parser reads; a function declared without parameters (an empty parameter list, as
+    OpenAI reads it) is called with `{}` only."""
+    rt = server.runtime
+
+    def accepts(parameters: str, arguments: str) -> bool:
+        grammar = tool_grammar([Tool("f", "", parameters)], ToolChoice("required"), False, fmt) or ""
+        ids = rt.encode_plain(fmt.write([ToolCall("", "f", arguments)]))
+        return rt.grammars.compile(ConstraintSpec("grammar", grammar)).start().valid_prefix(ids) == len(ids)
+
+    assert accepts("{}", '{"a": [1]}') and not accepts("{}", '"a"') and not accepts("{}", "7")
+    assert accepts(NO_PARAMETERS, "{}") and not accepts(NO_PARAMETERS, '{"a": 1}')
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL])
+def test_a_named_function_is_called_exactly_once_even_with_parallel_calls(server: Running, fmt: ToolFormat) -> None:
+    """OpenAI's forced function (`tool_choice` naming one) is exactly one call of it; `required` may make several."""
+    rt = server.runtime
+    tools = [Tool("get_time", "", json.dumps(TIME))]
+    call = ToolCall("", "get_time", '{"zone": "UTC"}')
+    one, two = (rt.encode_plain(fmt.write(calls)) for calls in ([call], [call, call]))
+
+    def start(choice: ToolChoice) -> Any:
+        return rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(tools, choice, True, fmt) or "")).start()
+
+    named = start(ToolChoice("function", "get_time"))
+    assert named.valid_prefix(one) == len(one) and named.valid_prefix(two) < len(two)
+    assert start(ToolChoice("required")).valid_prefix(two) == len(two)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL_ARGS])
+def test_a_schema_that_does_not_compile_is_named_by_its_field(server: Running, fmt: ToolFormat) -> None:
+    """The error names the function's parameters as the request wrote them, not a line of the generated grammar."""
+    tools = [Tool("good", "", json.dumps(TIME)), Tool("bad", "", '{"properties": {"a": {"type": 7}}}')]
+    for choice in (ToolChoice("required"), ToolChoice("auto"), ToolChoice("function", "bad")):
+        spec = validation.tool_constraint(tools, choice, True, fmt, "turn.tools")
+        assert spec is not None
+        with pytest.raises(InvalidConstraint, match=r"^turn\.tools\[1\]\.function\.parameters: failed to compile"):
+            server.runtime.grammars.compile(spec)
 
 
 def test_grammars_force_valid_calls(tool_server: Running) -> None:
@@ -198,6 +252,28 @@ async def test_a_named_function_not_streamed(tool_server: Running) -> None:
     jsonschema.validate(json.loads(call.function.arguments), TIME)
 
 
+async def test_a_call_cut_by_max_tokens_is_in_the_whole_reply_as_it_streamed(tool_server: Running) -> None:
+    """A reply cut inside its call ends with `length`; not streamed, its message still carries the call as far as
+    it was written (id, name, arguments so far), as the stream gave it."""
+    request: dict[str, Any] = {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+                               "temperature": 1.0, "seed": 2, "max_tokens": 22}
+    async with sdk(tool_server) as client:
+        whole = await client.chat.completions.create(**request)
+        name, arguments, finish = None, "", None
+        async for chunk in await client.chat.completions.create(**request, stream=True):
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                assert delta.function is not None and delta.index == 0
+                name = delta.function.name or name
+                arguments += delta.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+    choice = whole.choices[0]
+    assert choice.finish_reason == finish == "length" and choice.message.content is None
+    assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.id.startswith("call_") and (call.function.name, call.function.arguments) == (name, arguments)
+    assert arguments.startswith("{") and not arguments.endswith("}")  # cut inside its arguments
+
+
 async def test_auto_and_none_write_text_and_a_tool_result_turn_is_accepted(tool_server: Running) -> None:
     async with sdk(tool_server) as client:
         for choice in ("auto", "none"):
@@ -238,8 +314,14 @@ async def test_the_plain_format_on_the_shipped_pair(client: openai.AsyncOpenAI) 
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     'tools[0].function.parameters must describe a JSON object (type "object")'),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
-                                                  "parameters": {"type": "strange"}}}]}, "invalid grammar"),
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "a": {"type": "strange"}}}}}]},
+     "tools[0].function.parameters: failed to compile JSON schema"),
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strange"}}}}}]}, "tools[2].function.parameters: failed to compile JSON schema: Invalid type"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "exclusive"),
 ])
 async def test_bad_tools_are_400_naming_the_field(http: httpx2.AsyncClient, body: dict[str, Any], param: str) -> None:

@@ -15,7 +15,7 @@ from specrpc.engine.constraint import MAX_GRAMMAR_BYTES, ConstraintKind, Constra
 from specrpc.engine.generation import MAX_TOP_LOGPROBS
 from specrpc.engine.sampling import SamplingParams
 from specrpc.prompts.tool_formats import ToolFormat
-from specrpc.prompts.tools import InvalidTools, Tool, ToolChoice, check_tools, tool_grammar
+from specrpc.prompts.tools import InvalidTools, Tool, ToolChoice, check_tools, grammar_lines, tool_grammar
 from specrpc.serving.runtime import DecodeParams
 
 MAX_SESSION_ID = 128
@@ -208,7 +208,9 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, f
     except InvalidTools as exc:
         raise InvalidRequest(str(exc)) from None
     grammar = tool_grammar(tools, choice, parallel, fmt)
-    return None if grammar is None else constraint("grammar", grammar, True, name)
+    if grammar is None:
+        return None
+    return replace(constraint("grammar", grammar, True, name), lines=grammar_lines(grammar, tools, choice, name))
 
 
 def session_id(value: str, name: str = "session_id", header: str = "", header_name: str = SESSION_HEADER) -> str:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, cast
 
 import llguidance as llg
@@ -71,6 +72,9 @@ class ConstraintSpec:
     kind: ConstraintKind
     text: str = ""
     strict: bool = True
+    lines: tuple[str, ...] = field(default=(), compare=False)
+    """What each line of a generated grammar stands for, where the client wrote it (a tool's parameters): a compile
+    error at such a line names it instead of the grammar's line (not part of the cache key)."""
 
 
 def unpack_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -388,7 +392,7 @@ class GrammarCompiler:
             raise InvalidConstraint(f"invalid {spec.kind}: {exc}") from exc
         matcher = llg.LLMatcher(self.tokenizer, source, log_level=0, limits=self._limits)
         if matcher.is_error():
-            raise InvalidConstraint(f"invalid {spec.kind}: {first_line(matcher.get_error())}")
+            raise InvalidConstraint(located(spec, first_line(matcher.get_error())))
         return matcher
 
     @staticmethod
@@ -408,6 +412,20 @@ class GrammarCompiler:
         if spec.kind == "regex":
             return str(llg.LLMatcher.grammar_from_regex(spec.text))
         return str(llg.grammar_from("grammar", spec.text))  # Lark, or GBNF converted to Lark
+
+
+AT_LINE = re.compile(r"at (\d+)\(\d+\): ")
+"""Where llguidance's error places a problem in a Lark grammar: `at <line>(<column>): `."""
+
+
+def located(spec: ConstraintSpec, error: str) -> str:
+    """A compile error as the client reads it: against what the failing line stands for (`spec.lines`) where the
+    grammar was generated from the client's input, else against the constraint's kind."""
+    at = AT_LINE.match(error)
+    line = int(at.group(1)) if at else 0
+    if at and 1 <= line <= len(spec.lines) and spec.lines[line - 1]:
+        return f"{spec.lines[line - 1]}: {error[at.end():]}"
+    return f"invalid {spec.kind}: {error}"
 
 
 def first_line(message: str) -> str:

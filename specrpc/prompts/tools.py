@@ -11,7 +11,7 @@ grammar alternation that decides at the first token: the model writes free text,
 call marker the rest is forced to a valid call. An alternation would have to choose "text or call" before the marker
 is written, which either forbids text that merely starts like a call or lets a call's JSON run unconstrained. Where
 the marker is a token of its own, the text is any text that does not spell it, followed by the marker token; where
-calls open the reply (Llama 3), the reply is text that does not open with `{`, or a call."""
+calls open the reply (Llama 3), the reply is text that does not open with `{` (past any whitespace), or a call."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MAX_TOOLS = 128
 """Most functions one request declares (OpenAI's limit)."""
 
+NO_PARAMETERS = '{"type": "object", "properties": {}, "additionalProperties": false}'
+"""The parameters of a function declared without any: an empty parameter list, so its call's arguments are `{}`
+(as OpenAI reads an omitted `parameters`)."""
+
 ChoiceMode = Literal["auto", "none", "required", "function"]
 
 
@@ -41,7 +45,7 @@ class Tool:
 
     name: str
     description: str = ""
-    parameters: str = '{"type": "object", "properties": {}}'
+    parameters: str = NO_PARAMETERS
     strict: bool = False
 
     def openai(self) -> dict[str, Any]:
@@ -94,6 +98,9 @@ def check_tools(tools: Sequence[Tool], choice: ToolChoice, field_name: str = "to
             raise InvalidTools(f"{field_name}[{i}].function.parameters is not JSON: {exc}") from None
         if not isinstance(parameters, dict):
             raise InvalidTools(f"{field_name}[{i}].function.parameters must be a JSON Schema object")
+        if parameters.get("type", "object") != "object":
+            raise InvalidTools(f"{field_name}[{i}].function.parameters must describe a JSON object (type \"object\"): "
+                               f"a call's arguments are an object; got type {parameters['type']!r:.80}")
     if choice.mode in ("required", "function") and not tools:
         raise InvalidTools(f"tool_choice {choice.mode!r} needs {field_name}: declare at least one function")
     if choice.mode == "function" and choice.name not in seen:
@@ -141,13 +148,19 @@ def guided(schema: dict[str, Any], tool: Tool) -> dict[str, Any]:
     return {**schema, "x-guidance": json_layout(lenient=not tool.strict)}
 
 
+def arguments_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON Schema of a call's arguments: the function's parameters, an object even where they leave the type
+    out (`{}`), so a call's arguments always parse as the object OpenAI's `arguments` holds."""
+    return {"type": "object", **json.loads(tool.parameters)}
+
+
 def call_schema(tool: Tool, key: str = "arguments") -> dict[str, Any]:
     """The JSON Schema of one call's object: the function's name, then its arguments under `key` (llguidance keeps
     the order of `properties`, so the name is written first and a stream can announce the call before its
     arguments). The parameters' `$defs` and `definitions` move to the root, where their `#/$defs/…` references
     point."""
-    parameters = json.loads(tool.parameters)
-    hoisted = {k: parameters.pop(k) for k in ("$defs", "definitions") if k in parameters}
+    parameters = arguments_schema(tool)
+    hoisted: dict[str, Any] = {k: parameters.pop(k) for k in ("$defs", "definitions") if k in parameters}
     return guided({
         "type": "object",
         "properties": {"name": {"const": tool.name}, key: parameters},
@@ -161,22 +174,46 @@ def call_rules(i: int, tool: Tool, fmt: ToolFormat) -> list[str]:
     """The Lark rules of a call of `tool` (`fn_<i>`) in the format's shape: a JSON object, or the name, the
     format's `name_args` and the arguments object."""
     if fmt.name_args:
-        arguments = guided(json.loads(tool.parameters), tool)
+        arguments = guided(arguments_schema(tool), tool)
         return [f"fn_{i}: {lark_string(tool.name)} {lark_text(fmt.name_args, fmt)} args_{i}",
                 f"args_{i}: %json {json.dumps(arguments)}"]
     return [f"fn_{i}: %json {json.dumps(call_schema(tool, fmt.key))}"]
 
 
+def chosen_tools(tools: Sequence[Tool], choice: ToolChoice) -> list[Tool]:
+    """The functions a reply may call: the named one, or all."""
+    return [t for t in tools if t.name == choice.name] if choice.mode == "function" else list(tools)
+
+
+CALL_RULE = re.compile(r"(?:fn|args)_(\d+):")
+"""A line of `tool_grammar` holding a call's rule (`call_rules`: `fn_<i>` and `args_<i>`)."""
+
+
+def grammar_lines(grammar: str, tools: Sequence[Tool], choice: ToolChoice, field_name: str = "tools"
+                  ) -> tuple[str, ...]:
+    """What each line of `tool_grammar`'s grammar stands for in the request: a call's rule is its function's
+    parameters (`tools[i].function.parameters`), so a schema that does not compile is reported against them
+    (ConstraintSpec.lines); other lines stand for nothing the client wrote."""
+    index = {t.name: i for i, t in enumerate(tools)}
+    chosen = chosen_tools(tools, choice)
+    lines = []
+    for line in grammar.split("\n"):
+        rule = CALL_RULE.match(line)
+        lines.append(f"{field_name}[{index[chosen[int(rule.group(1))].name]}].function.parameters" if rule else "")
+    return tuple(lines)
+
+
 def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt: ToolFormat) -> str | None:
     """The Lark grammar (llguidance's dialect) a reply must match, or None for free text (`none`, or no tools).
-    `required` and a named function: calls only; `auto`: any text, and once it reaches the call marker, calls (for
-    a format whose calls open the reply, Llama 3's: text that does not open with `{`, or a call). With `parallel`
-    (and a format that allows it), calls may follow one another; else one call."""
+    `required`: calls only; a named function: exactly one call of it (OpenAI's forced function); `auto`: any text,
+    and once it reaches the call marker, calls (for a format whose calls open the reply, Llama 3's: text that does
+    not open with `{`, or a call). With `parallel` (and a format that allows it), calls may follow one another; else
+    one call."""
     if choice.mode == "none" or not tools:
         return None
-    chosen = [t for t in tools if t.name == choice.name] if choice.mode == "function" else list(tools)
+    chosen = chosen_tools(tools, choice)
     rules = [rule for i, tool in enumerate(chosen) for rule in call_rules(i, tool, fmt)]
-    many = parallel and fmt.parallel
+    many = parallel and fmt.parallel and choice.mode != "function"
     calls = f"body ({lark_text(fmt.joiner, fmt)} body)*" if many and fmt.joiner else "body"
     more = f" ({lark_text(fmt.separator, fmt)} group)*" if many and not fmt.joiner else ""
     rest = [f"rest: {lark_text(fmt.open[len(fmt.trigger):], fmt)} {calls} {lark_text(fmt.close, fmt)}"]
@@ -184,8 +221,8 @@ def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt:
     group = [f"group: {lead}{lark_text(fmt.trigger, fmt)} rest"]
     if choice.mode != "auto":
         start = [f"start: group{more}"]
-    elif not fmt.trigger:  # calls open the reply: text is what does not open with `{`
-        start = ["start: TEXT | group", "TEXT: /([^{](?s:.*))?/"]
+    elif not fmt.trigger:  # calls open the reply: text is what does not open with `{`, whitespace before it too
+        start = ["start: TEXT | group", r"TEXT: /\s*([^{\s](?s:.*))?/"]  # as the parser reads it
     elif fmt.trigger in fmt.token_ids:  # the marker is a token: text is any text that does not spell it
         start = [f"start: TEXT | TEXT group{more}",
                  f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(fmt.trigger)}(?s:.*)/"]
@@ -280,6 +317,14 @@ class ToolCallParser:
     def text(self) -> bool:
         """Whether the parser is outside a call (what it holds is text)."""
         return self._state == "text"
+
+    @property
+    def pending(self) -> ToolCall | None:
+        """The call announced and not ended, with its arguments so far: what a reply cut short (`max_tokens`) leaves
+        of its last call, as it was streamed."""
+        if self._state not in ("arguments", "tail"):
+            return None
+        return ToolCall(self._id, self._name, "".join(self._args))
 
     def feed(self, piece: str) -> list[ReplyPart]:
         """The parts `piece` completes."""

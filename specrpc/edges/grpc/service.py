@@ -38,7 +38,7 @@ from specrpc.engine.sampling import SamplingParams
 from specrpc.prompts.fim import ExtraFile, InfillInput, InfillPrompt, NoInfillSupport, PromptTooLong
 from specrpc.prompts.rewrite import BadRewrite, RewriteInput, RewritePrompt, changed_lines
 from specrpc.prompts.text import FINISH_INDENT, FINISH_TIME_LIMIT
-from specrpc.prompts.tools import Tool, ToolCall, ToolChoice
+from specrpc.prompts.tools import NO_PARAMETERS, Tool, ToolCall, ToolChoice
 from specrpc.serving.runtime import CheckpointInfo, DecodeParams, Runtime
 from specrpc.serving.scheduler import FINISH_CANCELLED, Chunk, Done
 from specrpc.serving.sessions import SlotsExhausted, UnknownSession
@@ -579,7 +579,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
 def tool_list(tools: Sequence[pb.Tool]) -> tuple[Tool, ...]:
     """The declared functions (checked with the choice by validation.tool_constraint)."""
-    return tuple(Tool(t.name, t.description, t.parameters_json or '{"type": "object", "properties": {}}', t.strict)
+    return tuple(Tool(t.name, t.description, t.parameters_json or NO_PARAMETERS, t.strict)
                  for t in tools)
 
 

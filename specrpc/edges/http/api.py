@@ -61,7 +61,7 @@ from specrpc.edges.validation import SESSION_HEADER
 from specrpc.engine.constraint import ConstraintSpec
 from specrpc.prompts.fim import ExtraFile, InfillInput, Trimmed
 from specrpc.prompts.rewrite import RewriteInput
-from specrpc.prompts.tools import Tool, ToolCall, ToolCallParser, ToolChoice
+from specrpc.prompts.tools import NO_PARAMETERS, Tool, ToolCall, ToolCallParser, ToolChoice
 from specrpc.serving.runtime import DecodeParams
 
 log = structlog.get_logger(__name__)
@@ -216,7 +216,7 @@ def chat_tools(body: Body) -> tuple[tuple[Tool, ...], ToolChoice, bool]:
         if tool.text("type", "function") != "function":
             raise bad(tool.name("type"), f"{tool.name('type')} must be function")
         fn = Body(tool.data.get("function"), tool.name("function"))
-        parameters = fn.data.get("parameters", {"type": "object", "properties": {}})
+        parameters = fn.data["parameters"] if fn.has("parameters") else json.loads(NO_PARAMETERS)
         if not isinstance(parameters, dict):
             raise bad(fn.name("parameters"), f"{fn.name('parameters')} must be a JSON Schema object")
         try:

@@ -152,8 +152,8 @@ class OpenAIReply(Reply):
         held: list[dict[str, Any]] = []
         if self.tools is not None:
             held = self._tool_deltas(self.tools.finish())
-            if self.tools.calls and finish == "stop":
-                finish = "tool_calls"
+            if self.tools.calls and self.tools.pending is None and finish == "stop":
+                finish = "tool_calls"  # not when a stop string cut a call short: that one is incomplete
         if not stream:
             choice = self.choice(text, finish, False, lps=self.logprobs)
             if self.tools is not None:
@@ -165,14 +165,15 @@ class OpenAIReply(Reply):
         return events
 
     def _tool_message(self) -> dict[str, Any]:
-        """The whole reply's message with tools: its text (null when it only calls), and its calls."""
+        """The whole reply's message with tools: its text (null when it only calls), and its calls, a call cut short
+        (by the token limit or a stop string) included as far as it was written, as streaming gives it."""
         assert self.tools is not None
         content = "".join(self.content)
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if self.tools.calls:
+        calls = [*self.tools.calls, *([self.tools.pending] if self.tools.pending else [])]
+        if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}}
-                                     for c in self.tools.calls]
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return message
 
 
