@@ -271,6 +271,29 @@ async def test_converse_tool_call_then_a_tool_result_turn(client: AsyncClient) -
         assert done.generation.completion_tokens > 0
 
 
+async def test_converse_parallel_calls_answered_in_one_tool_results_turn(client: AsyncClient,
+                                                                        server: Running) -> None:
+    """A reply's two calls on the shipped pair (plain format) answered with one `tool_results` turn: one reply
+    follows, and the session's history holds both results in order, the non-text one as JSON."""
+    for seed in range(12):  # a random model makes several calls about one reply in two
+        async with client.voice_session(tools=TOOLS, tool_choice="required", max_new_tokens=250) as voice:
+            reply = voice.say("Weather in Paris and the time there?", sampling=Sampling(temperature=1.0, seed=seed))
+            calls = (await reply.done()).tool_calls
+            if len(calls) < 2:
+                continue
+            answer = voice.tool_results([(calls[0], {"temperature": 21}), (calls[1].id, "09:00")],
+                                        tool_choice="none", max_new_tokens=6)
+            done = await answer.done()
+            assert done.turn_index == 1 and not done.tool_calls and done.generation.completion_tokens > 0
+        state = server.runtime.registry.sessions[voice.session_id].conversation  # saved once the stream ended
+        assert state is not None and state[1] == 2  # two replies: the calls, then one to both results
+        assert [(m[0], m[1], m[3]) for m in state[0][-3:]] == [("tool", '{"temperature": 21}', calls[0].id),
+                                                               ("tool", "09:00", calls[1].id),
+                                                               ("assistant", done.reply_text, "")]
+        return
+    pytest.fail("no reply made several calls")
+
+
 async def test_sync_conversation_calls_a_named_function_from_openai_declarations(server: Running) -> None:
     def run() -> tuple[list[ToolCall], TurnSummary]:
         with Client(f"127.0.0.1:{server.port}", timeout=60) as c, c.conversation(tools=TOOLS,

@@ -328,13 +328,15 @@ def run_chat(args: argparse.Namespace) -> int:
                     print(f"[rewound: kept {r.kept_chars} chars, {r.kept_tokens} tokens; history "
                           f"{r.history_tokens} tokens]", file=sys.stderr)
                     continue
-                pending = show(conv.say(text))
-                while pending:  # each call's result is the next line, sent as a tool turn
-                    call = pending.pop(0)
-                    result = read_line(f"{call.id}> ")
-                    if result is None:
-                        return _summarize(totals)
-                    pending += show(conv.tool_result(call, result, tool_choice="auto"))
+                calls = show(conv.say(text))
+                while calls:  # each call's result is a line; a reply's results go in one tool turn, one reply
+                    results = []
+                    for call in calls:
+                        result = read_line(f"{call.id}> ")
+                        if result is None:
+                            return _summarize(totals)
+                        results.append((call, result))
+                    calls = show(conv.tool_results(results, tool_choice="auto"))
     except KeyboardInterrupt:
         print(file=sys.stderr)
     except SpecrpcError as exc:
