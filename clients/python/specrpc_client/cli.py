@@ -91,9 +91,9 @@ cancels it (barge-in); '/rewind N' keeps N characters of the last reply; '/quit'
 
 With --tools, a call the model makes is printed on stdout as
   [tool call CALL_ID] NAME {"argument": ...}
-and the next line you type (prompt 'CALL_ID> ') is its result, text or JSON, sent back as a
-`tool` turn; the reply to it streams as usual and may call again. A reply with several calls
-asks for each result in turn."""
+and the next line you type (prompt 'CALL_ID> ') is its result, text or JSON. A reply with several
+calls asks for each result in turn, then sends them all in one `tool` turn; the one reply to them
+streams as usual and may call again."""
 
 
 def add_commands(commands: Any) -> None:
