@@ -619,6 +619,38 @@ async def test_cli_chat_prints_a_tool_call_and_sends_the_typed_result(server: Ru
     assert err.count("TTFT") == 2 and "[session: 2 turns" in err  # the result turn got a reply
 
 
+async def test_cli_chat_sends_a_replys_several_results_in_one_turn(server: Running, tmp_path: Path) -> None:
+    """A reply with several calls: chat --tools reads a result line for each, then sends them in one turn, so the
+    session has two replies (not one per result) and its history ends with the results in order, then one reply."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+
+    async def chat(seed: int, session: str, lines: list[str]) -> tuple[int, str, str]:
+        return await _run(str(BIN / "specrpc"), "chat", "--tools", str(tools), "--tool-choice", "required",
+                          "--port", str(server.port), "--max-new-tokens", "200", "--temperature", "1",
+                          "--seed", str(seed), "--timeout", "60", "--session-id", session,
+                          stdin="".join(f"{line}\n" for line in ["Weather in Paris and the time there?", *lines])
+                          .encode())
+
+    for seed in range(12):  # a random model makes several calls about one reply in two
+        rc, out, err = await chat(seed, f"cli-calls-{seed}", [])  # EOF at the first result: the calls only
+        assert rc == 0, err
+        calls = re.findall(r"^\[tool call (\S+)\] ", out, re.MULTILINE)
+        if len(calls) < 2:
+            continue
+        session = f"cli-results-{seed}"
+        results = [f"result {i}" for i in range(len(calls))]
+        rc, out, err = await chat(seed, session, results)  # the same seed: the same calls
+        assert rc == 0, err
+        assert "[session: 2 turns" in err, err  # the calls' reply, then one reply to all their results
+        state = server.runtime.registry.sessions[session].conversation
+        assert state is not None
+        assert [(m[0], m[1]) for m in state[0][-len(calls) - 1:-1]] == [("tool", r) for r in results]
+        assert state[0][-1][0] == "assistant"
+        return
+    pytest.fail("no reply made several calls")
+
+
 async def test_cli_complete_reports_errors(server: Running) -> None:
     rc, _, err = await _run(str(BIN / "specrpc"), "complete", "x", "--port", str(server.port), "--temperature", "-1")
     assert rc == 1 and "INVALID_ARGUMENT" in err and "temperature" in err
