@@ -56,8 +56,8 @@ class Trim:
         self.tail_bytes = [*reversed(list(accumulate(sizes, initial=0)))]  # [len + 1] text bytes from message i on
 
     def start(self, n: int) -> int:
-        """Where the kept messages resume after dropping the `n` oldest after the system prompt (never the newest):
-        at a user message, as the templates that make roles alternate (Mistral's, Gemma's) require."""
+        """Where the kept messages resume after dropping the `n` oldest after the system prompt (never the `keep`
+        newest): at a user message, as the templates that make roles alternate (Mistral's, Gemma's) require."""
         newest = len(self.messages) - self.keep
         i = min(self.head + n, max(newest, self.head))
         while i < newest and self.messages[i].role != "user":
