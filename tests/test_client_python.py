@@ -271,6 +271,29 @@ async def test_converse_tool_call_then_a_tool_result_turn(client: AsyncClient) -
         assert done.generation.completion_tokens > 0
 
 
+async def test_converse_parallel_calls_answered_in_one_tool_results_turn(client: AsyncClient,
+                                                                        server: Running) -> None:
+    """A reply's two calls on the shipped pair (plain format) answered with one `tool_results` turn: one reply
+    follows, and the session's history holds both results in order, the non-text one as JSON."""
+    for seed in range(12):  # a random model makes several calls about one reply in two
+        async with client.voice_session(tools=TOOLS, tool_choice="required", max_new_tokens=250) as voice:
+            reply = voice.say("Weather in Paris and the time there?", sampling=Sampling(temperature=1.0, seed=seed))
+            calls = (await reply.done()).tool_calls
+            if len(calls) < 2:
+                continue
+            answer = voice.tool_results([(calls[0], {"temperature": 21}), (calls[1].id, "09:00")],
+                                        tool_choice="none", max_new_tokens=6)
+            done = await answer.done()
+            assert done.turn_index == 1 and not done.tool_calls and done.generation.completion_tokens > 0
+        state = server.runtime.registry.sessions[voice.session_id].conversation  # saved once the stream ended
+        assert state is not None and state[1] == 2  # two replies: the calls, then one to both results
+        assert [(m[0], m[1], m[3]) for m in state[0][-3:]] == [("tool", '{"temperature": 21}', calls[0].id),
+                                                               ("tool", "09:00", calls[1].id),
+                                                               ("assistant", done.reply_text, "")]
+        return
+    pytest.fail("no reply made several calls")
+
+
 async def test_sync_conversation_calls_a_named_function_from_openai_declarations(server: Running) -> None:
     def run() -> tuple[list[ToolCall], TurnSummary]:
         with Client(f"127.0.0.1:{server.port}", timeout=60) as c, c.conversation(tools=TOOLS,
@@ -594,6 +617,38 @@ async def test_cli_chat_prints_a_tool_call_and_sends_the_typed_result(server: Ru
     assert call is not None, out
     jsonschema.validate(json.loads(call.group(2)), WEATHER)
     assert err.count("TTFT") == 2 and "[session: 2 turns" in err  # the result turn got a reply
+
+
+async def test_cli_chat_sends_a_replys_several_results_in_one_turn(server: Running, tmp_path: Path) -> None:
+    """A reply with several calls: chat --tools reads a result line for each, then sends them in one turn, so the
+    session has two replies (not one per result) and its history ends with the results in order, then one reply."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+
+    async def chat(seed: int, session: str, lines: list[str]) -> tuple[int, str, str]:
+        return await _run(str(BIN / "specrpc"), "chat", "--tools", str(tools), "--tool-choice", "required",
+                          "--port", str(server.port), "--max-new-tokens", "200", "--temperature", "1",
+                          "--seed", str(seed), "--timeout", "60", "--session-id", session,
+                          stdin="".join(f"{line}\n" for line in ["Weather in Paris and the time there?", *lines])
+                          .encode())
+
+    for seed in range(12):  # a random model makes several calls about one reply in two
+        rc, out, err = await chat(seed, f"cli-calls-{seed}", [])  # EOF at the first result: the calls only
+        assert rc == 0, err
+        calls = re.findall(r"^\[tool call (\S+)\] ", out, re.MULTILINE)
+        if len(calls) < 2:
+            continue
+        session = f"cli-results-{seed}"
+        results = [f"result {i}" for i in range(len(calls))]
+        rc, out, err = await chat(seed, session, results)  # the same seed: the same calls
+        assert rc == 0, err
+        assert "[session: 2 turns" in err, err  # the calls' reply, then one reply to all their results
+        state = server.runtime.registry.sessions[session].conversation
+        assert state is not None
+        assert [(m[0], m[1]) for m in state[0][-len(calls) - 1:-1]] == [("tool", r) for r in results]
+        assert state[0][-1][0] == "assistant"
+        return
+    pytest.fail("no reply made several calls")
 
 
 async def test_cli_complete_reports_errors(server: Running) -> None:

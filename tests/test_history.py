@@ -119,3 +119,20 @@ def test_limits_on_messages_and_bytes() -> None:
     assert sum(m.size for m in kept) <= 1024 and kept[-1] == messages[-1]
     with pytest.raises(InvalidRequest, match=r"turn.text .* --max-history-bytes"):
         bounded([*messages, Message("user", "z" * 2000)], Limits(max_history_bytes=1024), "turn.text")
+
+
+def test_a_turns_several_results_are_kept_together_or_refused_naming_their_field() -> None:
+    """A Converse turn adding several tool results (`keep` newest messages): trimming never drops one of them, even
+    where a single newest message would resume the history at a later one; over the limits with the system prompt
+    alone, INVALID_ARGUMENT names the turn's field."""
+    results = [Message("tool", f"result {i}", tool_call_id=f"call_{i}") for i in range(12)]
+    messages = [*history(40), Message("assistant", "", ()), *results]
+    kept = bounded(messages, Limits(max_history_messages=20), "turn.tool_results", keep=len(results))
+    assert kept[0].role == "system" and kept[-len(results):] == results and len(kept) <= 20
+    kept, ids = fit(messages, render, 200, keep=len(results))
+    assert kept[-len(results):] == results and ids == render(kept)[-200:]
+    with pytest.raises(InvalidRequest, match=r"^turn.tool_results and the system prompt are 13 messages, over the 12"):
+        bounded(messages, Limits(max_history_messages=12), "turn.tool_results", keep=len(results))
+    with pytest.raises(InvalidRequest, match=r"^turn.tool_results and the system prompt have \d+ bytes, over the 1024"):
+        bounded([*messages[:-1], Message("tool", "z" * 2000)], Limits(max_history_bytes=1024), "turn.tool_results",
+                keep=len(results))

@@ -481,3 +481,58 @@ def test_a_recursive_schema_keeps_its_definitions() -> None:
     tool = Tool("f", "", json.dumps(HOSTILE["recursive ref"]))
     schema = call_schema(tool)
     assert schema["$defs"] == HOSTILE["recursive ref"]["$defs"] and "$defs" not in schema["properties"]["arguments"]
+
+
+async def test_converse_takes_the_results_of_parallel_calls_in_one_turn(tool_server: Running) -> None:
+    """A reply's two calls answered in one turn: both results enter the history in order (one `<tool_response>`
+    each in the template's tool block) and one reply follows (the stream then ends without another)."""
+    rt, tools = tool_server.runtime, grpc_tools()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{tool_server.port}") as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        for seed in range(12):  # a random model makes several calls about one reply in two
+            conversation = Conversation(stub)
+            started = await conversation.start(tools=tools, max_new_tokens=300,
+                                               tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED))
+            events = await conversation.turn_events("What is the weather in Paris, and the time there?",
+                                                    sampling=pb.SamplingParams(temperature=1.0, seed=seed))
+            calls = list(events[-1].summary.tool_calls)
+            if len(calls) >= 2:
+                break
+            await conversation.close()
+        assert len(calls) >= 2, "no reply made several calls"
+        results = [pb.ToolResult(tool_call_id=c.id, text=json.dumps({"result": i})) for i, c in enumerate(calls)]
+        events = await conversation.turn_events("", tool_results=results, max_new_tokens=6,
+                                                tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE))
+        assert events[-1].summary.turn_index == 1 and events[-1].summary.reply_text
+        await conversation.close()  # reads EOF: no second reply
+    state = rt.registry.sessions[started.session_id].conversation
+    assert state is not None
+    history = [Message(*m) for m in state[0]]
+    assert [(m.role, m.tool_call_id) for m in history[2:2 + len(calls)]] == [("tool", c.id) for c in calls]
+    text = rt.tokenizer.decode(render(rt, history[:2 + len(calls)], True,
+                                      [Tool(t.name, t.description, t.parameters_json) for t in tools]))
+    block = "\n".join(f'<tool_response>\n{{"result": {i}}}\n</tool_response>' for i in range(len(calls)))
+    assert f"</tool_call><|im_end|>\n<|im_start|>user\n{block}<|im_end|>\n<|im_start|>assistant\n" in text
+
+
+@pytest.mark.parametrize(("turn", "field"), [
+    (pb.Turn(tool_results=[pb.ToolResult(tool_call_id="call_1", text="1"), pb.ToolResult(text="2")]),
+     "turn.tool_results[1].tool_call_id"),
+    (pb.Turn(role="user", tool_results=[pb.ToolResult(tool_call_id="call_1", text="1")]), "turn.role"),
+    (pb.Turn(text="hi", tool_results=[pb.ToolResult(tool_call_id="call_1", text="1")]), "turn.text"),
+    (pb.Turn(tool_call_id="call_1", tool_results=[pb.ToolResult(tool_call_id="call_1", text="1")]),
+     "turn.tool_call_id"),
+    (pb.Turn(tool_results=[pb.ToolResult(tool_call_id=f"call_{i}", text="1") for i in range(256)]),
+     "turn.tool_results and the system prompt are 257 messages"),
+    (pb.Turn(tool_results=[pb.ToolResult(tool_call_id=f"call_{i}", text="x" * 600_000) for i in range(2)]),
+     "turn.tool_results and the system prompt have"),
+], ids=["no call id", "user role", "text", "tool_call_id", "too many", "too large"])
+async def test_converse_refuses_bad_tool_results_naming_the_field(stub: pb_grpc.GeneratorStub, turn: pb.Turn,
+                                                                  field: str) -> None:
+    conversation = Conversation(stub)
+    await conversation.start(system="Be brief.")
+    await conversation.send(turn=turn)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await conversation.read()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (caught.value.details() or ""), caught.value.details()

@@ -133,17 +133,17 @@ def chat_prompt(gateway: Gateway, messages: Sequence[Message], tools: Sequence[T
     return turn_prompt(gateway, messages, f"messages[{len(messages) - 1}].content", tools)[1]
 
 
-def turn_prompt(gateway: Gateway, messages: Sequence[Message], newest: str, tools: Sequence[Tool] = ()
+def turn_prompt(gateway: Gateway, messages: Sequence[Message], newest: str, tools: Sequence[Tool] = (), keep: int = 1
                 ) -> tuple[list[Message], list[int]]:
-    """The messages kept (within the history limits and the prompt's room) and their prompt, ending with the
-    assistant's cue. `newest` names the newest message's field in errors. A prompt declaring tools whose text alone
-    is certainly over the room (runtime.token_floor) is refused without tokenizing it."""
+    """The messages kept (within the history limits and the prompt's room, the `keep` newest always) and their
+    prompt, ending with the assistant's cue. `newest` names the newest messages' field in errors. A prompt declaring
+    tools whose text alone is certainly over the room (runtime.token_floor) is refused without tokenizing it."""
     rt = gateway.runtime
     text = functools.lru_cache(maxsize=1)(lambda kept: prompt_text(rt, kept, True, tools))  # the floor's, reused
     floor = rt.token_floor
-    kept, ids = fit(bounded(messages, gateway.limits, newest), lambda m: prompt_ids(rt, text(tuple(m))),
+    kept, ids = fit(bounded(messages, gateway.limits, newest, keep), lambda m: prompt_ids(rt, text(tuple(m))),
                     prompt_room(rt.context_limit, gateway.limits), tools=bool(tools),
-                    floor=None if floor is None else lambda m: floor.tokens(text(tuple(m))))
+                    floor=None if floor is None else lambda m: floor.tokens(text(tuple(m))), keep=keep)
     if not ids:
         raise InvalidRequest("the chat template renders these messages as an empty prompt; send a message with text")
     return kept, ids
@@ -204,13 +204,40 @@ Event = Started | Chunk | Phrase | ToolCalled | TurnDone | Rewound
 
 @dataclass(frozen=True)
 class TurnInput:
-    """A new message for a Converse turn: who speaks, the text, and for a tool's result the call it answers."""
+    """A Converse turn's new message: who speaks, the text, and for a tool's result the call it answers; or the
+    results of several calls of the last reply, (call id, text) in order, one tool message each."""
 
     role: str
     text: str
     tool_call_id: str = ""
     tools: tuple[Tool, ...] = field(default=())
     choice: ToolChoice | None = None  # None: the session's
+    results: tuple[tuple[str, str], ...] = ()
+
+    def checked(self) -> TurnInput:
+        """This turn with its role (empty: user, or tool with results), or InvalidRequest naming the wrong field:
+        a role not in history.ROLES, results beside a role other than tool or beside the turn's own text or call
+        id, a result without its call's id."""
+        role = check_role(self.role or ("tool" if self.results else "user"), "turn.role")
+        if self.results:
+            if role != "tool":
+                raise InvalidRequest(f"turn.role is {role!r}, but turn.tool_results are tool messages; leave "
+                                     f"turn.role empty or set it to tool")
+            if self.text or self.tool_call_id:
+                raise InvalidRequest("turn.text and turn.tool_call_id must be empty with turn.tool_results (each "
+                                     "result carries its own); send a single result in text and tool_call_id, or "
+                                     "every result in tool_results")
+            for i, (call_id, _text) in enumerate(self.results):
+                if not call_id:
+                    raise InvalidRequest(f"turn.tool_results[{i}].tool_call_id is empty; set it to the id of the "
+                                         f"call (ToolCall.id) this result answers")
+        return replace(self, role=role)
+
+    def messages(self) -> list[Message]:
+        """The messages this turn adds to the history, in order."""
+        if self.results:
+            return [Message("tool", text, tool_call_id=call_id) for call_id, text in self.results]
+        return [Message(self.role, self.text, tool_call_id=self.tool_call_id)]
 
 
 class Conversation:
@@ -273,7 +300,7 @@ class Conversation:
         """Start a reply to a new message (the reply in flight is cancelled first). `params` come from the edge,
         their stops including `reply_stops` and their constraint the tools' grammar (`turn_tools`)."""
         self.require_started("turn")
-        message = replace(message, role=check_role(message.role or "user", "turn.role"))
+        message = message.checked()
         await self.wait_turn(cancel=True)
         if self.abandoned:
             return
@@ -355,10 +382,12 @@ class Conversation:
     async def _turn(self, message: TurnInput, params: DecodeParams, cancel: asyncio.Event) -> None:
         # the history changes only once its prompt is rendered: a turn the template refuses leaves it as it was
         tools, choice = self.turn_tools(message)
-        newest = Message(message.role, message.text, tool_call_id=message.tool_call_id)
-        history = [*self.messages, newest]
-        self.messages, prompt = await prepared(lambda: turn_prompt(self.gateway, history, "turn.text", tools),
-                                               sum(m.size for m in history) + sum(len(t.parameters) for t in tools))
+        newest = message.messages()
+        history = [*self.messages, *newest]
+        field_name = "turn.tool_results" if message.results else "turn.text"
+        self.messages, prompt = await prepared(
+            lambda: turn_prompt(self.gateway, history, field_name, tools, len(newest)),
+            sum(m.size for m in history) + sum(len(t.parameters) for t in tools))
         started = time.perf_counter()
         segmenter = PhraseSegmenter() if self.phrase_mode else None
         parser = ToolCallParser(tool_format(self.runtime)) if tools and choice.mode != "none" else None

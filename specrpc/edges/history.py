@@ -2,7 +2,8 @@
 oldest user, assistant and tool messages go first, in steps of STEP messages, and the system prompt stays first, so
 the prompt's cached prefix (the system prompt and the messages kept) survives a trim; the newest message always
 stays. Steps counted from the history's start make the cut the same for a few turns of a growing history, so an
-HTTP client resending its whole history reuses the KV cache between trims as a Converse session does."""
+HTTP client resending its whole history reuses the KV cache between trims as a Converse session does. A Converse turn
+that adds several messages at once (the results of several tool calls) keeps all of them."""
 
 from __future__ import annotations
 
@@ -47,18 +48,19 @@ def check_role(role: str, name: str) -> str:
 class Trim:
     """The ways to drop the oldest messages of one history, with their sizes counted once."""
 
-    def __init__(self, messages: Sequence[Message]) -> None:
+    def __init__(self, messages: Sequence[Message], keep: int = 1) -> None:
         self.messages = list(messages)
+        self.keep = keep  # the newest messages, never dropped
         self.head = 1 if messages and messages[0].role == "system" else 0
         sizes = [m.size for m in reversed(messages)]
         self.tail_bytes = [*reversed(list(accumulate(sizes, initial=0)))]  # [len + 1] text bytes from message i on
 
     def start(self, n: int) -> int:
-        """Where the kept messages resume after dropping the `n` oldest after the system prompt (never the newest):
-        at a user message, as the templates that make roles alternate (Mistral's, Gemma's) require."""
-        last = len(self.messages) - 1
-        i = min(self.head + n, max(last, self.head))
-        while i < last and self.messages[i].role != "user":
+        """Where the kept messages resume after dropping the `n` oldest after the system prompt (never the `keep`
+        newest): at a user message, as the templates that make roles alternate (Mistral's, Gemma's) require."""
+        newest = len(self.messages) - self.keep
+        i = min(self.head + n, max(newest, self.head))
+        while i < newest and self.messages[i].role != "user":
             i += 1
         return i
 
@@ -75,12 +77,16 @@ class Trim:
         return self.head + len(self.messages) - self.start(n)
 
 
-def bounded(messages: Sequence[Message], limits: Limits, newest: str) -> list[Message]:
+def bounded(messages: Sequence[Message], limits: Limits, newest: str, keep: int = 1) -> list[Message]:
     """`messages` within --max-history-messages and --max-history-bytes, the oldest dropped STEP at a time;
-    InvalidRequest naming `newest` (the newest message's field) when the system prompt and it alone are over."""
-    trim, n = Trim(messages), 0
-    while trim.count(n) > max(limits.max_history_messages, 2) or trim.bytes(n) > limits.max_history_bytes:
+    InvalidRequest naming `newest` (the field of the `keep` newest messages) when the system prompt and they alone
+    are over."""
+    trim, n, most = Trim(messages, keep), 0, max(limits.max_history_messages, 2)
+    while trim.count(n) > most or trim.bytes(n) > limits.max_history_bytes:
         if trim.start(n + STEP) == trim.start(n):
+            if trim.count(n) > most:
+                raise InvalidRequest(f"{newest} and the system prompt are {trim.count(n)} messages, over the {most} "
+                                     f"a conversation keeps (server --max-history-messages); send fewer")
             raise InvalidRequest(f"{newest} and the system prompt have {trim.bytes(n)} bytes, over the "
                                  f"{limits.max_history_bytes} a conversation keeps (server --max-history-bytes); "
                                  f"send a shorter message")
@@ -88,16 +94,15 @@ def bounded(messages: Sequence[Message], limits: Limits, newest: str) -> list[Me
     return trim.kept(n)
 
 
-def fit(messages: Sequence[Message], render: Render, cap: int, tools: bool = False, floor: Floor | None = None
-        ) -> tuple[list[Message], list[int]]:
+def fit(messages: Sequence[Message], render: Render, cap: int, tools: bool = False, floor: Floor | None = None,
+        keep: int = 1) -> tuple[list[Message], list[int]]:
     """The messages to keep and their prompt: all of them when their prompt has at most `cap` tokens, else with the
     oldest dropped STEP at a time until it has (how many steps is guessed from the tokens per byte of the last render,
-    then checked by rendering). When the system prompt and the newest message alone are
-    over `cap`, their prompt's last `cap` tokens (the system prompt is cut from this prompt only) — unless the
-    prompt declares `tools`: cutting would drop declarations, so that is InvalidRequest naming `tools`, decided by
-    `floor` without tokenizing that prompt when even its floor is over `cap` (a 20,000-value enum: 290 KB, a
-    second to tokenize)."""
-    trim, n, kept = Trim(messages), 0, list(messages)
+    then checked by rendering). When the system prompt and the `keep` newest messages alone are over `cap`, their
+    prompt's last `cap` tokens (the system prompt is cut from this prompt only) — unless the prompt declares `tools`:
+    cutting would drop declarations, so that is InvalidRequest naming `tools`, decided by `floor` without tokenizing
+    that prompt when even its floor is over `cap` (a 20,000-value enum: 290 KB, a second to tokenize)."""
+    trim, n, kept = Trim(messages, keep), 0, list(messages)
     while True:
         last = trim.start(n + STEP) == trim.start(n)  # nothing more to drop
         if last and tools and floor is not None and (least := floor(kept)) > cap:

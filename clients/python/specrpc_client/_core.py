@@ -23,6 +23,7 @@ from specrpc_client.types import (
     Sampling,
     Speculation,
     Tool,
+    ToolCall,
     ToolChoice,
     extra_to_proto,
     tools_to_proto,
@@ -207,6 +208,10 @@ ToolDeclarations = Sequence[Tool | Mapping[str, Any]]
 """Tools, or OpenAI function declarations (Tool.parse)."""
 ToolChoiceLike = ToolChoice | str | Mapping[str, Any]
 """A ToolChoice, 'auto' / 'none' / 'required', a function's name, or OpenAI's named-function mapping."""
+ToolResultValue = str | Mapping[str, Any] | Sequence[Any]
+"""A tool's result: text as given, anything else sent as JSON."""
+ToolResults = Sequence[tuple[ToolCall | str, ToolResultValue]]
+"""The results of several calls: (the ToolCall or its id, its result) pairs, in order."""
 
 
 def _tool_fields(tools: ToolDeclarations, tool_choice: ToolChoiceLike | None) -> dict[str, object]:
@@ -294,10 +299,13 @@ def session_start(session_id: str, *, system: str = "", phrase_mode: bool = True
 def turn_request(text: str, *, role: str = "", sampling: Sampling | None = None, max_new_tokens: int = 0,
                  speculation: Speculation | None = None, constraint: Constraint | None = None,
                  tools: ToolDeclarations = (), tool_choice: ToolChoiceLike | None = None,
-                 tool_call_id: str = "") -> pb.ConverseRequest:
-    """A turn (role: user by default; "tool" with `tool_call_id` for a call's result). `constraint`: what the reply
-    must match (not with tools in use); `tools` and `tool_choice` replace the session's for this reply when given."""
+                 tool_call_id: str = "", tool_results: ToolResults = ()) -> pb.ConverseRequest:
+    """A turn (role: user by default; "tool" with `tool_call_id` for a call's result, or with empty text and
+    `tool_results` for the results of several calls, one reply for all). `constraint`: what the reply must match (not
+    with tools in use); `tools` and `tool_choice` replace the session's for this reply when given."""
     turn = pb.Turn(text=text, role=role, max_new_tokens=max_new_tokens, tool_call_id=tool_call_id,
+                   tool_results=[pb.ToolResult(tool_call_id=call if isinstance(call, str) else call.id,
+                                               text=tool_result_text(result)) for call, result in tool_results],
                    **_tool_fields(tools, tool_choice))  # type: ignore[arg-type]
     if sampling is not None:
         turn.sampling.CopyFrom(sampling.to_proto())
@@ -308,6 +316,6 @@ def turn_request(text: str, *, role: str = "", sampling: Sampling | None = None,
     return pb.ConverseRequest(turn=turn)
 
 
-def tool_result_text(result: str | Mapping[str, Any] | Sequence[Any]) -> str:
+def tool_result_text(result: ToolResultValue) -> str:
     """A tool's result as a turn's text: text as given, anything else as JSON."""
     return result if isinstance(result, str) else json.dumps(result)

@@ -7,7 +7,7 @@ import collections
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -23,6 +23,8 @@ from specrpc_client._core import (
     Timeout,
     ToolChoiceLike,
     ToolDeclarations,
+    ToolResults,
+    ToolResultValue,
 )
 from specrpc_client._stubs import pb, pb_grpc
 from specrpc_client.errors import SpecrpcError, from_rpc_error
@@ -469,7 +471,7 @@ class VoiceSession:
     tools: functions the replies may call (Tool, or OpenAI function declarations); tool_choice: 'auto' (the
     default with tools), 'none', 'required', a function's name or a ToolChoice; parallel_tool_calls: whether a
     reply may make several calls (unset: yes). A reply's calls are in `reply.tool_calls` (and its events); answer
-    each with `tool_result(call, result)`.
+    a call with `tool_result(call, result)`, several with `tool_results([(call, result), ...])` (one reply for all).
     """
 
     def __init__(self, client: AsyncClient, session_id: str | None = None, *, system: str = "",
@@ -574,13 +576,14 @@ class VoiceSession:
     def say(self, text: str, *, role: str = "", sampling: Sampling | None = None, max_new_tokens: int = 0,
             speculation: Speculation | None = None, constraint: Constraint | None = None,
             tools: ToolDeclarations = (), tool_choice: ToolChoiceLike | None = None,
-            tool_call_id: str = "") -> Reply:
+            tool_call_id: str = "", tool_results: ToolResults = ()) -> Reply:
         """Send a turn; iterate the Reply for its phrases. A reply still in flight is cancelled (barged in).
         `constraint`: what this reply must match (not with tools in use); `tools` / `tool_choice`: this reply's,
-        instead of the session's; role "tool" with `tool_call_id`: a call's result (see `tool_result`)."""
+        instead of the session's; role "tool" with `tool_call_id`: a call's result (see `tool_result`);
+        `tool_results`: several calls' results, with empty text (see `tool_results`)."""
         request = _core.turn_request(text, role=role, sampling=sampling, max_new_tokens=max_new_tokens,
                                      speculation=speculation, constraint=constraint, tools=tools,
-                                     tool_choice=tool_choice, tool_call_id=tool_call_id)
+                                     tool_choice=tool_choice, tool_call_id=tool_call_id, tool_results=tool_results)
         previous = self.in_flight
         if previous is not None:
             previous._barge()
@@ -589,13 +592,18 @@ class VoiceSession:
         self._replies.append(reply)
         return reply
 
-    def tool_result(self, call: ToolCall | str, result: str | Mapping[str, Any] | Sequence[Any],
-                    **turn: Any) -> Reply:
+    def tool_result(self, call: ToolCall | str, result: ToolResultValue, **turn: Any) -> Reply:
         """Send a call's result (text as given, anything else as JSON) as a `tool` turn; the Reply continues the
         conversation. `call`: the ToolCall or its id; `turn`: the options of `say` (tool_choice, max_new_tokens,
         ...)."""
         call_id = call if isinstance(call, str) else call.id
         return self.say(_core.tool_result_text(result), role="tool", tool_call_id=call_id, **turn)
+
+    def tool_results(self, results: ToolResults, **turn: Any) -> Reply:
+        """Send the results of several calls of the last reply, (the ToolCall or its id, its result) pairs, in one
+        `tool` turn: they enter the history in order and one Reply follows (as OpenAI's API takes them). `turn`:
+        the options of `say`."""
+        return self.say("", role="tool", tool_results=results, **turn)
 
     async def barge_in(self) -> TurnSummary | None:
         """Stop the reply in flight (within one engine step); its summary, or None when nothing was in flight.

@@ -91,9 +91,9 @@ cancels it (barge-in); '/rewind N' keeps N characters of the last reply; '/quit'
 
 With --tools, a call the model makes is printed on stdout as
   [tool call CALL_ID] NAME {"argument": ...}
-and the next line you type (prompt 'CALL_ID> ') is its result, text or JSON, sent back as a
-`tool` turn; the reply to it streams as usual and may call again. A reply with several calls
-asks for each result in turn."""
+and the next line you type (prompt 'CALL_ID> ') is its result, text or JSON. A reply with several
+calls asks for each result in turn, then sends them all in one `tool` turn; the one reply to them
+streams as usual and may call again."""
 
 
 def add_commands(commands: Any) -> None:
@@ -328,13 +328,15 @@ def run_chat(args: argparse.Namespace) -> int:
                     print(f"[rewound: kept {r.kept_chars} chars, {r.kept_tokens} tokens; history "
                           f"{r.history_tokens} tokens]", file=sys.stderr)
                     continue
-                pending = show(conv.say(text))
-                while pending:  # each call's result is the next line, sent as a tool turn
-                    call = pending.pop(0)
-                    result = read_line(f"{call.id}> ")
-                    if result is None:
-                        return _summarize(totals)
-                    pending += show(conv.tool_result(call, result, tool_choice="auto"))
+                calls = show(conv.say(text))
+                while calls:  # each call's result is a line; a reply's results go in one tool turn, one reply
+                    results = []
+                    for call in calls:
+                        result = read_line(f"{call.id}> ")
+                        if result is None:
+                            return _summarize(totals)
+                        results.append((call, result))
+                    calls = show(conv.tool_results(results, tool_choice="auto"))
     except KeyboardInterrupt:
         print(file=sys.stderr)
     except SpecrpcError as exc:

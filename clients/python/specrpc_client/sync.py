@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -21,6 +21,8 @@ from specrpc_client._core import (
     Timeout,
     ToolChoiceLike,
     ToolDeclarations,
+    ToolResults,
+    ToolResultValue,
 )
 from specrpc_client._stubs import pb, pb_grpc
 from specrpc_client.errors import SpecrpcError, Unavailable, from_rpc_error
@@ -280,9 +282,9 @@ Event = Chunk | Phrase | ToolCall | TurnSummary
 
 class Conversation:
     """A blocking Converse session: `say(text)` yields the reply's chunks, phrases (phrase mode), tool calls and
-    TurnSummary; `tool_result(call, result)` answers a call; `cancel()` (any thread) stops the reply in flight;
-    `rewind(n)` keeps n spoken characters of the last reply. `tools`, `tool_choice` and `parallel_tool_calls` as
-    in VoiceSession."""
+    TurnSummary; `tool_result(call, result)` answers a call, `tool_results([(call, result), ...])` several at once
+    (one reply); `cancel()` (any thread) stops the reply in flight; `rewind(n)` keeps n spoken characters of the
+    last reply. `tools`, `tool_choice` and `parallel_tool_calls` as in VoiceSession."""
 
     def __init__(self, client: Client, session_id: str | None = None, *, system: str = "", phrase_mode: bool = False,
                  sampling: Sampling | None = None, speculation: Speculation | None = None, max_new_tokens: int = 0,
@@ -341,22 +343,27 @@ class Conversation:
     def say(self, text: str, *, role: str = "", sampling: Sampling | None = None, max_new_tokens: int = 0,
             speculation: Speculation | None = None, constraint: Constraint | None = None,
             tools: ToolDeclarations = (), tool_choice: ToolChoiceLike | None = None,
-            tool_call_id: str = "") -> Iterator[Event]:
+            tool_call_id: str = "", tool_results: ToolResults = ()) -> Iterator[Event]:
         """Send a turn and yield its events up to and including the TurnSummary (`cancel()` ends it early; a turn
         left unread is cancelled by the server when the next one is sent, and its events are skipped). The other
         options as in VoiceSession.say."""
         self._requests.put(_core.turn_request(text, role=role, sampling=sampling, max_new_tokens=max_new_tokens,
                                               speculation=speculation, constraint=constraint, tools=tools,
-                                              tool_choice=tool_choice, tool_call_id=tool_call_id))
+                                              tool_choice=tool_choice, tool_call_id=tool_call_id,
+                                              tool_results=tool_results))
         self._open_turns += 1
         return self._reply(time.perf_counter())
 
-    def tool_result(self, call: ToolCall | str, result: str | Mapping[str, Any] | Sequence[Any],
-                    **turn: Any) -> Iterator[Event]:
+    def tool_result(self, call: ToolCall | str, result: ToolResultValue, **turn: Any) -> Iterator[Event]:
         """Send a call's result (text as given, anything else as JSON) as a `tool` turn and yield the reply's
         events, as `say` does (`turn`: its options)."""
         call_id = call if isinstance(call, str) else call.id
         return self.say(_core.tool_result_text(result), role="tool", tool_call_id=call_id, **turn)
+
+    def tool_results(self, results: ToolResults, **turn: Any) -> Iterator[Event]:
+        """Send the results of several calls of the last reply, (the ToolCall or its id, its result) pairs, in one
+        `tool` turn and yield the one reply's events, as `say` does (`turn`: its options)."""
+        return self.say("", role="tool", tool_results=results, **turn)
 
     def _reply(self, started: float) -> Iterator[Event]:
         self._skip_open_turns_but_last()

@@ -31,6 +31,7 @@ import {
   type Summary,
   type Tool,
   type ToolChoice,
+  type ToolResult,
   type TurnRole,
   chunkFrom,
   constraintToProto,
@@ -113,6 +114,11 @@ export type ServingStatus = "UNKNOWN" | "SERVING" | "NOT_SERVING" | "SERVICE_UNK
 export function grpcStatus(err: unknown): string | undefined {
   if (!(err instanceof ConnectError)) return undefined;
   return Code[err.code].replace(/([a-z])([A-Z])/g, "$1_$2").toUpperCase();
+}
+
+/** A tool's result as a turn's text: a string as given, anything else as its JSON text. */
+function resultText(result: string | object): string {
+  return typeof result === "string" ? result : JSON.stringify(result);
 }
 
 function isAbort(err: unknown): boolean {
@@ -316,9 +322,9 @@ export interface TurnOptions {
 
 type ConverseRequestInit = MessageInitShape<typeof ConverseRequestSchema>;
 
-/** A Converse session: `send`/`say` turns, `toolResult`, `cancel` (barge-in), `rewind`; `for await` gives every
- * event (chunks, phrases, tool calls, turn summaries, rewinds). Consume events either through the session or through
- * `say`/`toolResult`, not both. */
+/** A Converse session: `send`/`say` turns, `toolResult`/`toolResults`, `cancel` (barge-in), `rewind`; `for await`
+ * gives every event (chunks, phrases, tool calls, turn summaries, rewinds). Consume events either through the session
+ * or through `say`/`toolResult`/`toolResults`, not both. */
 export class Conversation implements AsyncIterable<ConverseEvent> {
   sessionId: string;
   /** Resolves once the server has opened the session. */
@@ -416,6 +422,11 @@ export class Conversation implements AsyncIterable<ConverseEvent> {
    * nothing, on a constraint without exactly one kind, a tool choice it does not know, or toolCallId without role
    * "tool". */
   send(text: string, options: TurnOptions = {}): void {
+    this.sendTurn(text, options, []);
+  }
+
+  /** `send` with the results of several calls (Turn.tool_results; text and toolCallId then empty). */
+  private sendTurn(text: string, options: TurnOptions, results: ToolResult[]): void {
     if (options.toolCallId && options.role !== "tool") {
       throw invalidArgument(`toolCallId goes with role "tool" (got role ${JSON.stringify(options.role ?? "user")})`);
     }
@@ -426,6 +437,7 @@ export class Conversation implements AsyncIterable<ConverseEvent> {
       tools: toolsToProto(options.tools, "turn.tools"),
       toolChoice: toolChoiceToProto(options.toolChoice, "turn.toolChoice"),
       toolCallId: options.toolCallId ?? "",
+      toolResults: results.map((r) => ({ toolCallId: r.callId, text: resultText(r.result) })),
     };
     this.requests.push({ action: { case: "turn", value } });
   }
@@ -433,6 +445,11 @@ export class Conversation implements AsyncIterable<ConverseEvent> {
   /** Send a turn and iterate its events up to and including its turn summary. */
   say(text: string, options: TurnOptions = {}): AsyncIterable<ConverseEvent> {
     this.send(text, options);
+    return this.reply();
+  }
+
+  /** The events of the turn just sent, up to and including its turn summary. */
+  private reply(): AsyncIterable<ConverseEvent> {
     const events = this.events;
     return {
       async *[Symbol.asyncIterator]() {
@@ -446,13 +463,23 @@ export class Conversation implements AsyncIterable<ConverseEvent> {
 
   /** Send the result of tool call `callId` (a turn with role "tool"; an object is sent as its JSON text) and
    * iterate the reply's events up to and including its turn summary, as `say`. Send it once the calling reply's
-   * turn summary has come (a turn cancels the reply in flight); with several calls, each result is a turn with its
-   * own reply. */
+   * turn summary has come (a turn cancels the reply in flight); for a reply's several calls, `toolResults`. */
   toolResult(callId: string, result: string | object,
     options: Omit<TurnOptions, "role" | "toolCallId"> = {}): AsyncIterable<ConverseEvent> {
     if (!callId) throw invalidArgument("toolResult needs the call's id (ToolCall.id)");
-    const text = typeof result === "string" ? result : JSON.stringify(result);
-    return this.say(text, { ...options, role: "tool", toolCallId: callId });
+    return this.say(resultText(result), { ...options, role: "tool", toolCallId: callId });
+  }
+
+  /** Send the results of a reply's several calls in one turn (role "tool"; they enter the history in order, as
+   * OpenAI's API takes them) and iterate the one reply's events up to and including its turn summary, as `say`.
+   * Throws INVALID_ARGUMENT, sending nothing, on no results or a result without its call's id. */
+  toolResults(results: ToolResult[],
+    options: Omit<TurnOptions, "role" | "toolCallId"> = {}): AsyncIterable<ConverseEvent> {
+    if (results.length === 0) throw invalidArgument("toolResults needs at least one result");
+    const missing = results.findIndex((r) => !r.callId);
+    if (missing >= 0) throw invalidArgument(`toolResults[${missing}] needs the call's id (ToolCall.id)`);
+    this.sendTurn("", { ...options, role: "tool" }, results);
+    return this.reply();
   }
 
   /** Barge-in: stop the reply in flight within one engine step (its turn summary says "cancelled"). */

@@ -43,6 +43,7 @@ export type {
   Tool,
   ToolCall,
   ToolChoice,
+  ToolResult,
   TurnRole,
   TurnSummary,
 } from "./types.js";

@@ -236,6 +236,14 @@ export type ToolChoice = "auto" | "none" | "required" | { function: string };
 /** Who speaks a Converse turn ("user" when unset); "tool" carries a call's result (with toolCallId). */
 export type TurnRole = "user" | "assistant" | "system" | "tool";
 
+/** The result of one call of a reply, for Conversation.toolResults. */
+export interface ToolResult {
+  /** The id of the call (ToolCall.id) this is the result of. */
+  callId: string;
+  /** The result: a string as given, anything else sent as its JSON text. */
+  result: string | object;
+}
+
 /** A complete tool call of a reply (its text is not in the chunks or phrases). */
 export interface ToolCall {
   type: "toolCall";

@@ -344,6 +344,47 @@ describe("SpecrpcClient against specrpc serve", { skip }, () => {
     assert.deepEqual(results, [call.id, timeCall.id]);
   });
 
+  test("converse: toolResults sends a reply's two calls' results in one turn and one reply follows", async (t) => {
+    const turns: ConverseRequest[] = []; // the turns as sent
+    const spy = new SpecrpcClient({ baseUrl: client.baseUrl, interceptors: [(next) => async (req) => {
+      if (!req.stream) return await next(req);
+      const messages = req.message;
+      return await next({ ...req, message: (async function* () {
+        for await (const m of messages) {
+          if ((m as unknown as ConverseRequest).action.case === "turn") turns.push(m as unknown as ConverseRequest);
+          yield m;
+        }
+      })() });
+    }] });
+    t.after(() => spy.close());
+    for (let seed = 0; seed < 12; seed++) { // a random model makes several calls about one reply in two
+      const conv = spy.converse({ tools: [WEATHER, TIME], toolChoice: "required", maxNewTokens: 250 });
+      await conv.started;
+      const events = await collect(conv.say("Weather in Paris and the time there?",
+        { sampling: { temperature: 1, seed } }));
+      const calls = events.filter((e): e is ToolCall => e.type === "toolCall");
+      if (calls.length < 2) {
+        await conv.close();
+        continue;
+      }
+      const [first, second] = calls as [ToolCall, ToolCall];
+      assert.throws(() => conv.toolResults([{ callId: first.id, result: "1" }, { callId: "", result: "2" }]),
+        isInvalidArgument(/toolResults\[1\]/));
+      const reply = await collect(conv.toolResults([{ callId: first.id, result: { temperature: 21 } },
+        { callId: second.id, result: "09:00" }], { toolChoice: "none", maxNewTokens: 6 }));
+      const summary = reply.at(-1);
+      assert.ok(summary?.type === "turnSummary" && summary.turnIndex === 1 && summary.toolCalls.length === 0);
+      await conv.close();
+      assert.ok(!(await collect(conv)).some((e) => e.type === "turnSummary")); // no second reply
+      const sent = turns.at(-1)?.action;
+      assert.ok(sent?.case === "turn" && sent.value.role === "tool" && sent.value.text === "");
+      assert.deepEqual(sent.value.toolResults.map((r) => [r.toolCallId, r.text]),
+        [[first.id, '{"temperature":21}'], [second.id, "09:00"]]);
+      return;
+    }
+    assert.fail("no reply made several calls");
+  });
+
   test("converse: a bad tool schema is INVALID_ARGUMENT naming start.tools", async () => {
     const conv = client.converse({ tools: [{ name: "f", parameters: "[]" }] });
     await assert.rejects(conv.started, isInvalidArgument(/start\.tools\[0\]/));

@@ -539,7 +539,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             tools = tool_list(turn.tools)
             message = TurnInput(turn.role, turn.text, turn.tool_call_id, tools,
                                 tool_choice(turn.tool_choice, bool(tools or conversation.tools))
-                                if turn.HasField("tool_choice") else None)
+                                if turn.HasField("tool_choice") else None,
+                                tuple((r.tool_call_id, r.text) for r in turn.tool_results))
             fmt = tool_format(self.runtime)
             calls = validation.tool_constraint(*conversation.turn_tools(message), conversation.parallel, fmt,
                                                "turn.tools" if tools else "start.tools")
