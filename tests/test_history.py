@@ -9,8 +9,9 @@ from itertools import pairwise
 import pytest
 
 from specrpc.config import Limits
-from specrpc.edges.history import Message, bounded, check_role, fit
+from specrpc.edges.history import Message, bounded, check_role, fit, newest_results
 from specrpc.edges.validation import InvalidRequest
+from specrpc.prompts.tools import ToolCall
 
 
 def render(messages: Sequence[Message]) -> list[int]:
@@ -136,3 +137,17 @@ def test_a_turns_several_results_are_kept_together_or_refused_naming_their_field
     with pytest.raises(InvalidRequest, match=r"^turn.tool_results and the system prompt have \d+ bytes, over the 1024"):
         bounded([*messages[:-1], Message("tool", "z" * 2000)], Limits(max_history_bytes=1024), "turn.tool_results",
                 keep=len(results))
+
+
+def test_results_stay_with_the_reply_that_made_their_calls() -> None:
+    """A history ending in a reply's tool results (an HTTP chat resending them all, a Converse tool turn): trimming
+    keeps every result and the assistant message that made the calls, even where the only user message before them
+    must go; a result whose call is not just before the results is kept on its own as before."""
+    calls = tuple(ToolCall(f"call_{i}", "f", "{}") for i in range(3))
+    results = [Message("tool", f"result {i}", tool_call_id=f"call_{i}") for i in range(3)]
+    messages = [Message("system", "s"), Message("user", "u" * 600), Message("assistant", "", calls), *results]
+    assert newest_results(messages) == 3 and newest_results(messages[:-3]) == 1
+    kept = bounded(messages, Limits(max_history_bytes=300), "messages[3:]", keep=newest_results(messages))
+    assert kept == [messages[0], messages[2], *results]
+    plain = [Message("system", "s"), Message("user", "u" * 600), Message("assistant", "a"), results[0]]
+    assert bounded(plain, Limits(max_history_bytes=300), "messages[3].content") == [plain[0], results[0]]

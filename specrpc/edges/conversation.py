@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specrpc.edges.gateway import Gateway
-from specrpc.edges.history import Message, bounded, check_role, fit, too_long
+from specrpc.edges.history import Message, bounded, check_role, fit, newest_results, too_long
 from specrpc.edges.offload import prepared
 from specrpc.edges.validation import InvalidRequest, prompt_room
 from specrpc.prompts.text import PhraseSegmenter
@@ -130,7 +130,9 @@ def chat_prompt(gateway: Gateway, messages: Sequence[Message], tools: Sequence[T
     too long (history.py: the system prompt stays)."""
     for i, m in enumerate(messages):
         check_role(m.role, f"messages[{i}].role")
-    return turn_prompt(gateway, messages, f"messages[{len(messages) - 1}].content", tools)[1]
+    keep = newest_results(messages)  # a reply's results stay together (and with their calls: history.Trim)
+    newest = f"messages[{len(messages) - 1}].content" if keep == 1 else f"messages[{len(messages) - keep}:]"
+    return turn_prompt(gateway, messages, newest, tools, keep)[1]
 
 
 def turn_prompt(gateway: Gateway, messages: Sequence[Message], newest: str, tools: Sequence[Tool] = (), keep: int = 1
