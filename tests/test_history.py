@@ -139,15 +139,14 @@ def test_a_turns_several_results_are_kept_together_or_refused_naming_their_field
                 keep=len(results))
 
 
-def test_results_stay_with_the_reply_that_made_their_calls() -> None:
-    """A history ending in a reply's tool results (an HTTP chat resending them all, a Converse tool turn): trimming
-    keeps every result and the assistant message that made the calls, even where the only user message before them
-    must go; a result whose call is not just before the results is kept on its own as before."""
+def test_a_chat_historys_newest_results_stay_together() -> None:
+    """A history ending in a reply's tool results (an HTTP chat resending them all): trimming keeps every one of
+    them, as a Converse turn's `tool_results`, where the newest message alone would let the earlier ones go; the
+    assistant message that made the calls may go, as any older message (a refusal would end the conversation)."""
     calls = tuple(ToolCall(f"call_{i}", "f", "{}") for i in range(3))
     results = [Message("tool", f"result {i}", tool_call_id=f"call_{i}") for i in range(3)]
     messages = [Message("system", "s"), Message("user", "u" * 600), Message("assistant", "", calls), *results]
     assert newest_results(messages) == 3 and newest_results(messages[:-3]) == 1
     kept = bounded(messages, Limits(max_history_bytes=300), "messages[3:]", keep=newest_results(messages))
-    assert kept == [messages[0], messages[2], *results]
-    plain = [Message("system", "s"), Message("user", "u" * 600), Message("assistant", "a"), results[0]]
-    assert bounded(plain, Limits(max_history_bytes=300), "messages[3].content") == [plain[0], results[0]]
+    assert kept == [messages[0], *results]
+    assert bounded(messages, Limits(max_history_bytes=300), "messages[5].content") == [messages[0], results[-1]]

@@ -130,7 +130,7 @@ def chat_prompt(gateway: Gateway, messages: Sequence[Message], tools: Sequence[T
     too long (history.py: the system prompt stays)."""
     for i, m in enumerate(messages):
         check_role(m.role, f"messages[{i}].role")
-    keep = newest_results(messages)  # a reply's results stay together (and with their calls: history.Trim)
+    keep = newest_results(messages)  # a reply's results stay together, as a Converse turn's `tool_results` do
     newest = f"messages[{len(messages) - 1}].content" if keep == 1 else f"messages[{len(messages) - keep}:]"
     return turn_prompt(gateway, messages, newest, tools, keep)[1]
 

@@ -54,24 +54,12 @@ def newest_results(messages: Sequence[Message]) -> int:
     return max(1, n)
 
 
-def with_their_calls(messages: Sequence[Message], keep: int) -> int:
-    """`keep` newest messages, one more where they are all tool results and the message before them is the
-    assistant's that made the calls: results are never kept without their calls (a template would render answers to
-    calls it never saw, or refuse them)."""
-    newest = messages[-keep:] if 0 < keep <= len(messages) else ()
-    if newest and all(m.role == "tool" for m in newest) and keep < len(messages):
-        before = messages[-keep - 1]
-        if before.role == "assistant" and before.tool_calls:
-            return keep + 1
-    return keep
-
-
 class Trim:
     """The ways to drop the oldest messages of one history, with their sizes counted once."""
 
     def __init__(self, messages: Sequence[Message], keep: int = 1) -> None:
         self.messages = list(messages)
-        self.keep = with_their_calls(messages, keep)  # the newest messages, never dropped
+        self.keep = keep  # the newest messages, never dropped
         self.head = 1 if messages and messages[0].role == "system" else 0
         sizes = [m.size for m in reversed(messages)]
         self.tail_bytes = [*reversed(list(accumulate(sizes, initial=0)))]  # [len + 1] text bytes from message i on
