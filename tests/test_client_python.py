@@ -40,6 +40,8 @@ from specrpc_client import (
     TurnSummary,
     Unavailable,
 )
+from test_structured_output import SCHEMA as CITY
+from test_tool_formats import SCHEMAS, TIME, WEATHER
 
 from specrpc.edges.server import Running
 from specrpc.v1 import generator_pb2 as pb
@@ -185,28 +187,9 @@ async def test_invalid_argument_is_a_typed_error(client: AsyncClient) -> None:
 
 # ---- structured output and tool calls ----------------------------------------------------------------------------
 
-CITY = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 10},
-        "population": {"type": "integer", "minimum": 0, "maximum": 99999},
-        "capital": {"type": "boolean"},
-    },
-    "required": ["city", "population", "capital"],
-    "additionalProperties": False,
-}
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
-        "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": WEATHER}},
          {"name": "get_time", "description": "Time in a zone", "parameters": TIME}]  # both shapes Tool.parse reads
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
 async def test_constraints_travel_on_generate_infill_and_the_editor_session(client: AsyncClient,
