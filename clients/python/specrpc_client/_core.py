@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import ipaddress
-import json
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -26,6 +25,7 @@ from specrpc_client.types import (
     ToolCall,
     ToolChoice,
     extra_to_proto,
+    json_text,
     tools_to_proto,
 )
 
@@ -304,8 +304,8 @@ def turn_request(text: str, *, role: str = "", sampling: Sampling | None = None,
     `tool_results` for the results of several calls, one reply for all). `constraint`: what the reply must match (not
     with tools in use); `tools` and `tool_choice` replace the session's for this reply when given."""
     turn = pb.Turn(text=text, role=role, max_new_tokens=max_new_tokens, tool_call_id=tool_call_id,
-                   tool_results=[pb.ToolResult(tool_call_id=call if isinstance(call, str) else call.id,
-                                               text=tool_result_text(result)) for call, result in tool_results],
+                   tool_results=[pb.ToolResult(tool_call_id=call_id(call), text=json_text(result))
+                                 for call, result in tool_results],
                    **_tool_fields(tools, tool_choice))  # type: ignore[arg-type]
     if sampling is not None:
         turn.sampling.CopyFrom(sampling.to_proto())
@@ -316,6 +316,6 @@ def turn_request(text: str, *, role: str = "", sampling: Sampling | None = None,
     return pb.ConverseRequest(turn=turn)
 
 
-def tool_result_text(result: ToolResultValue) -> str:
-    """A tool's result as a turn's text: text as given, anything else as JSON."""
-    return result if isinstance(result, str) else json.dumps(result)
+def call_id(call: ToolCall | str) -> str:
+    """The id of a call a result answers: the ToolCall's, or the id given."""
+    return call if isinstance(call, str) else call.id

@@ -46,6 +46,7 @@ from specrpc_client.types import (
     TurnSummary,
     chunk_from,
     ended,
+    json_text,
     model_info_from,
     phrase_from,
     tool_call_from,
@@ -596,8 +597,7 @@ class VoiceSession:
         """Send a call's result (text as given, anything else as JSON) as a `tool` turn; the Reply continues the
         conversation. `call`: the ToolCall or its id; `turn`: the options of `say` (tool_choice, max_new_tokens,
         ...)."""
-        call_id = call if isinstance(call, str) else call.id
-        return self.say(_core.tool_result_text(result), role="tool", tool_call_id=call_id, **turn)
+        return self.say(json_text(result), role="tool", tool_call_id=_core.call_id(call), **turn)
 
     def tool_results(self, results: ToolResults, **turn: Any) -> Reply:
         """Send the results of several calls of the last reply, (the ToolCall or its id, its result) pairs, in one

@@ -44,6 +44,7 @@ from specrpc_client.types import (
     TurnSummary,
     chunk_from,
     ended,
+    json_text,
     model_info_from,
     phrase_from,
     tool_call_from,
@@ -357,8 +358,7 @@ class Conversation:
     def tool_result(self, call: ToolCall | str, result: ToolResultValue, **turn: Any) -> Iterator[Event]:
         """Send a call's result (text as given, anything else as JSON) as a `tool` turn and yield the reply's
         events, as `say` does (`turn`: its options)."""
-        call_id = call if isinstance(call, str) else call.id
-        return self.say(_core.tool_result_text(result), role="tool", tool_call_id=call_id, **turn)
+        return self.say(json_text(result), role="tool", tool_call_id=_core.call_id(call), **turn)
 
     def tool_results(self, results: ToolResults, **turn: Any) -> Iterator[Event]:
         """Send the results of several calls of the last reply, (the ToolCall or its id, its result) pairs, in one

@@ -98,8 +98,9 @@ class Speculation:
         return msg
 
 
-def _json_text(value: str | Mapping[str, Any]) -> str:
-    """A JSON document as text: a mapping is serialized, text is sent as given (the server parses it)."""
+def json_text(value: str | Mapping[str, Any] | Sequence[Any]) -> str:
+    """A JSON document as text: a mapping or a list is serialized, text is sent as given (the server parses it, or
+    it is a tool's result as the tool wrote it)."""
     return value if isinstance(value, str) else json.dumps(value)
 
 
@@ -134,7 +135,7 @@ class Constraint:
 
     def to_proto(self) -> pb.Constraint:
         if self.json_schema is not None:
-            return pb.Constraint(json_schema=_json_text(self.json_schema), lenient=self.lenient)
+            return pb.Constraint(json_schema=json_text(self.json_schema), lenient=self.lenient)
         if self.regex is not None:
             return pb.Constraint(regex=self.regex)
         if self.grammar is not None:
@@ -166,7 +167,7 @@ class Tool:
                    bool(inner.get("strict", False)))
 
     def to_proto(self) -> pb.Tool:
-        parameters = "" if self.parameters is None else _json_text(self.parameters)
+        parameters = "" if self.parameters is None else json_text(self.parameters)
         return pb.Tool(name=self.name, description=self.description, parameters_json=parameters, strict=self.strict)
 
 
