@@ -4,6 +4,9 @@ is no library and the torch forward serves every step."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -290,3 +293,49 @@ def test_the_bandwidth_reader_reads_every_value_once_a_pass(threads: int) -> Non
             assert native.read_sum(lib, x, 3) == 3 * float(x.sum()), n
     finally:
         torch.set_num_threads(before)
+
+
+AMX_EMULATED = """
+import torch
+from specrpc import native
+from specrpc.config import ASSETS
+from specrpc.models import BatchRow, load_model
+
+assert native.amx_available()  # the tile products checked against VNNI's in a process of their own
+lm = load_model(ASSETS / "draft", device=torch.device("cpu"), dtype=torch.float32, num_slots=3, max_context=96,
+                int8_weights=True, native_decode=True)
+step = lm.native
+assert step.model.amx_from == 0, step.model.amx_from  # emulated tiles are far slower: never chosen
+ids = torch.tensor([(i * 7919) % 4000 for i in range(96)])
+step.run_chunks(ids[:40], 0, 0)
+for count in range(1, 17):
+    vnni_amx = []
+    for amx_from in (0, 1, 2):
+        step.model.amx_from = amx_from
+        vnni_amx.append(step.run(ids[40 : 40 + count], 40, 0, count))
+    assert torch.equal(vnni_amx[0], vnni_amx[1]) and torch.equal(vnni_amx[0], vnni_amx[2]), count
+rows = [BatchRow(ids[40:45], 40, 0, 5), BatchRow(ids[:7], 0, 1, 2), BatchRow(ids[50:54], 30, 2, 4)]
+step.run_chunks(ids[:30], 0, 2)
+batches = []
+for amx_from in (0, 2):
+    step.model.amx_from = amx_from
+    batches.append(step.run_batch(rows) + [step.run_chunks(ids[:40], 0, 1, num_logits=16)])
+assert all(torch.equal(a, b) for a, b in zip(*batches, strict=True))
+print("ok")
+"""
+
+
+def test_amx_products_give_the_vnni_bits_and_a_slower_path_is_never_chosen(tmp_path: Path) -> None:
+    """The int8 products on AMX tiles (the tile instructions emulated by SPECRPC_AMX_EMULATE, so any CPU with VNNI
+    runs them) give every logit of a decode step, verifies of 2-16 tokens, a batch of rows on three slots and a
+    prompt's chunks the same bits as VNNI's: the C self-check passes in its own process, and `calibrate_amx` keeps the
+    emulated tiles (far slower) off at every width."""
+    requires_native()
+    lib = native.library()
+    assert lib is not None
+    if lib.specrpc_int8_group() != 4:
+        pytest.skip("no VNNI here: int8 products widen to float, and AMX products take VNNI's layout")
+    env = {**os.environ, "SPECRPC_AMX_EMULATE": "1", "SPECRPC_NATIVE_CACHE": str(native.cache_dir())}
+    done = subprocess.run([sys.executable, "-c", AMX_EMULATED], cwd=Path(__file__).parents[1], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-2000:]

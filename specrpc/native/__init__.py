@@ -19,6 +19,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -51,26 +52,40 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _flags() -> tuple[str, ...]:
+    """FLAGS, with the AMX tile instructions emulated where $SPECRPC_AMX_EMULATE is 1 (tests of the AMX products on
+    CPUs without AMX: much slower, never for serving)."""
+    return FLAGS + (("-DSPECRPC_AMX_EMULATE",) if os.environ.get("SPECRPC_AMX_EMULATE") == "1" else ())
+
+
 def build(compiler: str | None = None) -> Path | None:
     """The shared library for these sources, compiler, flags and CPU, built now unless cached; None without a
-    compiler or when the build fails (logged)."""
+    compiler or when the build fails (logged). Where the toolchain does not know AMX's tile instructions, built
+    again without the AMX products (decode.cpp's SPECRPC_NO_AMX)."""
     cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         log.warning("native decode: no C++ compiler found; the torch forward serves every step")
         return None
     texts = [source.read_text() for source in SOURCES]
-    key = hashlib.sha256("\0".join([*texts, cxx, *FLAGS, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+    flags = _flags()
+    key = hashlib.sha256("\0".join([*texts, cxx, *flags, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"decode-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        try:
-            subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(out)], check=True, capture_output=True,
-                           text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or str(exc)
+        detail = ""
+        for extra in ((), ("-DSPECRPC_NO_AMX",)):
+            try:
+                subprocess.run([cxx, *flags, *extra, *map(str, SOURCES), "-o", str(out)], check=True,
+                               capture_output=True, text=True, timeout=120)
+                break
+            except (OSError, subprocess.SubprocessError) as exc:
+                detail = getattr(exc, "stderr", "") or str(exc)
+                if not extra:
+                    log.info("native decode: build with AMX failed (%s); building without it", detail[-300:])
+        else:
             log.warning("native decode: build failed (%s); the torch forward serves every step", detail[-500:])
             return None
         os.replace(out, target)  # atomic: a concurrent build of the same key leaves one whole file
@@ -95,8 +110,9 @@ class Model(ctypes.Structure):
                 + [("layer", ctypes.POINTER(Layer))]
                 + [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "x", "h", "qkv", "att", "up", "scores",
                                                         "xq", "xs", "xsum")]
-                + [("kq", ctypes.c_int64), ("prefetch_ahead", ctypes.c_int64)])
-    # `prefetch`: a `PREFETCH` mode; `prefetch_ahead`: the bytes ahead of the column read that a prefetch asks for
+                + [("kq", ctypes.c_int64), ("prefetch_ahead", ctypes.c_int64), ("amx_from", ctypes.c_int64)])
+    # `prefetch`: a `PREFETCH` mode; `prefetch_ahead`: the bytes ahead of the column read that a prefetch asks for;
+    # `amx_from`: the tokens from which int8 products run on AMX tiles (0: never; only where `amx_available`)
 
 
 class Controls(ctypes.Structure):
@@ -165,10 +181,35 @@ def library() -> ctypes.CDLL | None:
     read = lib.specrpc_read
     read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     read.restype = ctypes.c_double
-    for name in ("specrpc_int8_group", "specrpc_int8_block"):
+    for name in ("specrpc_int8_group", "specrpc_int8_block", "specrpc_amx_enable"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
+    lib.specrpc_amx_check.argtypes = [ctypes.c_int]
+    lib.specrpc_amx_check.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether int8 products may run on AMX tiles in this process: the CPU has AMX-INT8, Linux grants the tile state,
+    and the tile products gave VNNI's bits on made-up data in a process of their own (`python -m specrpc.native
+    --amx-check`: a fault there would cost that process, not this one). Asked once; logged where the check fails."""
+    lib = library()
+    if lib is None or lib.specrpc_amx_enable() != 1:
+        return False
+    try:
+        root = str(Path(__file__).resolve().parents[2])  # where this specrpc is imported from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        done = subprocess.run([sys.executable, "-m", "specrpc.native", "--amx-check"], capture_output=True, text=True,
+                              timeout=300, env=env)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("native decode: the AMX check did not finish (%s); int8 products stay on VNNI", exc)
+        return False
+    if done.returncode != 0:
+        log.warning("native decode: the AMX check failed (exit %d: %s); int8 products stay on VNNI", done.returncode,
+                    (done.stdout + done.stderr)[-300:].strip())
+        return False
+    return True
 
 
 def pointer(t: torch.Tensor | None) -> int | None:

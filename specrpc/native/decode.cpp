@@ -13,6 +13,11 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#if defined(__linux__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 struct Layer {  // projections: float [N, K], or int8 [N, K] with float scales [N] (the *_scale, null for float)
     const float* attn_norm;  // [d]
@@ -59,6 +64,7 @@ struct Model {
     int32_t* xsum;            // [T, kq / 32]: the sums of their quantized values per block
     int64_t kq;               // the widest product's columns, rounded up to a multiple of 32
     int64_t prefetch_ahead;   // bytes ahead of the column being read that a panel's prefetch asks for (0: 2048)
+    int64_t amx_from;         // int8 products of at least this many tokens run on AMX tiles (`gemm_amx`); 0: never
 };
 
 // How a product prefetches its weight panels, a hint only (the arithmetic and its order are the same in every mode, so
@@ -341,8 +347,8 @@ static inline void panels_q_tt(int64_t tt, const uint8_t* w, const float* scale,
 // y = x W^T for int8 W through VNNI (`panels_q`), its T activation rows already quantized into the model's xq / xs /
 // xsum by the loop that produced them (`quantize_cols`).
 template <int PF>
-static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, float* __restrict y, int64_t T,
-                          int64_t rows, int64_t cols, bool add) {
+static inline void gemm_vnni(const Model* m, Weight w, const float* __restrict b, float* __restrict y, int64_t T,
+                             int64_t rows, int64_t cols, bool add) {
     const int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, groups = kq / INT8_GROUP, nb = kq / QBLOCK;
     const uint8_t* q = static_cast<const uint8_t*>(w.w);
     tiles<true>(T, rows, [&](auto r, int64_t tt, int64_t p, int64_t t0) {
@@ -350,6 +356,202 @@ static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, f
                                              m->xq + t0 * kq, m->xs + t0 * nb, m->xsum + t0 * nb, kq,
                                              y + t0 * rows, rows, groups, p * LANES, add, prefetch_ahead(m));
     });
+}
+
+// AMX: a verify's int8 products on the tile unit (Intel Sapphire Rapids and later), the same bits as `panels_q`. VNNI
+// multiplies 64 weight bytes by one token's activations an instruction, so a product over T tokens costs T times one
+// token's and a verify of a few tokens is bound by the multiplies (about 1 dpbusd a cycle per core); one TDPBSUD
+// multiplies a block of 32 columns of 16 panel rows by all T tokens at once. Each block's integer sums are exact in
+// any order, so the tile's sums are `panels_q`'s; they are turned into floats block after block in the same order
+// (offset's correction, scale by the block's activation scale, one fused multiply-add), so every output is the same
+// bits as through VNNI: which path runs is a speed choice (`amx_from`, measured at load), never a numerical one.
+// SPECRPC_AMX_EMULATE: the tile instructions as scalar code with their documented semantics (Intel SDM: LDTILECFG,
+// TILEZERO, TILELOADD, TILESTORED, TDPBSUD), so the kernel is tested on CPUs without AMX. SPECRPC_NO_AMX: none (the
+// build's fallback where the assembler does not know the tile instructions).
+#if defined(SPECRPC_AMX_EMULATE)
+#define SPECRPC_AMX 1
+#define SPECRPC_AMX_TARGET
+#elif defined(__linux__) && defined(__x86_64__) && !defined(SPECRPC_NO_AMX) && (__GNUC__ >= 11 || __clang_major__ >= 12)
+#define SPECRPC_AMX 1
+#define SPECRPC_AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
+#else
+#define SPECRPC_AMX 0
+#endif
+
+#if SPECRPC_AMX
+struct alignas(64) TileConfig {  // LDTILECFG's 64-byte operand, palette 1
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];  // bytes a row of each tile
+    uint8_t rows[16];
+};
+
+constexpr int AMX_PANELS = 3;  // panels a pass: C tiles 0 .. 2 (int32 [T, 16]), A tile 3 (int8 [T, 32]), B tiles 4 .. 6
+
+#if defined(SPECRPC_AMX_EMULATE)
+static thread_local TileConfig tile_cfg;
+static thread_local uint8_t tile_data[8][16][64];  // 8 tiles of at most 16 rows × 64 bytes
+
+static inline void tile_config(const TileConfig* c) { tile_cfg = *c; std::memset(tile_data, 0, sizeof tile_data); }
+static inline void tile_release() {}
+template <int N>
+static inline void tile_zero() { std::memset(tile_data[N], 0, sizeof tile_data[N]); }
+template <int N>
+static inline void tile_load(const void* base, int64_t stride) {  // the configured rows × colsb, the rest zeroed
+    std::memset(tile_data[N], 0, sizeof tile_data[N]);
+    for (int r = 0; r < tile_cfg.rows[N]; ++r)
+        std::memcpy(tile_data[N][r], static_cast<const uint8_t*>(base) + r * stride, tile_cfg.colsb[N]);
+}
+template <int N>
+static inline void tile_store(void* base, int64_t stride) {
+    for (int r = 0; r < tile_cfg.rows[N]; ++r)
+        std::memcpy(static_cast<uint8_t*>(base) + r * stride, tile_data[N][r], tile_cfg.colsb[N]);
+}
+template <int C, int A, int B>
+static inline void tile_dpbsud() {  // C[m][n] += sum over k, i < 4 of int8 A[m][4 k + i] * uint8 B[k][4 n + i]
+    for (int mrow = 0; mrow < tile_cfg.rows[C]; ++mrow)
+        for (int n = 0; n < tile_cfg.colsb[C] / 4; ++n) {
+            int32_t acc;
+            std::memcpy(&acc, tile_data[C][mrow] + 4 * n, 4);
+            for (int k = 0; k < tile_cfg.colsb[A] / 4; ++k)
+                for (int i = 0; i < 4; ++i)
+                    acc += static_cast<int32_t>(static_cast<int8_t>(tile_data[A][mrow][4 * k + i])) *
+                           static_cast<int32_t>(tile_data[B][k][4 * n + i]);
+            std::memcpy(tile_data[C][mrow] + 4 * n, &acc, 4);
+        }
+}
+#else  // the intrinsics name their tiles by literal numbers (GCC pastes them into the instruction)
+SPECRPC_AMX_TARGET static inline void tile_config(const TileConfig* c) { _tile_loadconfig(c); }
+SPECRPC_AMX_TARGET static inline void tile_release() { _tile_release(); }
+template <int N>
+SPECRPC_AMX_TARGET static inline void tile_zero() {
+    static_assert(N >= 0 && N < AMX_PANELS, "C tiles");
+    if constexpr (N == 0) _tile_zero(0);
+    else if constexpr (N == 1) _tile_zero(1);
+    else _tile_zero(2);
+}
+template <int N>
+SPECRPC_AMX_TARGET static inline void tile_load(const void* base, int64_t stride) {
+    static_assert(N >= AMX_PANELS && N <= 2 * AMX_PANELS, "A and B tiles");
+    if constexpr (N == 3) _tile_loadd(3, base, stride);
+    else if constexpr (N == 4) _tile_loadd(4, base, stride);
+    else if constexpr (N == 5) _tile_loadd(5, base, stride);
+    else _tile_loadd(6, base, stride);
+}
+template <int N>
+SPECRPC_AMX_TARGET static inline void tile_store(void* base, int64_t stride) {
+    static_assert(N >= 0 && N < AMX_PANELS, "C tiles");
+    if constexpr (N == 0) _tile_stored(0, base, stride);
+    else if constexpr (N == 1) _tile_stored(1, base, stride);
+    else _tile_stored(2, base, stride);
+}
+template <int C, int A, int B>
+SPECRPC_AMX_TARGET static inline void tile_dpbsud() {
+    static_assert(A == AMX_PANELS && B == C + AMX_PANELS + 1, "C tile c multiplies A by B tile c + 4");
+    if constexpr (C == 0) _tile_dpbsud(0, 3, 4);
+    else if constexpr (C == 1) _tile_dpbsud(1, 3, 5);
+    else _tile_dpbsud(2, 3, 6);
+}
+#endif
+
+// Whether this process may use the tiles: the CPU has AMX-TILE and AMX-INT8 and Linux grants the tile data state
+// (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 and later); always under SPECRPC_AMX_EMULATE. Asked once, at load.
+static bool amx_permitted() {
+#if defined(SPECRPC_AMX_EMULATE)
+    return true;
+#else
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#endif
+}
+
+static bool amx_ready = false;  // set by specrpc_amx_enable
+
+// y = x W^T for int8 W through AMX, T <= 16 tokens (their activations quantized in the model's xq / xs / xsum, as for
+// `gemm_vnni`): the panels split across the threads as `tiles` splits them, AMX_PANELS at a time, all T tokens at
+// once; per block of 32 columns one TDPBSUD a panel, its int32 sums [T, 16] then scaled and accumulated in float as
+// `panels_q` accumulates them. Call inside the parallel region; it ends in a barrier.
+template <int PF>
+SPECRPC_AMX_TARGET static void gemm_amx(const Model* m, Weight w, const float* __restrict b, float* __restrict y,
+                                        int64_t T, int64_t rows, int64_t cols, bool add) {
+    const int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, groups = kq / INT8_GROUP, nb = kq / QBLOCK;
+    constexpr int64_t per_block = QBLOCK / INT8_GROUP;  // a block's groups: B's rows
+    constexpr int64_t panel_block = per_block * LANES * INT8_GROUP;  // a block's bytes of one panel (512)
+    const uint8_t* q = static_cast<const uint8_t*>(w.w);
+    TileConfig cfg = {};
+    cfg.palette = 1;
+    for (int c = 0; c < AMX_PANELS; ++c) cfg.colsb[c] = LANES * 4, cfg.rows[c] = static_cast<uint8_t>(T);
+    cfg.colsb[AMX_PANELS] = QBLOCK, cfg.rows[AMX_PANELS] = static_cast<uint8_t>(T);
+    for (int c = AMX_PANELS + 1; c <= 2 * AMX_PANELS; ++c) cfg.colsb[c] = LANES * 4, cfg.rows[c] = per_block;
+    tile_config(&cfg);
+    const int64_t n_panels = (rows + LANES - 1) / LANES, ahead = prefetch_ahead(m);
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t end = n_panels * (me + 1) / threads;
+    alignas(64) int32_t sums[AMX_PANELS][16][LANES];  // a block's tile sums [panel][token][row]
+    __m512 facc[AMX_PANELS][16];
+    for (int64_t p0 = n_panels * me / threads; p0 < end; p0 += AMX_PANELS) {
+        const int here = end - p0 < AMX_PANELS ? static_cast<int>(end - p0) : AMX_PANELS;
+        const uint8_t* panel = q + p0 * groups * LANES * INT8_GROUP;
+        const int64_t panel_bytes = groups * LANES * INT8_GROUP;
+        for (int r = 0; r < AMX_PANELS; ++r)
+            for (int64_t t = 0; t < T; ++t) facc[r][t] = _mm512_setzero_ps();
+        for (int64_t blk = 0; blk < nb; ++blk) {
+            if (PF != NONE)
+                for (int r = 0; r < here; ++r)
+                    for (int64_t i = 0; i < panel_block; i += 64) prefetch<PF>(panel + r * panel_bytes + blk * panel_block + i + ahead);
+            tile_load<AMX_PANELS>(m->xq + blk * QBLOCK, kq);  // A: the tokens' int8 activations of the block
+            tile_zero<0>();
+            tile_load<AMX_PANELS + 1>(panel + blk * panel_block, LANES * INT8_GROUP);
+            tile_dpbsud<0, AMX_PANELS, AMX_PANELS + 1>();
+            if (here > 1) {
+                tile_zero<1>();
+                tile_load<AMX_PANELS + 2>(panel + panel_bytes + blk * panel_block, LANES * INT8_GROUP);
+                tile_dpbsud<1, AMX_PANELS, AMX_PANELS + 2>();
+            }
+            if (here > 2) {
+                tile_zero<2>();
+                tile_load<AMX_PANELS + 3>(panel + 2 * panel_bytes + blk * panel_block, LANES * INT8_GROUP);
+                tile_dpbsud<2, AMX_PANELS, AMX_PANELS + 3>();
+            }
+            tile_store<0>(sums[0], LANES * 4);
+            if (here > 1) tile_store<1>(sums[1], LANES * 4);
+            if (here > 2) tile_store<2>(sums[2], LANES * 4);
+            for (int64_t t = 0; t < T; ++t) {
+                const __m512i offset = _mm512_set1_epi32(-128 * m->xsum[t * nb + blk]);
+                const __m512 sx = _mm512_set1_ps(m->xs[t * nb + blk]);
+                for (int r = 0; r < here; ++r) {
+                    const __m512i acc = _mm512_add_epi32(_mm512_load_si512(sums[r][t]), offset);
+                    facc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sx, facc[r][t]);
+                }
+            }
+        }
+        for (int r = 0; r < here; ++r) {
+            const int64_t n = (p0 + r) * LANES, valid = rows - n < LANES ? rows - n : LANES;
+            for (int64_t t = 0; t < T; ++t) {
+                float v[LANES];
+                _mm512_storeu_ps(v, facc[r][t]);
+                float* out = y + t * rows + n;
+                for (int64_t j = 0; j < valid; ++j) {
+                    const float value = v[j] * w.scale[n + j] + (b ? b[n + j] : 0.0f);
+                    out[j] = add ? out[j] + value : value;
+                }
+            }
+        }
+    }
+    tile_release();
+#pragma omp barrier
+}
+#endif
+
+// An int8 product: through AMX from `amx_from` tokens where this process may use it, else VNNI (the same bits).
+template <int PF>
+static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, float* __restrict y, int64_t T,
+                          int64_t rows, int64_t cols, bool add) {
+#if SPECRPC_AMX
+    if (amx_ready && m->amx_from > 0 && T >= m->amx_from && T <= 16) return gemm_amx<PF>(m, w, b, y, T, rows, cols, add);
+#endif
+    gemm_vnni<PF>(m, w, b, y, T, rows, cols, add);
 }
 #else
 constexpr bool VNNI = false;
@@ -880,6 +1082,64 @@ extern "C" int specrpc_int8_group() { return INT8_GROUP; }
 
 // Columns an int8 panel's rows are padded to a multiple of (`pack_int8_groups`): VNNI's activation block, else 1.
 extern "C" int specrpc_int8_block() { return QBLOCK; }
+
+// Whether int8 products may run on AMX tiles in this process (`gemm_amx`; asks Linux for the tile state once): 1 or 0.
+// Where it is 1, a model's `amx_from` picks the products that do.
+extern "C" int specrpc_amx_enable() {
+#if SPECRPC_AMX && defined(__AVX512VNNI__) && defined(__AVX512F__)
+    static const bool permitted = amx_permitted();
+    amx_ready = permitted;
+    return permitted ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// A check of the AMX products against VNNI's on made-up weights and activations, for 1 .. 16 tokens on `threads`
+// threads, with rows that do not fill a panel and a bias: 0 where every output is the same bits, the first token count
+// that differs otherwise, -1 where AMX cannot run here. Run by `python -m specrpc.native --amx-check` in a process of
+// its own before a server relies on the tiles (a fault there costs that process, not the server).
+extern "C" int specrpc_amx_check(int threads) {
+#if SPECRPC_AMX && defined(__AVX512VNNI__) && defined(__AVX512F__)
+    if (specrpc_amx_enable() != 1) return -1;
+    constexpr int64_t rows = 5 * LANES + 7, cols = 8 * QBLOCK + 5;  // 6 panels (the last partial), 9 blocks
+    constexpr int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, nb = kq / QBLOCK, n_panels = (rows + LANES - 1) / LANES;
+    static uint8_t w[n_panels * kq * LANES];
+    static float scale[rows], bias[rows], y_vnni[16 * rows], y_amx[16 * rows], xs[16 * nb];
+    static int8_t xq[16 * kq];
+    static int32_t xsum[16 * nb];
+    uint32_t state = 12345;
+    auto next = [&state]() { return state = state * 1664525u + 1013904223u; };
+    for (auto& v : w) v = static_cast<uint8_t>(next() >> 24);
+    for (int64_t n = 0; n < rows; ++n) scale[n] = 1e-3f * (1 + next() % 97), bias[n] = 1e-2f * (int(next() % 41) - 20);
+    for (int64_t t = 0; t < 16; ++t) {
+        for (int64_t k = 0; k < kq; ++k) xq[t * kq + k] = k < cols ? static_cast<int8_t>(next() >> 24) : 0;
+        for (int64_t blk = 0; blk < nb; ++blk) {
+            xs[t * nb + blk] = 1e-2f * (1 + next() % 89);
+            int32_t sum = 0;
+            for (int64_t k = blk * QBLOCK; k < (blk + 1) * QBLOCK; ++k) sum += xq[t * kq + k];
+            xsum[t * nb + blk] = sum;
+        }
+    }
+    Model m{};
+    m.xq = xq, m.xs = xs, m.xsum = xsum, m.kq = kq;
+    const Weight weight{w, scale};
+    for (int64_t T = 1; T <= 16; ++T) {
+        for (int64_t i = 0; i < T * rows; ++i) y_vnni[i] = y_amx[i] = 0.5f * i;  // `add` onto the same values
+        m.amx_from = 0;
+#pragma omp parallel num_threads(threads)
+        gemm_q<NONE>(&m, weight, bias, y_vnni, T, rows, cols, true);
+        m.amx_from = 1;
+#pragma omp parallel num_threads(threads)
+        gemm_q<NONE>(&m, weight, bias, y_amx, T, rows, cols, true);
+        if (std::memcmp(y_vnni, y_amx, T * rows * sizeof(float)) != 0) return static_cast<int>(T);
+    }
+    return 0;
+#else
+    (void)threads;
+    return -1;
+#endif
+}
 
 extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, const int64_t* positions, const int64_t* slots,
                                int64_t T, const int64_t* rows, int64_t n_logits, float* logits, int threads) {

@@ -75,6 +75,10 @@ the mode moved a one-token step 2.5×: the mode is measured at load, the distanc
 VERIFY_TOKENS = 5
 """The verify shape `calibrate_prefetch` times beside a one-token step: 4 drafts and the token before them."""
 
+AMX_TOKENS = (2, 3, VERIFY_TOKENS, 9, MAX_TOKENS)
+"""The forward shapes `calibrate_amx` times with int8 products on AMX tiles and on VNNI: verifies of 1, 2, 4 and 8
+drafts, and the widest forward (a prompt chunk, a batch)."""
+
 
 class NativeStep:
     """The model's weights packed in panels (`pack_panels`), its KV cache and work buffers, bound to the native
@@ -182,6 +186,37 @@ class NativeStep:
             table[count] = dict(zip(modes, times, strict=True))
         self.prefetch_one = min(table[1], key=table[1].__getitem__)
         self.prefetch_many = min(table[VERIFY_TOKENS], key=table[VERIFY_TOKENS].__getitem__)
+        return table
+
+    def calibrate_amx(self, slot: int = 0, context: int = 32, repeats: int = 9) -> dict[int, tuple[float, float]]:
+        """Where int8 products may run on AMX tiles (`native.amx_available`: same bits as VNNI, a speed choice only),
+        time forwards of each of `AMX_TOKENS` tokens with them on VNNI and on the tiles, interleaved
+        (`interleaved_times`, lower quartiles), and run on the tiles from the fewest tokens where they win at that
+        width and every wider one measured (`model.amx_from`; 0, never, where they lose at the widest). VNNI takes a
+        token's products one at a time, so a verify of a few tokens costs nearly that many one-token steps of
+        multiplies; the tiles take 16 tokens at once. Writes K/V at positions below context + `MAX_TOKENS` of `slot`,
+        which the caller holds empty. Returns (VNNI, AMX) seconds per width, empty where not measured."""
+        context = min(context, self.model.capacity - MAX_TOKENS)
+        if not self.int8 or context < 1 or not native.amx_available():
+            return {}
+        ids = (torch.arange(context + MAX_TOKENS) * 7919) % self.vocab  # [context + MAX_TOKENS]
+        self.run_chunks(ids[:context], 0, slot)
+        table: dict[int, tuple[float, float]] = {}
+        for count in AMX_TOKENS:
+            def step(amx_from: int, count: int = count) -> Callable[[], None]:
+                def run() -> None:
+                    self.model.amx_from = amx_from
+                    self.run(ids[context : context + count], context, slot, count)
+                return run
+
+            vnni, amx = interleaved_times([step(0), step(count)], repeats)
+            table[count] = (vnni, amx)
+        self.model.amx_from = 0
+        for count in reversed(AMX_TOKENS):
+            vnni, amx = table[count]
+            if amx >= vnni:
+                break
+            self.model.amx_from = count
         return table
 
     def run(self, tokens: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:

@@ -164,6 +164,11 @@ class LlamaLM:
                      step.prefetch_one, step.prefetch_many, native.VERIFY_TOKENS, "; ".join(
                          f"{count}: " + ", ".join(f"{mode} {t * 1e3:.2f}" for mode, t in times.items())
                          for count, times in table.items()))
+        amx = step.calibrate_amx()
+        if amx:
+            log.info("%s: int8 products on AMX tiles %s (ms VNNI / AMX by tokens: %s)", self.name,
+                     f"from {step.model.amx_from} tokens" if step.model.amx_from else "never",
+                     ", ".join(f"{count} {vnni * 1e3:.2f}/{tiles * 1e3:.2f}" for count, (vnni, tiles) in amx.items()))
         if deterministic or all(p.wt is None and p.packed is None for p in self.weights.linears()):
             # --deterministic, or int8 weights alone (--weights int8): every decode and verify through the native
             # step, so greedy speculation equals greedy decoding exactly (at int8, the torch kernel rounds
@@ -352,9 +357,16 @@ class LlamaLM:
         if step is None or rows == 0:
             return [("any", torch_path)]
         out = [("1", f"native, prefetch {step.prefetch_one}")]
-        if rows > 1:
+        amx_from = step.model.amx_from if 1 < step.model.amx_from <= rows else 0
+        if rows > 1 and amx_from:  # the int8 products of these forwards on AMX tiles (the same bits as VNNI)
+            if amx_from > 2:
+                out.append((f"2-{amx_from - 1}" if amx_from > 3 else "2", f"native, prefetch {step.prefetch_many}"))
+            out.append((f"{amx_from}-{rows}" if rows > amx_from else f"{rows}",
+                        f"native, prefetch {step.prefetch_many}, AMX"))
+        elif rows > 1:
             out.append((f"2-{rows}" if rows > 2 else "2", f"native, prefetch {step.prefetch_many}"))
-        longer = "native in chunks" if self.chunks_native() else torch_path
+        longer = ("native in chunks" + (", AMX" if 0 < step.model.amx_from <= native.MAX_TOKENS else "")
+                  if self.chunks_native() else torch_path)
         out.append((f"{rows + 1}+", longer))
         return out
 
