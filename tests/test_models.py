@@ -505,8 +505,8 @@ def test_native_batch_gives_each_rows_solo_logits_bit_for_bit(case: str, tmp_pat
 @pytest.mark.parametrize("case", ["llama-untied-mha-bias", "qwen3-head-dim-bias-window", "mistral-head-dim-64-window"])
 def test_native_verify_gives_a_tokens_decode_logits_bit_for_bit(case: str, tmp_path: Path) -> None:
     """Through the native step a token's logits are the same bits decoded alone or verified among others (each
-    weight row meets every token through the same dot product, and head_dim 64 attention's scores the same sums
-    from transposed key blocks in a verify as across lanes alone, blocks a window cuts included), so greedy
+    weight row meets every token through the same dot product, and each query's scores the same sums in a verify
+    as alone, blocks a window cuts included), so greedy
     speculation equals greedy decoding exactly; ids out of range are refused before anything is written."""
     cls, config = CASES[case]
     path, _ = save(tmp_path, cls, config)

@@ -708,9 +708,23 @@ static inline v16 reduce16(const v16* a) {
 // q . k[i] for the key rows i in [first, count) of a block of 16 at `k` (stride dh; the other lanes are 0): each the
 // 16-lane products over dh in 16-column chunks in order (the last chunk zero-padded), summed by `reduce16`. A row's
 // score is the same bits whichever rows share its block. FULL: first = 0 and count = 16 (unrolled, in registers).
-template <bool FULL>
+// DC > 0: dh = 16 DC, known when compiled, so each key row is one base address plus a constant (64 and 128, the common
+// head sizes: 16 row addresses of a run-time stride spilled the general-purpose registers in the inner loop).
+template <bool FULL, int DC = 0>
 static inline v16 dots16(const float* __restrict q, const float* __restrict k, int64_t dh, int64_t first,
                          int64_t count) {
+    if constexpr (FULL && DC > 0) {
+        v16 a[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) a[i] = v16{};
+#pragma GCC unroll 8
+        for (int c = 0; c < DC; ++c) {
+            const v16 qd = load16(q + 16 * c);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i) a[i] = fma16(qd, load16(k + i * DC * 16 + 16 * c), a[i]);
+        }
+        return reduce16(a);
+    }
     if (FULL) first = 0, count = 16;
     v16 a[16];
 #pragma GCC unroll 16
@@ -730,59 +744,6 @@ static inline v16 dots16(const float* __restrict q, const float* __restrict k, i
         }
     }
     return reduce16(a);
-}
-
-// The lane-by-lane sums of 16 vectors in reduce16's tree: lane i of the result is the bits reduce16 gives in lane i
-// for a matrix whose row i is lane i of a[0 .. 15] (((a0+a8)+(a4+a12))+((a2+a10)+(a6+a14)))+(((a1+a9)+ ...).
-static inline v16 sum16(const v16* a) {
-    v16 b[8], c[4];
-    for (int l = 0; l < 8; ++l) b[l] = a[l] + a[l + 8];
-    for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-// Rows i and i + S of a 16 × 16 matrix x (for i without bit S) exchange their elements so that bit S of the row and of
-// the lane index swap: after S = 8, 4, 2, 1 the matrix is transposed.
-template <int S>
-static inline void swap_bit(v16* x) {
-    vi16 lo, hi;  // x[i]'s new lanes from x[i]:x[i + S], and x[i + S]'s
-    for (int c = 0; c < 16; ++c) {
-        lo[c] = c & S ? 16 + c - S : c;
-        hi[c] = c & S ? 16 + c : c + S;
-    }
-    for (int i = 0; i < 16; ++i) {
-        if (i & S) continue;
-        const v16 a = x[i], b = x[i + S];
-        x[i] = __builtin_shuffle(a, b, lo);
-        x[i + S] = __builtin_shuffle(a, b, hi);
-    }
-}
-
-constexpr int64_t TRANSPOSE_FROM = 8;  // queries from which a job transposes each key block once (`scores_t`)
-
-// `dots16` for the n queries q[j] (those attending some of the positions p0 .. p0 + 15, by lo / hi) against one block
-// of 16 key rows at k (dh = 16 DC columns; rows outside [first, count) read as zeros), to the bit: the block
-// transposed once (kt[16 c + l]: column 16 c + l of the 16 rows), then each query's products as 16 vectors of partial
-// sums, a[l] over the columns l, 16 + l, ... in order (lane i what dots16's a[i] holds in lane l), summed in
-// reduce16's tree (`sum16`): no sums across lanes, and the key rows read once for all the queries.
-template <int DC>
-static inline void scores_t(const float* const* q, int64_t n, const float* __restrict k, int64_t first, int64_t count,
-                            const int64_t* lo, const int64_t* hi, int64_t p0, v16* e) {
-    constexpr int64_t dh = DC * 16;
-    v16 kt[DC * 16];
-    for (int c = 0; c < DC; ++c) {
-        v16* x = kt + 16 * c;  // rows i, columns 16 c ..
-        for (int i = 0; i < 16; ++i) x[i] = i >= first && i < count ? load16(k + i * dh + 16 * c) : v16{};
-        swap_bit<8>(x), swap_bit<4>(x), swap_bit<2>(x), swap_bit<1>(x);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-        if (p0 + 16 <= lo[j] || p0 >= hi[j]) continue;
-        v16 a[16];
-        for (int l = 0; l < 16; ++l) a[l] = v16{};
-        for (int c = 0; c < DC; ++c)
-            for (int l = 0; l < 16; ++l) a[l] = fma16(splat(q[j][16 * c + l]), kt[16 * c + l], a[l]);
-        e[j] = sum16(a);
-    }
 }
 
 // Whether the 16 positions from p0 all lie in [lo, hi).
@@ -855,7 +816,7 @@ static inline void softmax(float* s, int64_t lo, int64_t hi) {
     }
 }
 
-constexpr int64_t QUERIES = 16;  // queries a job attends together: each key and value row is read once for all of them
+constexpr int64_t QUERIES = 16;  // queries a job attends together: each key and value row read from memory once for all
 constexpr int64_t IN_REGISTERS = 4;  // queries whose weighted sums the registers hold at once
 constexpr int64_t VALUE_TILE = 64;   // value rows a tile: 16 KB at dh = 64, read from the L1 cache by each group
 
@@ -950,17 +911,15 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
         lo_all = lo[j] < lo_all ? lo[j] : lo_all;
         hi_all = hi[j] > hi_all ? hi[j] : hi_all;
     }
-    const bool transposed = n >= TRANSPOSE_FROM && (dh == 64 || dh == 128);  // the same bits as dots16, sooner
     for (int64_t p0 = lo_all / 16 * 16; p0 < hi_all; p0 += 16) {  // scores, 16 key rows at a time for all queries
+        // (the block read from memory by the first query, from L1 by the rest)
         const int64_t first = lo_all - p0 > 0 ? lo_all - p0 : 0, count = hi_all - p0 < 16 ? hi_all - p0 : 16;
-        v16 dots[QUERIES];
-        if (transposed && dh == 64) scores_t<4>(q, n, kh + p0 * dh, first, count, lo, hi, p0, dots);
-        else if (transposed) scores_t<8>(q, n, kh + p0 * dh, first, count, lo, hi, p0, dots);
         for (int64_t j = 0; j < n; ++j) {
             if (p0 + 16 <= lo[j] || p0 >= hi[j]) continue;
-            const v16 e = (transposed                     ? dots[j]
-                           : first == 0 && count == 16 ? dots16<true>(q[j], kh + p0 * dh, dh, 0, 16)
-                                                       : dots16<false>(q[j], kh + p0 * dh, dh, first, count)) *
+            const v16 e = (first != 0 || count != 16 ? dots16<false>(q[j], kh + p0 * dh, dh, first, count)
+                           : dh == 64                ? dots16<true, 4>(q[j], kh + p0 * dh, dh, 0, 16)
+                           : dh == 128               ? dots16<true, 8>(q[j], kh + p0 * dh, dh, 0, 16)
+                                                     : dots16<true>(q[j], kh + p0 * dh, dh, 0, 16)) *
                           splat(scale);
             if (full_block(p0, lo[j], hi[j])) std::memcpy(sc[j] + p0, &e, sizeof e);  // (first = 0, count = 16)
             else edge_store(sc[j], p0, lo[j], hi[j], e);
