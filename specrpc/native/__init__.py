@@ -195,7 +195,11 @@ def amx_available() -> bool:
     and the tile products gave VNNI's bits on made-up data in a process of their own (`python -m specrpc.native
     --amx-check`: a fault there would cost that process, not this one). Asked once; logged where the check fails."""
     lib = library()
-    if lib is None or lib.specrpc_amx_enable() != 1:
+    enabled = 0 if lib is None else lib.specrpc_amx_enable()
+    if enabled == -1:
+        log.warning("native decode: this CPU has AMX but Linux refused its tile state (arch_prctl); int8 products "
+                    "stay on VNNI")
+    if enabled != 1:
         return False
     try:
         root = str(Path(__file__).resolve().parents[2])  # where this specrpc is imported from

@@ -453,16 +453,17 @@ SPECRPC_AMX_TARGET static inline void tile_dpbsud() {
 }
 #endif
 
-// Whether this process may use the tiles: the CPU has AMX-TILE and AMX-INT8 and Linux grants the tile data state
-// (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 and later); always under SPECRPC_AMX_EMULATE. Asked once, at load.
-static bool amx_permitted() {
+// Whether this process may use the tiles: 1 where the CPU has AMX-TILE and AMX-INT8 and Linux grants the tile data
+// state (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 and later; always under SPECRPC_AMX_EMULATE), 0 where the CPU has
+// no AMX, -1 where Linux refuses it (an older kernel, a signal stack too small for the tiles' state). Asked once.
+static int amx_permitted() {
 #if defined(SPECRPC_AMX_EMULATE)
-    return true;
+    return 1;
 #else
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
 #endif
 }
 
@@ -1042,13 +1043,14 @@ extern "C" int specrpc_int8_group() { return INT8_GROUP; }
 // Columns an int8 panel's rows are padded to a multiple of (`pack_int8_groups`): VNNI's activation block, else 1.
 extern "C" int specrpc_int8_block() { return QBLOCK; }
 
-// Whether int8 products may run on AMX tiles in this process (`gemm_amx`; asks Linux for the tile state once): 1 or 0.
-// Where it is 1, a model's `amx_from` picks the products that do.
+// Whether int8 products may run on AMX tiles in this process (`gemm_amx`; asks Linux for the tile state once): 1, or
+// 0 (no AMX here) or -1 (Linux refused it), as `amx_permitted`. Where it is 1, a model's `amx_from` picks the products
+// that do.
 extern "C" int specrpc_amx_enable() {
 #if SPECRPC_AMX && defined(__AVX512VNNI__) && defined(__AVX512F__)
-    static const bool permitted = amx_permitted();
-    amx_ready = permitted;
-    return permitted ? 1 : 0;
+    static const int permitted = amx_permitted();
+    amx_ready = permitted == 1;
+    return permitted;
 #else
     return 0;
 #endif
