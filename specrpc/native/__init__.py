@@ -53,9 +53,12 @@ def _cpu_flags() -> str:
 
 
 def _flags() -> tuple[str, ...]:
-    """FLAGS, with the AMX tile instructions emulated where $SPECRPC_AMX_EMULATE is 1 (tests of the AMX products on
-    CPUs without AMX: much slower, never for serving)."""
-    return FLAGS + (("-DSPECRPC_AMX_EMULATE",) if os.environ.get("SPECRPC_AMX_EMULATE") == "1" else ())
+    """FLAGS, for the CPU $SPECRPC_NATIVE_MARCH names where set (g++'s -march: `haswell` builds the AVX2 step on any
+    CPU that runs it, for a fleet's oldest machines or tests of that path), with the AMX tile instructions emulated
+    where $SPECRPC_AMX_EMULATE is 1 (tests of the AMX products on CPUs without AMX: much slower, never for serving)."""
+    march = os.environ.get("SPECRPC_NATIVE_MARCH")
+    flags = tuple(f"-march={march}" if f == "-march=native" and march else f for f in FLAGS)
+    return flags + (("-DSPECRPC_AMX_EMULATE",) if os.environ.get("SPECRPC_AMX_EMULATE") == "1" else ())
 
 
 def build(compiler: str | None = None) -> Path | None:
