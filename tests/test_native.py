@@ -342,21 +342,23 @@ def test_amx_products_give_the_vnni_bits_and_a_slower_path_is_never_chosen(tmp_p
 
 
 AVX2_TESTS = ("(native or panel or prefetch_mode or int8) and not stalled and not amx and not build_is and not "
-              "compiler and not bandwidth and not cannot_take and not need_the_lean and not avx2")
+              "compiler and not bandwidth and not cannot_take and not need_the_lean and not older_cpu")
 """The native step's numerical tests (verify = decode bit for bit, batches = solo rows, close to transformers and to
 the torch int8 forward, prefetch a hint), not the ones about building, timing or AMX."""
 
 
-def test_the_avx2_build_passes_the_native_steps_numerical_tests() -> None:
-    """The native step built for an AVX2 CPU without AVX-512 (SPECRPC_NATIVE_MARCH=haswell: 8 registers of 8 lanes,
-    int8 weights widened to float, no VNNI) passes the same numerical tests as this machine's build, so a CPU older
-    than this one gets an exact step too, not just one that compiles."""
+@pytest.mark.parametrize(("march", "needs"), [("haswell", {"avx2", "fma"}),
+                                              ("skylake-avx512", {"avx512f", "avx512bw", "avx512vl"})])
+def test_an_older_cpus_build_passes_the_native_steps_numerical_tests(march: str, needs: set[str]) -> None:
+    """The native step built for an AVX2 CPU (SPECRPC_NATIVE_MARCH=haswell: 8 registers of 8 lanes) and for AVX-512
+    without VNNI (skylake-avx512: 32 registers), int8 weights widened to float in both, passes the same numerical tests
+    as this machine's build, so a CPU older than this one gets an exact step too, not just one that compiles."""
     requires_native()
     with open("/proc/cpuinfo") as fh:
         flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
-    if not {"avx2", "fma"} <= set(flags):
-        pytest.skip("this CPU cannot run an AVX2 build")
-    env = {**os.environ, "SPECRPC_NATIVE_MARCH": "haswell", "SPECRPC_NATIVE_CACHE": str(native.cache_dir())}
+    if not needs <= set(flags):
+        pytest.skip(f"this CPU cannot run a {march} build")
+    env = {**os.environ, "SPECRPC_NATIVE_MARCH": march, "SPECRPC_NATIVE_CACHE": str(native.cache_dir())}
     root = Path(__file__).parents[1]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
                            "tests/test_native.py", "tests/test_models.py", "-k", AVX2_TESTS],
@@ -364,4 +366,4 @@ def test_the_avx2_build_passes_the_native_steps_numerical_tests() -> None:
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
     probe = subprocess.run([sys.executable, "-c", "from specrpc import native; print(native.library()."
                             "specrpc_int8_group())"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert probe.stdout.strip().splitlines()[-1] == "1", probe.stdout + probe.stderr  # widened int8: the AVX2 build
+    assert probe.stdout.strip().splitlines()[-1] == "1", probe.stdout + probe.stderr  # widened int8: that build
