@@ -468,6 +468,41 @@ async def test_converse_declares_tools_streams_call_events_and_takes_results(too
         await conversation.close()
 
 
+async def test_a_converse_call_cut_by_the_token_limit_stays_in_the_summary_and_the_history(tool_server: Running
+                                                                                            ) -> None:
+    """A reply whose call the token limit cuts short: the summary's last call is that call as far as it was written
+    (its arguments not yet JSON), with no tool_call event, and the history keeps it as the model wrote it, as HTTP's
+    message does, rather than an empty reply."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{tool_server.port}") as channel:
+        for limit in (12, 16, 20, 28):  # the first limit that ends inside the arguments (the name written)
+            conversation = Conversation(pb_grpc.GeneratorStub(channel))
+            started = await conversation.start(tools=grpc_tools(), max_new_tokens=limit,
+                                               tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED))
+            events = await conversation.turn_events("What is the weather in Paris?")
+            summary = events[-1].summary
+            announced = [e.tool_call for e in events if e.WhichOneof("event") == "tool_call"]
+            if len(summary.tool_calls) > len(announced):
+                break
+            await conversation.close()
+        else:
+            pytest.fail("no limit cut a call inside its arguments")
+        # the conversation goes on over the cut call (its arguments rendered as the text they are)
+        after = await conversation.turn_events("Never mind.", max_new_tokens=4,
+                                               tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE))
+        assert after[-1].summary.turn_index == 1 and after[-1].summary.generation.completion_tokens
+        await conversation.close()
+    assert summary.generation.finish_reason == pb.FINISH_REASON_LENGTH
+    cut = summary.tool_calls[-1]
+    assert list(summary.tool_calls[:-1]) == announced and cut.name in SCHEMAS and cut.id
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.arguments_json)
+    state = tool_server.runtime.registry.sessions[started.session_id].conversation
+    assert state is not None
+    reply = Message(*state[0][-3])  # the cut reply, before "Never mind." and its answer
+    assert reply.role == "assistant" and [(c.id, c.name, c.arguments) for c in reply.tool_calls][-1] == (
+        cut.id, cut.name, cut.arguments_json)
+
+
 async def test_converse_refuses_bad_tools(stub: pb_grpc.GeneratorStub) -> None:
     conversation = Conversation(stub)
     with pytest.raises(grpc.aio.AioRpcError) as caught:

@@ -333,7 +333,8 @@ class TurnSummary:
     reply_text: str
     """The reply's text outside tool calls."""
     tool_calls: tuple[ToolCall, ...] = ()
-    """The reply's tool calls (each also came as a ToolCall event)."""
+    """The reply's tool calls, each complete one also a ToolCall event; a call the token limit or a stop string cut
+    short comes last, as far as it was written (its arguments may not parse), with no event."""
 
 
 @dataclass(frozen=True)

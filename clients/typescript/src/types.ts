@@ -266,7 +266,8 @@ export interface TurnSummary {
   timeToFirstPhraseMs: number;
   /** The reply's text outside tool calls. */
   replyText: string;
-  /** The reply's tool calls, as their toolCall events came. */
+  /** The reply's tool calls, as their toolCall events came, then a call the token limit or a stop string cut short
+   * (as far as it was written, its arguments maybe not JSON; it has no event). */
   toolCalls: ToolCall[];
 }
 
