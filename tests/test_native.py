@@ -152,8 +152,9 @@ def test_int8_and_deterministic_prompts_and_wide_batches_run_native_as_decoding_
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -> None:
-    """Every prefetch mode (none, non-temporal, temporal) and prefetch distance gives the same logits bit for bit,
-    for a decode step and a verify: which one runs is a speed choice made at load, never a numerical one."""
+    """Every prefetch mode (none, non-temporal, temporal), prefetch distance and cap on the tokens a pass over the
+    weights takes gives the same logits bit for bit, for a decode step, a verify and a prompt chunk: which one runs
+    is a speed choice made at load, never a numerical one."""
     requires_native()
     cpu = torch.device("cpu")
     if int8 and not int8_available(cpu):
@@ -166,12 +167,14 @@ def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -
     step.run(ids[:16], 0, 0)
     seen = []
     for mode in native.PREFETCH:
-        for ahead in (0, 512, 4096):
+        for ahead, cap in ((0, 0), (512, 6), (4096, 4), (2048, 2)):
             step.prefetch_one = step.prefetch_many = mode
             step.model.prefetch_ahead = ahead
-            seen.append((step.run(ids[16:17], 16, 0), step.run(ids[16:21], 16, 0, num_logits=5)))
-    for one, five in seen[1:]:
-        assert torch.equal(one, seen[0][0]) and torch.equal(five, seen[0][1])
+            step.passes[:] = cap
+            seen.append((step.run(ids[16:17], 16, 0), step.run(ids[16:21], 16, 0, num_logits=5),
+                         step.run(ids[:16], 0, 0, num_logits=16)))
+    for one, five, chunk in seen[1:]:
+        assert torch.equal(one, seen[0][0]) and torch.equal(five, seen[0][1]) and torch.equal(chunk, seen[0][2])
 
 
 STALL_S = 0.02
@@ -230,6 +233,31 @@ def test_a_stalled_prefetch_mode_is_never_chosen(stalled: str, tmp_path: Path, m
     table = step.calibrate_prefetch()
     assert set(table) == {1, native_step.VERIFY_TOKENS}
     assert step.prefetch_one != stalled and step.prefetch_many != stalled, table
+
+
+@pytest.mark.parametrize("stalled", native_step.PASS_CAPS)
+@pytest.mark.usefixtures("one_thread")
+def test_a_stalled_pass_size_is_never_chosen(stalled: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever cap on the tokens a pass over the weights takes is slowed by an injected stall (every native call
+    under it at the width being timed) is chosen for no token count."""
+    requires_native()
+    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
+                    max_context=64, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    step = lm.native
+    fast_row = step._row
+
+    def row(*args: object) -> int:
+        count = args[2]
+        assert isinstance(count, int)
+        if int(step.passes[count]) == stalled:
+            stall()
+        return int(fast_row(*args))
+
+    monkeypatch.setattr(step, "_row", row)
+    table = step.calibrate_passes()
+    assert set(table) == set(native_step.PASS_TOKENS)
+    assert stalled not in step.passes[3:].tolist(), table
 
 
 @pytest.mark.usefixtures("one_thread")

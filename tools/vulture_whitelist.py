@@ -21,3 +21,4 @@ _._layers  # keeps the native step's tensors alive while C++ holds their pointer
 _._keep  # the same
 _.prefetch  # native.Model field, read by decode.cpp
 _.bonus  # VerifyResult field
+_.pass_tokens  # a native.Model struct field, read by decode.cpp

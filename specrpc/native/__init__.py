@@ -113,9 +113,12 @@ class Model(ctypes.Structure):
                 + [("layer", ctypes.POINTER(Layer))]
                 + [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "x", "h", "qkv", "att", "up", "scores",
                                                         "xq", "xs", "xsum")]
-                + [("kq", ctypes.c_int64), ("prefetch_ahead", ctypes.c_int64), ("amx_from", ctypes.c_int64)])
+                + [(name, ctypes.c_int64) for name in ("kq", "prefetch_ahead", "amx_from")]
+                + [("pass_tokens", ctypes.c_void_p)])
     # `prefetch`: a `PREFETCH` mode; `prefetch_ahead`: the bytes ahead of the column read that a prefetch asks for;
-    # `amx_from`: the tokens from which int8 products run on AMX tiles (0: never; only where `amx_available`)
+    # `amx_from`: the tokens from which int8 products run on AMX tiles (0: never; only where `amx_available`);
+    # `pass_tokens`: int64 [max_tokens + 1], by a product's tokens the most one pass over its weights takes (null or
+    # 0: decode.cpp's own choice)
 
 
 class Controls(ctypes.Structure):

@@ -65,7 +65,14 @@ struct Model {
     int64_t kq;               // the widest product's columns, rounded up to a multiple of 32
     int64_t prefetch_ahead;   // bytes ahead of the column being read that a panel's prefetch asks for (0: 2048)
     int64_t amx_from;         // int8 products of at least this many tokens run on AMX tiles (`gemm_amx`); 0: never
+    const int64_t* pass_tokens;  // [max_tokens + 1]: by a product's tokens, the most one pass over its weights takes
+                                 // (`tiles`, measured at load); null or 0: the built-in choice
 };
+
+// The cap on tokens a pass of a product over T tokens (`Model::pass_tokens`; 0: none).
+static inline int64_t pass_cap(const Model* m, int64_t T) {
+    return m->pass_tokens == nullptr ? 0 : m->pass_tokens[T < m->max_tokens ? T : m->max_tokens];
+}
 
 // How a product prefetches its weight panels, a hint only (the arithmetic and its order are the same in every mode, so
 // are the results): NONE leaves it to the hardware prefetchers; NON_TEMPORAL reads the weights past the caches
@@ -218,12 +225,16 @@ static inline void panels_tt(int64_t tt, const W* w, const float* scale, const f
 // columns fit the registers, a range's remainder in the largest smaller group. tile(R, tt, p, t0) computes panels
 // p .. p + R - 1 for tokens t0 .. t0 + tt - 1 (R an std::integral_constant). Each output is summed the same way
 // whatever group its panel is in, so the split never changes a result.
+// `most` (> 0) caps the tokens a pass takes (`Model::pass_tokens`, measured at load): fewer tokens a pass take more
+// panels at a time, and read each panel again for the next tokens (from the L1 or L2 cache, the panels just read).
 template <bool TWICE = false, typename Tile>
-static inline void tiles(int64_t T, int64_t rows, Tile tile) {  // TWICE: two accumulators per panel and token
+static inline void tiles(int64_t T, int64_t rows, int64_t most, Tile tile) {  // TWICE: two accumulators a panel, token
     const int64_t n_panels = (rows + LANES - 1) / LANES;
     // up to 8 tokens in one pass over the weights (a larger model is bound by reading them)
-    const int64_t tokens = TWICE ? (T <= 2 ? 2 : T <= 4 ? 4 : T <= 6 ? 6 : 8)
-                                 : REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : 3);
+    int64_t tokens = TWICE ? (T <= 2 ? 2 : T <= 4 ? 4 : T <= 6 ? 6 : 8)
+                           : REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : 3);
+    if (most > 0 && tokens > most && (TWICE || REGS == 32) && tokens > 2)  // the largest pass of at most `most`
+        tokens = most >= 6 && TWICE ? 6 : most >= 4 ? 4 : 2;
     const int R = TWICE ? (tokens == 2 ? 6 : tokens == 4 ? 3 : tokens == 6 ? 2 : 1)
                         : REGS == 32 ? (tokens == 2 ? 8 : tokens == 4 ? 6 : 3) : (tokens == 1 ? 4 : 2);
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
@@ -351,7 +362,7 @@ static inline void gemm_vnni(const Model* m, Weight w, const float* __restrict b
                              int64_t rows, int64_t cols, bool add) {
     const int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, groups = kq / INT8_GROUP, nb = kq / QBLOCK;
     const uint8_t* q = static_cast<const uint8_t*>(w.w);
-    tiles<true>(T, rows, [&](auto r, int64_t tt, int64_t p, int64_t t0) {
+    tiles<true>(T, rows, pass_cap(m, T), [&](auto r, int64_t tt, int64_t p, int64_t t0) {
         panels_q_tt<decltype(r)::value, PF>(tt, q + p * groups * LANES * INT8_GROUP, w.scale, b,
                                              m->xq + t0 * kq, m->xs + t0 * nb, m->xsum + t0 * nb, kq,
                                              y + t0 * rows, rows, groups, p * LANES, add, prefetch_ahead(m));
@@ -582,8 +593,8 @@ static inline void quantize_cols(const Model* m, const float* x, int64_t cols, i
 template <int PF, typename W>
 static inline void gemm_rows(const W* __restrict w, const float* __restrict scale, const float* __restrict b,
                              const float* __restrict x, int64_t ldx, float* __restrict y, int64_t T, int64_t rows,
-                             int64_t cols, bool add, int64_t ahead) {
-    tiles(T, rows, [&](auto r, int64_t tt, int64_t p, int64_t t0) {
+                             int64_t cols, bool add, int64_t ahead, int64_t most) {
+    tiles(T, rows, most, [&](auto r, int64_t tt, int64_t p, int64_t t0) {
         panels_tt<decltype(r)::value, PF>(tt, w + p * cols * LANES, scale, b, x + t0 * ldx, ldx, y + t0 * rows, rows,
                                           cols, p * LANES, add, ahead);
     });
@@ -597,10 +608,12 @@ static inline void gemm_pf(const Model* m, Weight w, const float* __restrict b, 
         (void)x, (void)ldx;  // the activations were quantized where they were written (`quantizes`)
         gemm_q<PF>(m, w, b, y, T, rows, cols, add);
 #else
-        gemm_rows<PF>(static_cast<const int8_t*>(w.w), w.scale, b, x, ldx, y, T, rows, cols, add, prefetch_ahead(m));
+        gemm_rows<PF>(static_cast<const int8_t*>(w.w), w.scale, b, x, ldx, y, T, rows, cols, add, prefetch_ahead(m),
+                      pass_cap(m, T));
 #endif
     } else {
-        gemm_rows<PF>(static_cast<const float*>(w.w), nullptr, b, x, ldx, y, T, rows, cols, add, prefetch_ahead(m));
+        gemm_rows<PF>(static_cast<const float*>(w.w), nullptr, b, x, ldx, y, T, rows, cols, add, prefetch_ahead(m),
+                      pass_cap(m, T));
     }
 }
 

@@ -75,6 +75,15 @@ the mode moved a one-token step 2.5×: the mode is measured at load, the distanc
 VERIFY_TOKENS = 5
 """The verify shape `calibrate_prefetch` times beside a one-token step: 4 drafts and the token before them."""
 
+PASS_TOKENS = (3, VERIFY_TOKENS, 9, MAX_TOKENS)
+"""The forward shapes `calibrate_passes` times, each standing for the token counts from the one before it up to it."""
+
+PASS_CAPS = (0, 6, 4)
+"""The most tokens one pass over a product's weights may take, as `calibrate_passes` tries them: 0 is decode.cpp's own
+choice (up to 8, the fewest passes: best where reading the weights bounds a product, as the f32 target that exceeds a
+2-core AMD EPYC's L3: 16 tokens 1.15-1.17x slower at a cap of 4 or 6), 6 and 4 take more panels at a time (best where
+the weights sit in the caches and the multiplies bound it, as that machine's int8 draft: 16 tokens 0.91x)."""
+
 AMX_TOKENS = (2, 3, VERIFY_TOKENS, 9, MAX_TOKENS)
 """The forward shapes `calibrate_amx` times with int8 products on AMX tiles and on VNNI: verifies of 1, 2, 4 and 8
 drafts, and the widest forward (a prompt chunk, a batch)."""
@@ -153,6 +162,8 @@ class NativeStep:
             k_cache=native.pointer(cache.k), v_cache=native.pointer(cache.v),
             **{name: native.pointer(t) for name, t in work.items()},
             **{name: int(t.data_ptr()) for name, t in quantized.items()}, kq=kq, prefetch_ahead=PREFETCH_AHEAD)
+        self.passes = torch.zeros(MAX_TOKENS + 1, dtype=torch.int64)  # [MAX_TOKENS + 1] `calibrate_passes`' caps
+        self.model.pass_tokens = self.passes.data_ptr()
         self._layers = layers
         self._keep = keep
         self._model_ref = ctypes.byref(self.model)
@@ -186,6 +197,33 @@ class NativeStep:
             table[count] = dict(zip(modes, times, strict=True))
         self.prefetch_one = min(table[1], key=table[1].__getitem__)
         self.prefetch_many = min(table[VERIFY_TOKENS], key=table[VERIFY_TOKENS].__getitem__)
+        return table
+
+    def calibrate_passes(self, slot: int = 0, context: int = 32, repeats: int = 7) -> dict[int, dict[int, float]]:
+        """Time forwards of each of `PASS_TOKENS` tokens with each of `PASS_CAPS` tokens at most a pass over a
+        product's weights, interleaved (`interleaved_times`, lower quartiles), and keep the fastest cap for the token
+        counts each width stands for (`passes`): which is fastest depends on whether the weights or the multiplies
+        bound the product on this CPU, and the results are the same bits at any cap (each output sums over its
+        columns in order whatever the tile). Writes K/V at positions below context + `MAX_TOKENS` of `slot`, which
+        the caller holds empty. Returns the seconds by width and cap (empty where the cache has no room)."""
+        context = min(context, self.model.capacity - MAX_TOKENS)
+        if context < 1:
+            return {}
+        ids = (torch.arange(context + MAX_TOKENS) * 7919) % self.vocab  # [context + MAX_TOKENS]
+        self.run_chunks(ids[:context], 0, slot)
+        table: dict[int, dict[int, float]] = {}
+        low = 1
+        for count in PASS_TOKENS:
+            def step(cap: int, count: int = count) -> Callable[[], None]:
+                def run() -> None:
+                    self.passes[count] = cap
+                    self.run(ids[context : context + count], context, slot, count)
+                return run
+
+            table[count] = dict(zip(PASS_CAPS, interleaved_times([step(cap) for cap in PASS_CAPS], repeats),
+                                    strict=True))
+            self.passes[low : count + 1] = min(table[count], key=table[count].__getitem__)
+            low = count + 1
         return table
 
     def calibrate_amx(self, slot: int = 0, context: int = 32, repeats: int = 9) -> dict[int, tuple[float, float]]:

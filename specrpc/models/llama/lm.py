@@ -164,6 +164,13 @@ class LlamaLM:
                      step.prefetch_one, step.prefetch_many, native.VERIFY_TOKENS, "; ".join(
                          f"{count}: " + ", ".join(f"{mode} {t * 1e3:.2f}" for mode, t in times.items())
                          for count, times in table.items()))
+        passes = step.calibrate_passes()
+        if passes:
+            caps = ", ".join(f"{count}: {int(step.passes[count]) or 'auto'}" for count in passes)
+            log.info("%s: native tokens a pass over the weights at most, by a forward's tokens: %s (ms by cap, 0 = "
+                     "auto: %s)", self.name, caps, "; ".join(
+                         f"{count}: " + ", ".join(f"{cap} {t * 1e3:.2f}" for cap, t in times.items())
+                         for count, times in passes.items()))
         amx = step.calibrate_amx()
         if amx:
             log.info("%s: int8 products on AMX tiles %s (ms VNNI / AMX by tokens: %s)", self.name,
