@@ -511,7 +511,8 @@ SPECRPC_AMX_TARGET static void gemm_amx(const Model* m, Weight w, const float* _
         for (int64_t blk = 0; blk < nb; ++blk) {
             if (PF != NONE)
                 for (int r = 0; r < here; ++r)
-                    for (int64_t i = 0; i < panel_block; i += 64) prefetch<PF>(panel + r * panel_bytes + blk * panel_block + i + ahead);
+                    for (int64_t i = 0; i < panel_block; i += 64)
+                        prefetch<PF>(panel + r * panel_bytes + blk * panel_block + i + ahead);
             tile_load<AMX_PANELS>(m->xq + blk * QBLOCK, kq);  // A: the tokens' int8 activations of the block
             tile_zero<0>();
             tile_load<AMX_PANELS + 1>(panel + blk * panel_block, LANES * INT8_GROUP);
@@ -561,7 +562,8 @@ template <int PF>
 static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, float* __restrict y, int64_t T,
                           int64_t rows, int64_t cols, bool add) {
 #if SPECRPC_AMX
-    if (amx_ready && m->amx_from > 0 && T >= m->amx_from && T <= 16) return gemm_amx<PF>(m, w, b, y, T, rows, cols, add);
+    if (amx_ready && m->amx_from > 0 && T >= m->amx_from && T <= 16)
+        return gemm_amx<PF>(m, w, b, y, T, rows, cols, add);
 #endif
     gemm_vnni<PF>(m, w, b, y, T, rows, cols, add);
 }
@@ -1077,7 +1079,8 @@ extern "C" int specrpc_amx_check(int threads) {
 #if SPECRPC_AMX && defined(__AVX512VNNI__) && defined(__AVX512F__)
     if (specrpc_amx_enable() != 1) return -1;
     constexpr int64_t rows = 5 * LANES + 7, cols = 8 * QBLOCK + 5;  // 6 panels (the last partial), 9 blocks
-    constexpr int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, nb = kq / QBLOCK, n_panels = (rows + LANES - 1) / LANES;
+    constexpr int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, nb = kq / QBLOCK;
+    constexpr int64_t n_panels = (rows + LANES - 1) / LANES;
     static uint8_t w[n_panels * kq * LANES];
     static float scale[rows], bias[rows], y_vnni[16 * rows], y_amx[16 * rows], xs[16 * nb];
     static int8_t xq[16 * kq];
