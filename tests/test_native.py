@@ -369,9 +369,9 @@ def test_amx_products_give_the_vnni_bits_and_a_slower_path_is_never_chosen(tmp_p
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-2000:]
 
 
-NATIVE_NUMERICAL_TESTS = ("(native or panel or prefetch_mode or int8) and not stalled and not amx and not build_is and not "
-              "compiler and not bandwidth and not cannot_take and not need_the_lean and not older_cpu and not "
-              "(wide_batches and float32)")
+NATIVE_NUMERICAL_TESTS = ("(native or panel or prefetch_mode or int8) and not stalled and not amx and not build_is "
+                          "and not compiler and not bandwidth and not cannot_take and not need_the_lean and not "
+                          "older_cpu and not (wide_batches and float32)")
 """The native step's numerical tests (verify = decode bit for bit, batches = solo rows, close to transformers and to
 the torch int8 forward, prefetch a hint), not the ones about building, timing or AMX, nor the shipped float32
 target's wide batches (11 s; the int8 and deterministic cases of that test run)."""
