@@ -207,9 +207,9 @@ def amx_available() -> bool:
                     "stay on VNNI")
     if enabled != 1:
         return False
+    root = str(Path(__file__).resolve().parents[2])  # where this specrpc is imported from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     try:
-        root = str(Path(__file__).resolve().parents[2])  # where this specrpc is imported from
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         done = subprocess.run([sys.executable, "-m", "specrpc.native", "--amx-check"], capture_output=True, text=True,
                               timeout=300, env=env)
     except (OSError, subprocess.SubprocessError) as exc:
