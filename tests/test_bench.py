@@ -28,6 +28,11 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert expected <= set(contenders)
     for name in ("adaptive", "adaptive draft only", "k=2", "prompt lookup only"):
         assert contenders[name]["identical"] == 1.0, name  # greedy: token-for-token the target-only output
+    for name, entry in contenders.items():  # each request's figures beside the summary, one per case
+        requests = entry["requests"]
+        assert len(requests) == 2 and all(r["tokens"] > 0 and r["ttft_ms"] > 0 for r in requests), name
+    assert all(r["mean_k"] == 0 and r["proposed"] == 0 for r in contenders["target-only"]["requests"])
+    assert all(r["steps"] > 0 and 0 < r["mean_k"] <= 2 for r in contenders["k=2"]["requests"])  # 2, less near the end
     sweep = results["grpc"]["concurrency"]
     assert sweep["2:adaptive"]["aggregate_tokens_per_s"] > 0
     for mode, name, streams in itertools.product(("batched", "round-robin"), ("adaptive", "target-only"), (1, 2)):

@@ -55,6 +55,18 @@ def summarize(runs: list[Run]) -> dict[str, float]:
     }
 
 
+def request_figures(r: Run) -> dict[str, float]:
+    """One request's figures, kept beside a contender's summary so that a run whose summary surprises can be read
+    request by request (where a policy drafted little, where a step stalled)."""
+    decode_s = r.total_s - r.ttft_s
+    return {"tokens": len(r.tokens), "ttft_ms": r.ttft_s * 1e3,
+            "tokens_per_s": (len(r.tokens) - 1) / decode_s if decode_s > 0 else 0.0,
+            "steps": r.steps, "proposed": r.proposed, "accepted": r.accepted,
+            "mean_k": statistics.fmean(r.ks) if r.ks else 0.0,
+            "longest_gap_ms": max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)),
+                                  default=0.0) * 1e3}
+
+
 def prompt_ids(runtime: Runtime, case: Case) -> list[int]:
     """Token ids of a case as the service would build them."""
     if case.suffix is None:
@@ -666,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         s = summarize(rs)
         if any(r.reported_tokens_per_s for r in rs):
             s["reported_tokens_per_s_median"] = statistics.median(r.reported_tokens_per_s for r in rs)
-        entry: dict[str, Any] = {"summary": s, "speedup": s["tokens_per_s"] / base if base else 0.0}
+        entry: dict[str, Any] = {"summary": s, "speedup": s["tokens_per_s"] / base if base else 0.0,
+                                 "requests": [request_figures(r) for r in rs]}  # in case order, round after round
         if params.greedy:
             entry["identical"] = sum(r.tokens == ref for r, ref in zip(rs, reference, strict=True)) / len(rs)
         if name.startswith("k="):
