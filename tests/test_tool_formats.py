@@ -32,6 +32,7 @@ from specrpc.prompts.tools import (
     ToolCall,
     ToolCallParser,
     ToolChoice,
+    grammar_text,
     tool_grammar,
 )
 
@@ -122,7 +123,8 @@ def test_calls_are_read_in_each_format_from_a_reply_split_anywhere(
 
 def constrained(rt: Any, choice: ToolChoice, parallel: bool) -> Any:
     fmt = tool_format(rt)
-    return rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(DECLARED, choice, parallel, fmt) or "")).start()
+    grammar = grammar_text(tool_grammar(DECLARED, choice, parallel, fmt) or [])
+    return rt.grammars.compile(ConstraintSpec("grammar", grammar)).start()
 
 
 def test_llama3_grammars_force_one_json_call_or_text(llama3_tool_server: Running) -> None:
@@ -178,7 +180,8 @@ def test_mistral_v11_grammars_force_name_args_calls(mistral_tool_server: Running
     compiler = GrammarCompiler.from_tokenizer_json(tok.to_str(), {tok.token_to_id("</s>")}, tok.get_vocab_size())
 
     def start(choice: ToolChoice) -> Any:
-        return compiler.compile(ConstraintSpec("grammar", tool_grammar(DECLARED, choice, True, fmt) or "")).start()
+        grammar = grammar_text(tool_grammar(DECLARED, choice, True, fmt) or [])
+        return compiler.compile(ConstraintSpec("grammar", grammar)).start()
 
     one = '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}'
     two, wrong = tok.encode(one + one).ids, tok.encode('[TOOL_CALLS]get_date[ARGS]{}').ids

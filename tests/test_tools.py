@@ -39,6 +39,7 @@ from specrpc.prompts.tools import (
     ToolCallParser,
     ToolChoice,
     call_schema,
+    grammar_text,
     tool_grammar,
 )
 from specrpc.serving.runtime import Runtime
@@ -121,7 +122,7 @@ def test_a_calls_arguments_are_an_object_whatever_its_parameters_leave_out(serve
     rt = server.runtime
 
     def accepts(parameters: str, arguments: str) -> bool:
-        grammar = tool_grammar([Tool("f", "", parameters)], ToolChoice("required"), False, fmt) or ""
+        grammar = grammar_text(tool_grammar([Tool("f", "", parameters)], ToolChoice("required"), False, fmt) or [])
         ids = rt.encode_plain(fmt.write([ToolCall("", "f", arguments)]))
         return rt.grammars.compile(ConstraintSpec("grammar", grammar)).start().valid_prefix(ids) == len(ids)
 
@@ -138,7 +139,8 @@ def test_a_named_function_is_called_exactly_once_even_with_parallel_calls(server
     one, two = (rt.encode_plain(fmt.write(calls)) for calls in ([call], [call, call]))
 
     def start(choice: ToolChoice) -> Any:
-        return rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(tools, choice, True, fmt) or "")).start()
+        grammar = grammar_text(tool_grammar(tools, choice, True, fmt) or [])
+        return rt.grammars.compile(ConstraintSpec("grammar", grammar)).start()
 
     named = start(ToolChoice("function", "get_time"))
     assert named.valid_prefix(one) == len(one) and named.valid_prefix(two) < len(two)
@@ -166,8 +168,8 @@ def test_grammars_force_valid_calls(tool_server: Running) -> None:
     encode = rt.encode_plain
     good = encode('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
     wrong = encode('<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
-    required = rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(tools, ToolChoice("required"), True, fmt)
-                                                  or "")).start()
+    required = rt.grammars.compile(ConstraintSpec("grammar", grammar_text(
+        tool_grammar(tools, ToolChoice("required"), True, fmt) or []))).start()
     assert required.valid_prefix(good) == len(good)
     assert required.valid_prefix(wrong) < len(wrong)
     for padded in ('{"name": "get_time", "arguments": {"zone":"UTC"}}', '{"name": "get_time" , "arguments": {}}',
@@ -175,11 +177,11 @@ def test_grammars_force_valid_calls(tool_server: Running) -> None:
         ids = encode(f"<tool_call>\n{padded}\n</tool_call>")
         assert required.valid_prefix(ids) < len(ids), padded
     assert required.valid_prefix(encode("Hello")) == 0
-    named = rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(
-        tools, ToolChoice("function", "get_weather"), False, fmt) or "")).start()
+    named = rt.grammars.compile(ConstraintSpec("grammar", grammar_text(
+        tool_grammar(tools, ToolChoice("function", "get_weather"), False, fmt) or []))).start()
     assert named.valid_prefix(good) < len(good)  # only get_weather
-    auto = rt.grammars.compile(ConstraintSpec("grammar", tool_grammar(tools, ToolChoice("auto"), True, fmt)
-                                              or "")).start()
+    auto = rt.grammars.compile(ConstraintSpec("grammar", grammar_text(
+        tool_grammar(tools, ToolChoice("auto"), True, fmt) or []))).start()
     text = encode("Sure, one moment. ")
     assert auto.valid_prefix(text + good) == len(text + good)
     assert auto.valid_prefix(text + wrong) < len(text + wrong)

@@ -15,7 +15,7 @@ from specrpc.engine.constraint import MAX_GRAMMAR_BYTES, ConstraintKind, Constra
 from specrpc.engine.generation import MAX_TOP_LOGPROBS
 from specrpc.engine.sampling import SamplingParams
 from specrpc.prompts.tool_formats import ToolFormat
-from specrpc.prompts.tools import InvalidTools, Tool, ToolChoice, check_tools, grammar_lines, tool_grammar
+from specrpc.prompts.tools import InvalidTools, Tool, ToolChoice, check_tools, grammar_text, tool_grammar
 from specrpc.serving.runtime import DecodeParams
 
 MAX_SESSION_ID = 128
@@ -207,10 +207,11 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, f
         check_tools(tools, choice, name)
     except InvalidTools as exc:
         raise InvalidRequest(str(exc)) from None
-    grammar = tool_grammar(tools, choice, parallel, fmt)
-    if grammar is None:
+    lines = tool_grammar(tools, choice, parallel, fmt)
+    if lines is None:
         return None
-    return replace(constraint("grammar", grammar, True, name), lines=grammar_lines(grammar, tools, choice, name))
+    return replace(constraint("grammar", grammar_text(lines), True, name),  # a call's rule: its function's parameters
+                   lines=tuple("" if i is None else f"{name}[{i}].function.parameters" for _, i in lines))
 
 
 def session_id(value: str, name: str = "session_id", header: str = "", header_name: str = SESSION_HEADER) -> str:

@@ -185,34 +185,27 @@ def chosen_tools(tools: Sequence[Tool], choice: ToolChoice) -> list[Tool]:
     return [t for t in tools if t.name == choice.name] if choice.mode == "function" else list(tools)
 
 
-CALL_RULE = re.compile(r"(?:fn|args)_(\d+):")
-"""A line of `tool_grammar` holding a call's rule (`call_rules`: `fn_<i>` and `args_<i>`)."""
+GrammarLines = list[tuple[str, int | None]]
+"""A grammar's lines, each with the index of the declared function whose call's rule it is (None for the rest)."""
 
 
-def grammar_lines(grammar: str, tools: Sequence[Tool], choice: ToolChoice, field_name: str = "tools"
-                  ) -> tuple[str, ...]:
-    """What each line of `tool_grammar`'s grammar stands for in the request: a call's rule is its function's
-    parameters (`tools[i].function.parameters`), so a schema that does not compile is reported against them
-    (ConstraintSpec.lines); other lines stand for nothing the client wrote."""
-    index = {t.name: i for i, t in enumerate(tools)}
-    chosen = chosen_tools(tools, choice)
-    lines = []
-    for line in grammar.split("\n"):
-        rule = CALL_RULE.match(line)
-        lines.append(f"{field_name}[{index[chosen[int(rule.group(1))].name]}].function.parameters" if rule else "")
-    return tuple(lines)
+def grammar_text(lines: GrammarLines) -> str:
+    """The grammar `tool_grammar`'s lines spell."""
+    return "\n".join(line for line, _ in lines)
 
 
-def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt: ToolFormat) -> str | None:
-    """The Lark grammar (llguidance's dialect) a reply must match, or None for free text (`none`, or no tools).
-    `required`: calls only; a named function: exactly one call of it (OpenAI's forced function); `auto`: any text,
-    and once it reaches the call marker, calls (for a format whose calls open the reply, Llama 3's: text that does
-    not open with `{`, or a call). With `parallel` (and a format that allows it), calls may follow one another; else
-    one call."""
+def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt: ToolFormat) -> GrammarLines | None:
+    """The lines of the Lark grammar (llguidance's dialect) a reply must match, each with the index in `tools` of the
+    function whose call's rule it is (None for the rest: a schema that does not compile is reported against that
+    function's parameters, ConstraintSpec.lines), or None for free text (`none`, or no tools). `required`: calls
+    only; a named function: exactly one call of it (OpenAI's forced function); `auto`: any text, and once it reaches
+    the call marker, calls (for a format whose calls open the reply, Llama 3's: text that does not open with `{`, or
+    a call). With `parallel` (and a format that allows it), calls may follow one another; else one call."""
     if choice.mode == "none" or not tools:
         return None
     chosen = chosen_tools(tools, choice)
-    rules = [rule for i, tool in enumerate(chosen) for rule in call_rules(i, tool, fmt)]
+    index = {t.name: i for i, t in enumerate(tools)}
+    rules = [(rule, index[tool.name]) for i, tool in enumerate(chosen) for rule in call_rules(i, tool, fmt)]
     many = parallel and fmt.parallel and choice.mode != "function"
     calls = f"body ({lark_text(fmt.joiner, fmt)} body)*" if many and fmt.joiner else "body"
     more = f" ({lark_text(fmt.separator, fmt)} group)*" if many and not fmt.joiner else ""
@@ -230,7 +223,9 @@ def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt:
         start = [f"start: TEXT | head rest{more}", f"head[lazy]: TEXT {lark_string(fmt.trigger)}",
                  r"TEXT: /(.|\n)*/"]
     body = " | ".join(f"fn_{i}" for i in range(len(chosen)))
-    return "\n".join(["%llguidance {}", *start, *group, *rest, f"body: {body}", *rules, ""])
+    plain: GrammarLines = [(line, None) for line in ["%llguidance {}", *start, *group, *rest,
+                                                                      f"body: {body}"]]
+    return [*plain, *rules, ("", None)]
 
 
 # ---- reading the reply -----------------------------------------------------------------------------------------------
