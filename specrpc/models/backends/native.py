@@ -154,6 +154,7 @@ class NativeStep:
                      "xs": torch.zeros(MAX_TOKENS, kq // block), "xsum": torch.zeros(MAX_TOKENS, kq // block,
                                                                                   dtype=torch.int32)}
         keep += list(quantized.values())
+        keep += [cache.k, cache.v]  # the KV cache, written in place: alive as long as the struct, as the rest
         self.model = native.Model(
             d=a.hidden, hq=a.heads, hkv=a.kv_heads, dh=a.head_dim, ffn=a.ffn, vocab=self.vocab, layers=a.layers,
             slots=cache.k.shape[1], capacity=capacity, max_tokens=MAX_TOKENS, prefetch=native.PREFETCH[guess],
