@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,34 +212,9 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("stalled", list(native.PREFETCH))
-@pytest.mark.usefixtures("one_thread")
-def test_a_stalled_prefetch_mode_is_never_chosen(stalled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whichever prefetch mode is slowed by an injected stall (every native call in it sleeps) is chosen at neither
-    shape calibrated, one token nor a verify."""
-    requires_native()
-    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
-                    max_context=64, native_decode=True)
-    assert isinstance(lm, LlamaLM) and lm.native is not None
-    step = lm.native
-    fast_row = step._row
-
-    def row(*args: object) -> int:
-        if step.model.prefetch == native.PREFETCH[stalled]:
-            stall()
-        return int(fast_row(*args))
-
-    monkeypatch.setattr(step, "_row", row)
-    table = step.calibrate_prefetch()
-    assert set(table) == {1, native_step.VERIFY_TOKENS}
-    assert step.prefetch_one != stalled and step.prefetch_many != stalled, table
-
-
-@pytest.mark.parametrize("stalled", native_step.PASS_CAPS)
-@pytest.mark.usefixtures("one_thread")
-def test_a_stalled_pass_size_is_never_chosen(stalled: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whichever cap on the tokens a pass over the weights takes is slowed by an injected stall (every native call
-    under it at the width being timed) is chosen for no token count."""
+def stalled_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                 stalls: Callable[[native_step.NativeStep, int], bool]) -> native_step.NativeStep:
+    """A tiny model's native step whose one-row calls of `count` tokens `stall` where `stalls(step, count)`."""
     requires_native()
     lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
                     max_context=64, native_decode=True)
@@ -250,11 +225,31 @@ def test_a_stalled_pass_size_is_never_chosen(stalled: int, tmp_path: Path, monke
     def row(*args: object) -> int:
         count = args[2]
         assert isinstance(count, int)
-        if int(step.passes[count]) == stalled:
+        if stalls(step, count):
             stall()
         return int(fast_row(*args))
 
     monkeypatch.setattr(step, "_row", row)
+    return step
+
+
+@pytest.mark.parametrize("stalled", list(native.PREFETCH))
+@pytest.mark.usefixtures("one_thread")
+def test_a_stalled_prefetch_mode_is_never_chosen(stalled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever prefetch mode is slowed by an injected stall (every native call in it sleeps) is chosen at neither
+    shape calibrated, one token nor a verify."""
+    step = stalled_step(tmp_path, monkeypatch, lambda step, _: step.model.prefetch == native.PREFETCH[stalled])
+    table = step.calibrate_prefetch()
+    assert set(table) == {1, native_step.VERIFY_TOKENS}
+    assert step.prefetch_one != stalled and step.prefetch_many != stalled, table
+
+
+@pytest.mark.parametrize("stalled", native_step.PASS_CAPS)
+@pytest.mark.usefixtures("one_thread")
+def test_a_stalled_pass_size_is_never_chosen(stalled: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever cap on the tokens a pass over the weights takes is slowed by an injected stall (every native call
+    under it at the width being timed) is chosen for no token count."""
+    step = stalled_step(tmp_path, monkeypatch, lambda step, count: int(step.passes[count]) == stalled)
     table = step.calibrate_passes()
     assert set(table) == set(native_step.PASS_TOKENS)
     assert stalled not in step.passes[3:].tolist(), table
