@@ -4,6 +4,7 @@ distribution equal to the target's, rollback, prefix reuse, and no KV reallocati
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,11 @@ from specrpc.engine import engine as engine_module
 from specrpc.engine.engine import PREFILL_STALL, Engine, Stall
 from specrpc.engine.generation import GenerationRequest, GenerationStats, Slot, StepResult, TokenLogprob
 from specrpc.engine.plan import plan
-from specrpc.engine.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel
+from specrpc.engine.policy import AcceptanceEstimate, BatchCosts, BatchGuard, CostModel, HostTimes
 from specrpc.engine.proposers import DraftRequest, lookup_kind
 from specrpc.engine.sampling import SamplingParams, logits_to_probs
 from specrpc.engine.verify import VerifyResult, accept_greedy, verify
-from specrpc.models import load_model, load_tokenizer
+from specrpc.models import BatchRow, load_model, load_tokenizer
 from specrpc.models.backends import native as native_step
 from specrpc.models.llama import LlamaLM
 from specrpc.serving.sessions import SessionRegistry
@@ -152,12 +153,12 @@ def test_adaptive_skips_a_draft_catch_up_the_request_cannot_repay(pair: tuple[Pa
     can save the policy decodes without the draft (the same tokens); at no cost, or with a request's own k, it
     drafts."""
     engine = make_engine(pair)
-    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=1e-4, verify_s=dict.fromkeys(range(1, 10), 1e-3))
     prompt = [(i * 5) % VOCAB for i in range(40)]
     plain = run(engine, prompt, 8, GREEDY, 0)
     drafted: dict[str, int] = {}
     for name, per_token_s, k in (("costly", 1e-3, None), ("free", 0.0, None), ("own k", 1e-3, 2)):
-        engine.costs.draft_prefill_s = per_token_s
+        engine.costs = CostModel(target_step_s=1e-3, draft_step_s=1e-4, verify_s=dict.fromkeys(range(1, 10), 1e-3),
+                                 draft_prefill_s=per_token_s)  # as known when the request starts
         slot = engine.new_slot(0)
         request = GenerationRequest(prompt, 8, GREEDY, num_draft_tokens=k, proposer="draft")
         gen = engine.start(slot, request)
@@ -173,14 +174,48 @@ def test_adaptive_skips_a_draft_catch_up_the_request_cannot_repay(pair: tuple[Pa
     assert drafted["free"] > 0 and drafted["own k"] > 0
 
 
+def test_a_new_session_decodes_from_the_costs_other_sessions_measured(pair: tuple[Path, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up costs say verifying is free; in fact every verify forward takes 20 ms beside a plain step's
+    fraction of one. A first session pays for finding out (it drafts, then stops); the device's costs it measured
+    are every policy's, so a second session, on a slot of its own, decodes without drafting from its first step
+    (before, each policy refined a copy of the start-up costs and each new one drafted again). Output unchanged."""
+    engine = make_engine(pair)
+    prompt = [(i * 3) % VOCAB for i in range(12)]
+    plain = run(engine, prompt, 24, GREEDY, 0)
+    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=1e-4, verify_s=dict.fromkeys(range(1, 10), 1e-3))
+    forward_batch = engine.target.forward_batch
+
+    def slow_verifies(rows: list[BatchRow]) -> list[torch.Tensor]:
+        if sum(row.ids.shape[0] for row in rows) > 1:
+            time.sleep(0.02)
+        return forward_batch(rows)
+
+    monkeypatch.setattr(engine.target, "forward_batch", slow_verifies)
+    proposed: list[list[int]] = []
+    for index in (0, 1):
+        gen = engine.start(engine.new_slot(index), GenerationRequest(prompt, 24, GREEDY, proposer="draft"))
+        out: list[int] = []
+        ks: list[int] = []
+        while not gen.finished:
+            step = engine.step_one(gen)
+            out += step.token_ids
+            ks.append(step.proposed)
+        assert out == plain
+        proposed.append(ks[1:])  # after the prefill
+    assert proposed[0][0] > 0, "the first session starts from the start-up costs"
+    assert engine.costs.v(4) > 5, "its verifies were measured into the device's costs"
+    assert sum(proposed[1]) == 0, proposed[1]
+
+
 def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The cost model says verifying is free; a stall it does not see (as a GPU's first use of a shape) makes
     whole steps far slower than plain decoding, and the policy must notice and stop speculating."""
     engine = make_engine(pair)
-    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=1e-3, verify_s=dict.fromkeys(range(1, 10), 1e-3))
     prompt = [2] * 12
     plain = run(engine, prompt, 40, GREEDY, 0)
+    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=1e-3, verify_s=dict.fromkeys(range(1, 10), 1e-3))
     engine.stall = Stall(draft_s=0.02)
     verifier = engine.verifier
     calls: list[int] = []  # drafts per speculative step
@@ -195,8 +230,9 @@ def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path]
     for guard in (False, True):
         calls.clear()
         slot = engine.new_slot(0)
-        for name in ("observe_target", "observe_host", "observe_draft"):  # the costs stay as given: verifying is free
+        for name in ("observe_target", "observe_draft"):  # the costs stay as given: verifying is free
             monkeypatch.setattr(slot.policy.costs, name, lambda *args: None)
+        monkeypatch.setattr(slot.policy.host, "observe", lambda *args: None)
         if not guard:
             slot.policy.min_realized_steps = 10**9
         assert run(engine, prompt, 40, GREEDY, None, proposer="lookup", slot=slot) == plain
@@ -446,8 +482,8 @@ def test_seeded_sampling_in_a_batch_reproduces_its_solo_run(pair: tuple[Path, Pa
     whose residual max(0, p - q) is that small, the same seed resamples differently (the distribution is the
     target's either way)."""
     requires_native(native)
-    for costs, names in ((CostModel, ("observe_target", "observe_host", "observe_draft", "observe_catch_up")),
-                         (BatchCosts, ("observe_target", "observe_draft"))):
+    for costs, names in ((CostModel, ("observe_target", "observe_draft", "observe_catch_up")),
+                         (HostTimes, ("observe",)), (BatchCosts, ("observe_target", "observe_draft"))):
         for name in names:  # "combined" picks lookup or the draft by costs: measured ones would follow the host
             monkeypatch.setattr(costs, name, lambda *args: None)
     engine = make_engine(pair, slots=3, native=native)
@@ -663,11 +699,12 @@ def test_calibration_measures_every_width_and_stops_once_settled(pair: tuple[Pat
     assert engine.calibration_rounds == 12  # nothing ever settles: up to the most rounds
 
 
-def test_calibration_times_the_draft_as_a_speculative_step_drafts(pair: tuple[Path, Path],
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The draft's step is timed as speculation runs it, right after a verify: max_k greedy forwards in a row, the
-    first over the steady catch-up's two tokens, each next one fed the argmax before it (one lone step timed between
-    target steps finds the draft's weights evicted every time: 2-3 times a drafted token's share at int8)."""
+def test_calibration_times_each_draft_length_as_a_speculative_step_drafts(pair: tuple[Path, Path],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts of k = 1 .. max_k tokens are timed as speculation runs them, each right after the verify of k + 1
+    tokens: k greedy forwards in a row, the first over the steady catch-up's two tokens, each next one fed the argmax
+    before it (the first finds the draft's weights evicted by the target's, so a short draft costs more a token than
+    a long one: each k has its own cost, `CostModel.d`)."""
     engine = make_engine(pair)
     assert engine.draft is not None
     calls: list[tuple[str, list[int], int]] = []
@@ -679,23 +716,31 @@ def test_calibration_times_the_draft_as_a_speculative_step_drafts(pair: tuple[Pa
             return logits
         monkeypatch.setattr(model, "forward", recorded)
     context = 16
-    engine.calibrate(context=context, repeats=2, max_repeats=2, settle=float("inf"))
-    drafts = [i for i, (name, _, start) in enumerate(calls) if name == "draft" and start >= context]  # not feeds
-    runs = [drafts[i:i + engine.max_k] for i in range(0, len(drafts), engine.max_k)]
-    assert len(runs) == engine.calibration_rounds + 1 and all(len(r) == engine.max_k for r in runs)  # + warm-up
+    costs = engine.calibrate(context=context, repeats=2, max_repeats=2, settle=float("inf"))
+    assert sorted(costs.draft_s) == list(range(1, engine.max_k + 1)) and all(costs.d(k) > 0 for k in costs.draft_s)
+    runs: list[list[int]] = []  # each timed draft: the indices of its forwards
+    for i, (name, _, start) in enumerate(calls):
+        if name == "draft" and start >= context:  # not the context's feeds
+            if calls[i - 1][0] == "target":
+                runs.append([])
+            runs[-1].append(i)
+    assert [len(run) for run in runs] == list(range(1, engine.max_k + 1)) * (engine.calibration_rounds + 1)  # warm-up
     prefix = next(ids for name, ids, start in calls if name == "draft" and start == 0)  # the context, one chunk
     assert len(prefix) == context
     for run in runs:
-        assert calls[run[0] - 1][0] == "target" and len(calls[run[0] - 1][1]) == engine.max_k + 1  # after a verify
-        assert [len(calls[i][1]) for i in run] == [2] + [1] * (engine.max_k - 1)
-        assert [calls[i][2] for i in run] == [context] + [context + 1 + i for i in range(1, engine.max_k)]
-        first = calls[run[0]][1]
+        k = len(run)
+        assert len(calls[run[0] - 1][1]) == k + 1  # right after the verify of k + 1 tokens
+        assert [len(calls[i][1]) for i in run] == [2] + [1] * (k - 1)
+        assert [calls[i][2] for i in run] == [context] + [context + 1 + i for i in range(1, k)]
         engine.draft.truncate(0, 0)
         engine.draft.forward(torch.tensor(prefix), 0, 0)
-        expected = [int(engine.draft.forward(torch.tensor(first), context, 0)[-1].argmax())]
-        for i in range(1, engine.max_k - 1):
-            expected.append(int(engine.draft.forward(torch.tensor(expected[-1:]), context + 1 + i, 0)[-1].argmax()))
-        assert [calls[i][1][0] for i in run[1:]] == expected  # each fed the argmax before it
+        fed = calls[run[0]][1]
+        expected: list[int] = []  # the tokens the second .. k-th forwards are fed: each the argmax before it
+        for i in range(k - 1):
+            at = context if i == 0 else context + 1 + i
+            expected.append(int(engine.draft.forward(torch.tensor(fed), at, 0)[-1].argmax()))
+            fed = expected[-1:]
+        assert [calls[i][1][0] for i in run[1:]] == expected
         engine.draft.truncate(0, 0)
 
 

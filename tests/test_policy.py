@@ -61,16 +61,16 @@ def test_host_time_around_the_forwards_counts() -> None:
     model = costs(c=0.25, v_per_token=0.1)
     policy = AdaptivePolicy(max_k=8, costs=model, acceptance={"draft": AcceptanceEstimate(75, 100)})
     assert policy.choose() > 0 and policy.speedup(1) == pytest.approx(1.75 / 1.35)
-    for _ in range(model.min_window):
-        model.observe_host("plain", 0.2)
-        model.observe_host("draft", 1.5)
-    assert model.host("draft") == pytest.approx(1.5)
+    for _ in range(policy.host.min_window):
+        policy.host.observe("plain", 0.2)
+        policy.host.observe("draft", 1.5)
+    assert policy.host.of("draft") == pytest.approx(1.5)
     assert policy.speedup(1) == pytest.approx(1.75 * 1.2 / 2.85)
     assert policy.choose() == 0
     # lookup's host time not measured yet: a plain step's, not free
     assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / (1.2 + 0.2))
-    model.observe_host("lookup", 0.1)
-    assert model.host("lookup") == pytest.approx(0.1) and model.copy().host_s == model.host_s
+    policy.host.observe("lookup", 0.1)
+    assert policy.host.of("lookup") == pytest.approx(0.1)
     assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / (1.2 + 0.1))
 
 
@@ -80,8 +80,8 @@ def test_an_unmeasured_kind_of_step_is_not_taken_for_free_host_time() -> None:
     pay a catch-up on a whole prompt that the first drafted steps then show was not worth it)."""
     model = costs(c=0.25, v_per_token=0.1)
     policy = AdaptivePolicy(max_k=8, costs=model, acceptance={"draft": AcceptanceEstimate(75, 100)})
-    model.observe_host("plain", 0.3)
-    assert model.host("draft") == pytest.approx(0.3)
+    policy.host.observe("plain", 0.3)
+    assert policy.host.of("draft") == pytest.approx(0.3)
     assert policy.speedup(1) == pytest.approx(1.75 * 1.3 / 1.65)
 
 
@@ -171,26 +171,40 @@ def test_realized_guard_comes_back_at_the_first_good_probe_and_stays_off_while_p
 
 
 def test_online_costs_settle_at_the_measured_level_and_ignore_one_stall() -> None:
-    costs = CostModel(target_step_s=0.010, draft_step_s=0.002, verify_s={1: 0.010, 4: 0.014})
+    costs = CostModel(target_step_s=0.010, verify_s={1: 0.010, 4: 0.014}, draft_s={1: 0.002, 4: 0.006})
     for _ in range(20):
         costs.observe_target(4, 0.020)  # the machine got slower than at start-up
         costs.observe_target(1, 0.015)
-        costs.observe_draft(0.003)
-    assert costs.verify_s[4] == 0.020 and costs.target_step_s == 0.015 and costs.draft_step_s == 0.003
+        costs.observe_draft(4, 0.012)
+    assert costs.verify_s[4] == 0.020 and costs.target_step_s == 0.015 and costs.draft_s[4] == 0.012
     costs.observe_target(4, 1.0)  # one stall
-    costs.observe_draft(0.5)
-    assert costs.verify_s[4] == 0.020 and costs.draft_step_s == 0.003
-    assert costs.v(3) == pytest.approx(0.020 / 0.015) and costs.c == pytest.approx(0.2)
+    costs.observe_draft(4, 0.5)
+    assert costs.verify_s[4] == 0.020 and costs.draft_s[4] == 0.012
+    assert costs.v(3) == pytest.approx(0.020 / 0.015) and costs.d(4) == pytest.approx(0.8)
+    assert costs.c == pytest.approx(0.2)  # a token's share of the longest draft measured
 
 
-def test_first_measurements_move_the_calibrated_costs_gradually_and_copies_refine_alone() -> None:
+def test_a_draft_costs_what_was_measured_at_its_length() -> None:
+    """A short draft costs more a token than a long one (its first forward finds the draft's weights evicted):
+    each measured length is its own cost, an unmeasured one is scaled from the nearest measured, and without any
+    measurement k tokens cost k `draft_step_s`. The policy prices k by D(k): here S(1) = 1.8 / (0.3 + 1.1) where a
+    cost per token from the long draft (0.15) would say 1.8 / 1.25."""
+    costs = CostModel(target_step_s=1.0, draft_step_s=0.5, verify_s={1: 1.0, 2: 1.1, 9: 2.0},
+                      draft_s={1: 0.3, 8: 1.2})
+    assert costs.d(1) == pytest.approx(0.3) and costs.d(8) == pytest.approx(1.2)
+    assert costs.d(2) == pytest.approx(0.6) and costs.d(6) == pytest.approx(0.9)  # nearest: 1, and 8
+    assert CostModel(target_step_s=2.0, draft_step_s=0.5).d(3) == pytest.approx(0.75)
+    policy = AdaptivePolicy(max_k=8, costs=costs, acceptance={"draft": AcceptanceEstimate(80, 100)})
+    assert policy.speedup(1) == pytest.approx(1.8 / 1.4)
+
+
+def test_first_measurements_move_the_calibrated_costs_gradually() -> None:
     costs = CostModel(target_step_s=0.010, verify_s={1: 0.010})
     costs.observe_target(1, 0.020)
     assert 0.010 < costs.target_step_s < 0.020  # an EMA from the calibration until a window is in
-    twin = costs.copy()
     for _ in range(costs.window):
-        twin.observe_target(1, 0.030)
-    assert twin.target_step_s == 0.030 and costs.target_step_s < 0.020
+        costs.observe_target(1, 0.030)
+    assert costs.target_step_s == 0.030
 
 
 def batch_costs(fixed_s: float, per_token_s: float, draft_s: float = 0.05) -> BatchCosts:

@@ -2,7 +2,7 @@
 real family's published shapes (specrpc/bench/families.py) are built in memory; acceptance is simulated (each draft
 accepted with probability α until the first rejection), so the costs are measured and the acceptance is not.
 Reports c, V(k) for k = 1..8 and, per α, tokens/s and speed-up over target-only for adaptive and fixed k against the
-bound E/(k·c + V). Tables say "measured costs, simulated acceptance": never model results.
+bound E/(D + V). Tables say "measured costs, simulated acceptance": never model results.
 
     specrpc bench realistic --pair qwen2.5-coder-7b/0.5b --out bench-realistic          # a GPU, full size
     specrpc bench realistic --quick --device cpu --out bench-realistic-cpu              # CPU, shapes / 16
@@ -59,13 +59,14 @@ def build_engine(pair: str, scale: int, device: torch.device, dtype: torch.dtype
 
 def run_pair(engine: Engine, alphas: list[float], ks: list[int], prompt_len: int, new_tokens: int, rounds: int,
              seed: int = 0) -> dict[str, Any]:
-    """Calibrate (c, V), then per α: target-only, adaptive and every fixed k, interleaved, `rounds` prompts each."""
+    """Calibrate (D, V), then per α: target-only, adaptive and every fixed k, interleaved, `rounds` prompts each."""
     costs = engine.calibrate(context=prompt_len)
     rng = random.Random(seed)
     vocab = min(engine.target.vocab_size, engine.draft.vocab_size if engine.draft else engine.target.vocab_size)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(rounds)]
     out: dict[str, Any] = {"target_step_ms": costs.target_step_s * 1e3, "draft_step_ms": costs.draft_step_s * 1e3,
-                           "c": costs.c, "V": {k: costs.v(k) for k in range(1, 9)}, "alphas": {}}
+                           "c": costs.c, "D": {k: costs.d(k) for k in range(1, 9)},
+                           "V": {k: costs.v(k) for k in range(1, 9)}, "alphas": {}}
     engine.verifier = simulated_verifier(1.0, seed, vocab)
     base_runner = engine_runner(engine, 0, "draft")
     base_runner(prompts[0][:16], 4, GREEDY)  # warm-up
@@ -89,7 +90,7 @@ def run_pair(engine: Engine, alphas: list[float], ks: list[int], prompt_len: int
                    "itl_p99_ms": s["itl_p99_ms"]}
             if name.startswith("k="):
                 k = int(name[2:])
-                row["bound"] = expected_tokens(alpha, k) / (k * costs.c + costs.v(k))
+                row["bound"] = expected_tokens(alpha, k) / (costs.d(k) + costs.v(k))
                 row["of_bound"] = row["speedup"] / row["bound"]
             rows[name] = row
         out["alphas"][str(alpha)] = rows
@@ -102,9 +103,10 @@ def markdown(results: dict[str, Any]) -> str:
     for pair, r in results["pairs"].items():
         lines += [f"### {pair}, shapes 1/{results['scale']}: measured costs, simulated acceptance", "",
                   f"Target step {r['target_step_ms']:.3f} ms, draft step {r['draft_step_ms']:.3f} ms: "
-                  f"c = {r['c']:.3f}; V(k) for k = 1..8: " + ", ".join(f"{v:.3f}" for v in r["V"].values())
+                  f"D(k) for k = 1..8: " + ", ".join(f"{v:.3f}" for v in r["D"].values())
+                  + "; V(k): " + ", ".join(f"{v:.3f}" for v in r["V"].values())
                   + f"; target-only {r['target_only_tokens_per_s']:.1f} tokens/s.", "",
-                  "| α | contender | tokens/s | × target-only | bound E/(kc+V) | of bound | mean k | ITL p99 ms |",
+                  "| α | contender | tokens/s | × target-only | bound E/(D+V) | of bound | mean k | ITL p99 ms |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         best_lines = []
         for alpha, rows in r["alphas"].items():

@@ -91,10 +91,10 @@ def run_contenders(runtime: Runtime, contenders: dict[str, Runner], cases: list[
 
 
 def predicted_speedup(alpha: float, k: int, runtime: Runtime) -> float:
-    """S = E(α, k) / (k·c + V(k)) from the calibrated costs and α per tested draft token (as the policy
-    estimates it: accepted ÷ (accepted + first rejections))."""
+    """S = E(α, k) / (D(k) + V(k)) from the device's costs (calibrated, then refined by every lone step) and α per
+    tested draft token (as the policy estimates it: accepted ÷ (accepted + first rejections))."""
     costs = runtime.engine.costs
-    return expected_tokens(alpha, k) / (k * costs.c + costs.v(k))
+    return expected_tokens(alpha, k) / (costs.d(k) + costs.v(k))
 
 
 def rss_bytes() -> int:
@@ -439,8 +439,9 @@ def markdown(results: dict[str, Any]) -> str:
                 lines.append(f"| {w} | {name} | {s['tokens_per_s']:.1f} | "
                              f"{s['tokens_per_s'] / base if base else 0.0:.2f}× | {s['itl_p99_ms']:.2f} |")
     c = results["costs"]
-    lines += ["", f"Calibrated costs: draft step c = {c['c']:.3f} target steps; verifying k+1 tokens V(k) = "
-              + ", ".join(f"{k}: {v:.2f}" for k, v in c["V"].items()) + " target steps."]
+    lines += ["", "The device's costs after the runs (calibrated, refined by every lone step), in target steps: "
+              "drafting k tokens D(k) = " + ", ".join(f"{k}: {v:.2f}" for k, v in c["D"].items() if int(k))
+              + "; verifying k+1 tokens V(k) = " + ", ".join(f"{k}: {v:.2f}" for k, v in c["V"].items()) + "."]
     m = results["memory"]
     lines += ["", f"Memory: weights {m['weight_bytes'] / 2**20:.1f} MiB (target+draft, computed), KV caches "
               f"{m['kv_cache_bytes'] / 2**20:.1f} MiB (computed); RSS grew {m['rss_load_delta'] / 2**20:.1f} MiB "
@@ -664,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         "pair": pair_line(args.target, args.draft),
         "command": "specrpc bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cases": len(cases), "workload_names": args.workloads, "params": asdict(params),
-        "costs": {"c": engine.costs.c, "V": {k: engine.costs.v(k) for k in range(max(ks) + 1)}},
+        "costs": {"c": engine.costs.c, "D": {k: engine.costs.d(k) for k in range(max(ks) + 1)},
+                  "V": {k: engine.costs.v(k) for k in range(max(ks) + 1)}},
         "contenders": {},
     }
     results["llama_cpp"] = ({"binary": args.llama_server, "threads": peers[0].threads,

@@ -1,6 +1,6 @@
 """Start-up measurements of what steps cost on this device: one target decode step, verifies of 2..k+1 tokens and
-a draft step as speculation runs it (`calibrate`), and batched forwards by width (`calibrate_batches`). The policy
-starts from these and refines them online."""
+drafts of 1..k tokens as speculation runs them (`calibrate`), and batched forwards by width (`calibrate_batches`).
+The policies start from these, and every lone and batched step refines them."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from specrpc.models import BatchRow, CausalLM
 def calibrate(target: CausalLM, draft: CausalLM | None, max_k: int, prefill_chunk: int, capacity: int,
               slot: int = 0, context: int = 256, repeats: int = 9, budget_s: float = 3.0,
               max_repeats: int = 40, settle: float = 0.01) -> tuple[CostModel, int]:
-    """Measure one target decode step, verifying k+1 = 2..max_k+1 tokens and a draft step (per token of max_k
-    drafted after a verify, as a speculative step drafts); this is also
+    """Measure one target decode step, verifying k+1 = 2..max_k+1 tokens and drafting k = 1..max_k tokens (each
+    right after the verify of k+1, as a speculative step drafts); this is also
     the warm-up (a first, unmeasured round meets every shape). At `context` positions (within the capacity): a
     verify's extra cost over a decode step grows with the context its k+1 queries attend to, and the costs of
     the k the policy does not use are never re-measured, so a short calibration context would leave long drafts
@@ -44,11 +44,10 @@ def calibrate(target: CausalLM, draft: CausalLM | None, max_k: int, prefill_chun
         return time.perf_counter() - t0
 
     def drafted(model: CausalLM, k: int) -> float:
-        """Seconds per token of k greedy draft steps as a speculative step runs them, right after the target's
-        verify: the first over the steady catch-up (the last draft token and the target's), each next one fed the
-        argmax before it. The first step finds the draft's weights evicted by the target's, the rest find them
-        cached: one lone step timed between target steps costs 2-3 times a drafted token's share on a CPU whose
-        caches the target fills (a 2-core AMD EPYC at int8), which kept the policy from drafting where it pays."""
+        """Seconds of k greedy draft steps as a speculative step runs them, right after the target's verify: the
+        first over the steady catch-up (the last draft token and the target's), each next one fed the argmax before
+        it. The first step finds the draft's weights evicted by the target's, the rest find them cached, so a draft
+        of k tokens costs more than k times each of a long one's (`CostModel.observe_draft`)."""
         model.truncate(slot, context)
         batch = torch.tensor(ids[context : context + 2], dtype=torch.long, device=model.device)  # [2]
         t0 = time.perf_counter()
@@ -56,7 +55,7 @@ def calibrate(target: CausalLM, draft: CausalLM | None, max_k: int, prefill_chun
         for i in range(1, k):
             token = model.forward(token.view(1), context + 1 + i, slot, num_logits=1)[-1].argmax()
         token.item()
-        return (time.perf_counter() - t0) / k
+        return time.perf_counter() - t0
 
     units: list[float] = []
     ratios: dict[str, list[float]] = {}
@@ -64,9 +63,11 @@ def calibrate(target: CausalLM, draft: CausalLM | None, max_k: int, prefill_chun
     t_start = time.perf_counter()
     for round_ in range(max_repeats + 1):
         before = timed(target, 1)
-        times = {f"v{width}": timed(target, width) for width in range(2, max_k + 2)}
-        if draft is not None:
-            times["draft"] = drafted(draft, max(1, max_k))
+        times: dict[str, float] = {}
+        for width in range(2, max_k + 2):
+            times[f"v{width}"] = timed(target, width)
+            if draft is not None:
+                times[f"d{width - 1}"] = drafted(draft, width - 1)
         unit = (before + timed(target, 1)) / 2
         if round_ == 0:
             continue  # warm-up: first-time shapes
@@ -86,7 +87,8 @@ def calibrate(target: CausalLM, draft: CausalLM | None, max_k: int, prefill_chun
     costs.verify_s[1] = step
     for width in range(2, max_k + 2):
         costs.verify_s[width] = step * previous[f"v{width}"]
-    costs.draft_step_s = step * previous["draft"] if "draft" in previous else step
+    costs.draft_s = {k: step * previous[f"d{k}"] for k in range(1, max_k + 1) if f"d{k}" in previous}
+    costs.draft_step_s = costs.c * step if costs.draft_s else step
     if draft is not None:  # a catch-up's cost per token: the draft fed the context again (warm now)
         t0 = time.perf_counter()
         feed(draft, slot, ids[:context], 0, prefill_chunk)

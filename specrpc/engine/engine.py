@@ -79,7 +79,7 @@ class Engine:
         self.verifier = verifier
         self.stall: Stall | None = None  # test hook, see Stall
         self.max_k = 0 if config.speculation == "off" else config.max_draft_tokens
-        self.costs = CostModel()
+        self.costs = CostModel()  # the device's step costs: every policy's, refined by every lone step
         self.calibration_rounds = 0  # measured rounds of the last `calibrate`
         self.batch_costs = BatchCosts()  # batched steps' costs by total tokens, shared by every stream
         self.batch_guard = BatchGuard()  # whether speculating pays in fact, per batch width
@@ -98,7 +98,7 @@ class Engine:
         return self.config.max_context
 
     def new_slot(self, index: int, policy: AdaptivePolicy | None = None) -> Slot:
-        """Fresh slot state with `policy`, by default a new one seeded from the device calibration."""
+        """Fresh slot state with `policy`, by default a new one on the device's costs."""
         self.target.truncate(index, 0)
         if self.draft is not None:
             self.draft.truncate(index, 0)
@@ -113,12 +113,13 @@ class Engine:
             self.draft.truncate(slot.index, 0)
 
     def new_policy(self) -> AdaptivePolicy:
-        """Adaptive policy refined online from the shared calibration."""
-        return AdaptivePolicy(max_k=self.max_k, costs=self.costs.copy())
+        """An adaptive policy on the device's costs (`costs`, shared: every policy's lone steps refine them)."""
+        return AdaptivePolicy(max_k=self.max_k, costs=self.costs)
 
     def calibrate(self, slot: int = 0, context: int = 256, repeats: int = 9, budget_s: float = 3.0,
                   max_repeats: int = 40, settle: float = 0.01) -> CostModel:
-        """Measure the one-stream step costs (`calibration.calibrate`), also the warm-up; the policy starts there."""
+        """Measure the one-stream step costs (`calibration.calibrate`), also the warm-up: the device's costs that
+        policies made from now on share (`new_policy`)."""
         self.costs, self.calibration_rounds = calibrate(self.target, self.draft, self.max_k, self.config.prefill_chunk,
                                                         self.capacity, slot, context, repeats, budget_s, max_repeats,
                                                         settle)
@@ -349,8 +350,8 @@ class Engine:
         lag = draft_lag(self.drafting, gen)
         proposal = self.drafter.propose(gen.slot.tokens, gen.slot.index, k, gen.params, gen.generator, gen.constraint,
                                         gen.transform, most)
-        if proposal.step_s is not None:
-            gen.slot.policy.costs.observe_draft(proposal.step_s)
+        if proposal.draft_s is not None and proposal.drawn:
+            gen.slot.policy.costs.observe_draft(proposal.drawn, proposal.draft_s)
         if proposal.catch_up_s:
             gen.slot.policy.costs.observe_catch_up(lag, proposal.catch_up_s)
         return proposal
@@ -414,7 +415,7 @@ class Engine:
             kind = host_kind(proposal.estimate) if len(proposal) else "plain"
             stalled = self.stall.draft_s + self.stall.verify_s if self.stall is not None and len(proposal) else 0.0
             host_s = time.perf_counter() - timing.start - timing.propose_s - timing.forward_s - stalled
-            policy.costs.observe_host(kind, host_s)
+            policy.host.observe(kind, host_s)
         return step
 
     def _prefilled(self, gen: Generation, row: BatchRow, logits: torch.Tensor) -> StepResult:

@@ -22,15 +22,16 @@ from specrpc.models import BatchRow, CausalLM
 @dataclass(frozen=True)
 class Proposal:
     """k proposed tokens; `probs` [k, V] is the proposer's distribution (None: a point mass at each token);
-    `step_s`: a draft model's measured seconds per drawn token (a forward step each: a grammar's forced tokens ride
-    along in one; None: nothing measured); `catch_up_s`: seconds a draft model spent catching up on more than the
+    `draft_s`: a draft model's measured seconds for its drawn tokens in the steady state (a forward each, the first
+    over the last step's tokens; a grammar's forced tokens ride along in one; None: not measured, a catch-up came
+    first); `catch_up_s`: seconds a draft model spent catching up on more than the
     last step's tokens first (after sitting out, or a new prompt); `forced`: the positions of tokens a grammar forced
     (drafted without drawing: not the proposer's guesses, so the policy's acceptance leaves them out)."""
 
     token_ids: list[int]
     probs: torch.Tensor | None
     source: str
-    step_s: float | None = None
+    draft_s: float | None = None
     catch_up_s: float = 0.0
     kind: str = ""  # what the policy judges it as (acceptance, realized rate): `source` unless a proposer splits it
     forced: frozenset[int] = frozenset()
@@ -275,17 +276,14 @@ class DraftModelProposer:
             ids: list[int] = fused.tolist()  # [k]
             # a catch-up of a few more tokens (after a prompt lookup step, or a plain one) is a few more rows in the
             # first forward, part of this step's cost: timed as a draft step only in the steady state
-            return Proposal(ids, None, self.name, (time.perf_counter() - t0) / k if steady else None)
+            return Proposal(ids, None, self.name, time.perf_counter() - t0 if steady else None)
         model = self.model
         stream = _Stream.start(model, tokens, k, most, params, generator, constraint, transform)
         ahead = stream.lead()
         logits = feed(model, slot, tokens[start:] + ahead, start, self.prefill_chunk)  # [1, V]
         # Steady state: one forward over the last accepted draft token and the target's token. A longer catch-up
-        # (the draft sat out steps, or a new prompt) is prefill, not drafting: leave it out of the step time.
-        catch_up_s = 0.0
-        if not steady:
-            catch_up_s = time.perf_counter() - t0
-            t0 += catch_up_s
+        # (the draft sat out steps, or a new prompt) is prefill, not drafting: its time apart, the draft's untimed.
+        catch_up_s = 0.0 if steady else time.perf_counter() - t0
         position = len(tokens)
         looped = self._greedy_loop(logits, position, slot, k) if plain else None
         if looped is not None:
@@ -297,9 +295,8 @@ class DraftModelProposer:
                     fresh, at = stream.unfed()
                     logits = model.forward(fresh, position + at, slot, num_logits=1)  # [1, V]
             proposal = stream.proposal(self.name)
-        timed = proposal.drawn if steady else proposal.drawn - 1  # a forward each, the catch-up's first if steady
-        step_s = (time.perf_counter() - t0) / timed if timed > 0 else None
-        return dataclasses.replace(proposal, step_s=step_s, catch_up_s=catch_up_s)
+        draft_s = time.perf_counter() - t0 if steady else None  # a forward each, the first over the catch-up
+        return dataclasses.replace(proposal, draft_s=draft_s, catch_up_s=catch_up_s)
 
     def propose_batch(self, requests: list[DraftRequest]
                       ) -> tuple[list[Proposal], list[tuple[int, float]], float]:

@@ -245,7 +245,8 @@ class Runtime:
         gc.collect()
         gc.freeze()
         log.info("warm", seconds=round(time.perf_counter() - t0, 2), target_step_ms=round(costs.target_step_s * 1e3, 3),
-                 c=round(costs.c, 3), v={k - 1: round(costs.v(k - 1), 3) for k in sorted(costs.verify_s)},
+                 d={k: round(costs.d(k), 3) for k in sorted(costs.draft_s)},
+                 v={k - 1: round(costs.v(k - 1), 3) for k in sorted(costs.verify_s)},
                  calibration_rounds=self.engine.calibration_rounds)
 
     def _calibrate(self) -> CostModel:

@@ -3,7 +3,7 @@ measured α, c and V (`adaptive`), and the batch guard that turns the policy's s
 is not faster in fact (`guard`)."""
 
 from specrpc.engine.policy.adaptive import AcceptanceEstimate, AdaptivePolicy, BatchLoad, expected_tokens
-from specrpc.engine.policy.costs import BatchCosts, CostModel, host_kind
+from specrpc.engine.policy.costs import BatchCosts, CostModel, HostTimes, host_kind
 from specrpc.engine.policy.guard import BatchGuard
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "BatchGuard",
     "BatchLoad",
     "CostModel",
+    "HostTimes",
     "expected_tokens",
     "host_kind",
 ]

@@ -1,7 +1,8 @@
 """How many tokens to draft per stream: maximise the expected speed-up S(k) (below), switch off at S ≤ 1.
 
-α (acceptance per draft token) is estimated per session from decayed counts; c, V(k) and the host times h are the
-`CostModel`'s: S(k) = E(α, k) (1 + h_plain) / (k·c + V(k) + h_source). Where a target step is short (int8 weights,
+α (acceptance per draft token) is estimated per session from decayed counts; c and V(k) are the device's
+`CostModel` (every policy's, refined by every session's lone steps), the host times h the policy's own
+(`HostTimes`): S(k) = E(α, k) (1 + h_plain) / (D(k) + V(k) + h_source). Where a target step is short (int8 weights,
 a small model, a GPU) host time is a large part of a step, and a speculative step spends more of it than a plain
 one. A draft's catch-up on a prompt it has not seen costs once per request, and it is paid only where the request's
 remaining tokens are expected to save more (`catch_up_pays`). While speculation is off, a probe every `probe_every`
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specrpc.engine.policy.costs import BatchCosts, CostModel, host_kind
+from specrpc.engine.policy.costs import BatchCosts, CostModel, HostTimes, host_kind
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -104,12 +105,13 @@ def default_acceptance() -> dict[str, AcceptanceEstimate]:
 @dataclass
 class AdaptivePolicy:
     """Per-session choice of k for each proposer: argmax over k of S(k); 0 while S ≤ `min_speedup`, with periodic
-    probes to come back. Prompt lookup drafts for free (c = 0); the draft model costs c per token. Sources are the
+    probes to come back. Prompt lookup drafts for free; the draft model costs D(k) for k tokens. Sources are the
     proposals' `estimate` keys: "draft", and prompt lookup per n-gram size of its match ("lookup1".."lookup3")."""
 
     max_k: int
-    costs: CostModel
+    costs: CostModel  # the device's, shared with every other policy
     acceptance: dict[str, AcceptanceEstimate] = field(default_factory=default_acceptance)
+    host: HostTimes = field(default_factory=HostTimes)  # this policy's steps' own
     min_speedup: float = 1.05
     probe_every: int = 16
     probe_k: int = 2
@@ -136,14 +138,22 @@ class AdaptivePolicy:
         if batch is not None:
             plain = self._batch_rate(0, source, a, batch)
             return [1.0] + [self._batch_rate(k, source, a, batch) / plain for k in range(1, cap + 1)]
-        c, plain, host = self._solo_terms(source)
-        return [1.0] + [expected_tokens(a, k) * plain / (k * c + self.costs.v(k) + host) for k in range(1, cap + 1)]
+        plain, host = self._solo_terms(source)
+        return [1.0] + [expected_tokens(a, k) * plain / (self._drafting(source, k) + self.costs.v(k) + host)
+                        for k in range(1, cap + 1)]
 
-    def _solo_terms(self, source: str) -> tuple[float, float, float]:
-        """What a solo step's S(k) takes besides α and V(k): c (0 for prompt lookup, free to draft), 1 + the plain
-        step's host time and the source's host time, in target steps."""
-        c = self.costs.c if source == "draft" else 0.0
-        return c, 1.0 + self.costs.host("plain"), self.costs.host(host_kind(source))
+    def _solo_terms(self, source: str) -> tuple[float, float]:
+        """What a solo step's S(k) takes besides α, D(k) and V(k): 1 + the plain step's host time and the source's
+        host time, in target steps."""
+        return 1.0 + self._host("plain"), self._host(host_kind(source))
+
+    def _drafting(self, source: str, k: int) -> float:
+        """Drafting k tokens with `source`, in target steps: D(k) for the draft model, nothing for prompt lookup."""
+        return self.costs.d(k) if source == "draft" else 0.0
+
+    def _host(self, kind: str) -> float:
+        """Host time of a step of `kind` (`HostTimes.of`) ÷ the target step's."""
+        return self.host.of(kind) / self.costs.target_step_s
 
     def speedup(self, k: int, source: str = "draft", alpha: float | None = None, batch: BatchLoad | None = None
                 ) -> float:
@@ -154,8 +164,8 @@ class AdaptivePolicy:
             return 1.0
         if batch is not None:
             return self._batch_rate(k, source, a, batch) / self._batch_rate(0, source, a, batch)
-        c, plain, host = self._solo_terms(source)
-        return expected_tokens(a, k) * plain / (k * c + self.costs.v(k) + host)
+        plain, host = self._solo_terms(source)
+        return expected_tokens(a, k) * plain / (self._drafting(source, k) + self.costs.v(k) + host)
 
     @staticmethod
     def _batch_rate(k: int, source: str, alpha: float, batch: BatchLoad) -> float:
@@ -177,7 +187,7 @@ class AdaptivePolicy:
 
     def _plain_step_s(self) -> float:
         """Seconds of a plain step: the target's forward and the host's work around it."""
-        return self.costs.target_step_s * (1.0 + self.costs.host("plain"))
+        return self.costs.target_step_s + self.host.of("plain")
 
     def expected(self, source: str, k: int) -> float:
         """Tokens a step with k drafts from `source` is expected to commit."""

@@ -1,11 +1,14 @@
 """What steps cost, relative and in seconds: the figures the policy's speed-up model S(k) is made of.
 
-c (one draft step ÷ one target step) and V(k) (verifying k+1 tokens ÷ one target step) start from the device
-calibration and are refined online from measured step times (`CostModel`, per session). Each step also spends host
-time around its forwards (choosing k, verifying, committing), measured online per kind of step (plain, drafted,
-looked up) as h. A draft that has not seen the prompt must first catch up on it, at `draft_prefill_s` a token.
-A batched step's time is a function of the batch's total tokens (`BatchCosts`, shared by every stream: the device is
-one), calibrated at start-up over a few batch widths and refined from every batched step.
+D(k) (drafting k tokens in a speculative step ÷ one target step) and V(k) (verifying k+1 tokens ÷ one target
+step) are the device's: one
+`CostModel`, measured at start-up (`calibration`) and refined by every lone step of every session since, which every
+policy reads, so a session decodes from what the device's steps cost now, not from one calibration a slow spell
+or a context unlike the traffic's can leave far off. Each step also spends host time around its forwards (choosing
+k, verifying, committing), measured per policy and kind of step (plain, drafted, looked up) as h (`HostTimes`: a
+request's controls and grammar set it, not the device). A draft that has not seen the prompt must first catch up
+on it, at `draft_prefill_s` a token. A batched step's time is a function of the batch's total tokens (`BatchCosts`,
+shared by every stream too), calibrated at start-up over a few batch widths and refined from every batched step.
 """
 
 from __future__ import annotations
@@ -23,24 +26,15 @@ def host_kind(source: str) -> str:
 
 
 @dataclass
-class CostModel:
-    """Step costs relative to one single-token target forward (seconds). Online, each cost is the median of its
-    last `window` measurements (an EMA of them, from the calibrated value, until `min_window` are in): a median
-    settles where the measurements lie and one stall (a page fault, another process's burst) does not move it,
-    where an EMA keeps wandering with every sample."""
+class Refined:
+    """How a measured cost follows its measurements: the median of its last `window` ones (an EMA of them, from
+    the value it started at, until `min_window` are in). A median settles where the measurements lie and one stall
+    (a page fault, another process's burst) does not move it, where an EMA keeps wandering with every sample."""
 
-    target_step_s: float = 1e-3
-    draft_step_s: float = 1e-4
-    verify_s: dict[int, float] = field(default_factory=dict)
     decay: float = 0.9
     window: int = 15
     min_window: int = 5
-    host_s: dict[str, float] = field(default_factory=dict)  # per kind of step ("plain", a source): host seconds
-    draft_prefill_s: float = 0.0  # seconds per token of a draft catching up on what it has not seen (a new prompt)
     _recent: dict[str, deque[float]] = field(default_factory=dict, repr=False, compare=False)
-
-    def _ema(self, old: float, new: float) -> float:
-        return self.decay * old + (1.0 - self.decay) * new
 
     def _refine(self, key: str, old: float | None, seconds: float) -> float:
         """The cost `key` after measuring `seconds`."""
@@ -48,7 +42,19 @@ class CostModel:
         recent.append(seconds)
         if len(recent) >= self.min_window:
             return statistics.median(recent)
-        return seconds if old is None else self._ema(old, seconds)
+        return seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
+
+
+@dataclass
+class CostModel(Refined):
+    """The device's step costs relative to one single-token target forward (seconds), each `Refined` from every
+    lone step's measurement."""
+
+    target_step_s: float = 1e-3
+    draft_step_s: float = 1e-4  # a drafted token's seconds, where `draft_s` has nothing measured
+    verify_s: dict[int, float] = field(default_factory=dict)
+    draft_prefill_s: float = 0.0  # seconds per token of a draft catching up on what it has not seen (a new prompt)
+    draft_s: dict[int, float] = field(default_factory=dict)  # k → seconds of a speculative step's k drafted tokens
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         """A target forward over `tokens` positions (1 = plain decode, k+1 = verify) took `seconds`."""
@@ -57,30 +63,32 @@ class CostModel:
         if tokens == 1:
             self.target_step_s = value
 
-    def observe_draft(self, seconds_per_token: float) -> None:
-        """One draft decode step took `seconds_per_token`."""
-        self.draft_step_s = self._refine("draft", self.draft_step_s, seconds_per_token)
+    def observe_draft(self, k: int, seconds: float) -> None:
+        """A speculative step's draft of k tokens took `seconds` (k forwards, the first over the last step's tokens
+        right after the target's verify, when the target's weights have just passed through the caches: a draft of
+        one token costs a third more than each of eight, a 2-core AMD EPYC at int8, so a cost per token taken from
+        short drafts would price long ones too high, and from long ones short ones too low)."""
+        self.draft_s[k] = self._refine(f"d{k}", self.draft_s.get(k), seconds)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A draft caught up on `tokens` tokens in `seconds`."""
         self.draft_prefill_s = self._refine("catch_up", self.draft_prefill_s, seconds / max(1, tokens))
 
-    def observe_host(self, kind: str, seconds: float) -> None:
-        """A whole step of `kind` ("plain", or the source that drafted) spent `seconds` outside the model forwards:
-        choosing k, verifying, committing, handing tokens over."""
-        self.host_s[kind] = self._refine(f"host:{kind}", self.host_s.get(kind), max(0.0, seconds))
-
-    def host(self, kind: str) -> float:
-        """Host time of a step of `kind` ÷ target step cost; until measured, a plain step's (a drafted step does all
-        a plain one does and more: taking it as free would make drafting look best exactly when nothing is known
-        of it, and start it with a catch-up on the whole prompt), 0 before that."""
-        seconds = self.host_s.get(kind)
-        return (self.host_s.get("plain", 0.0) if seconds is None else seconds) / self.target_step_s
+    def d(self, k: int) -> float:
+        """Drafting k tokens ÷ target step cost: measured, else scaled from the nearest k measured (the larger of
+        two as near), else k `draft_step_s`."""
+        if k in self.draft_s:
+            return self.draft_s[k] / self.target_step_s
+        if not self.draft_s:
+            return k * self.draft_step_s / self.target_step_s
+        near = min(self.draft_s, key=lambda n: (abs(n - k), -n))
+        return self.draft_s[near] * k / near / self.target_step_s
 
     @property
     def c(self) -> float:
-        """Draft step cost ÷ target step cost."""
-        return self.draft_step_s / self.target_step_s
+        """A drafted token's cost ÷ target step cost, at the longest draft measured (D(k) / k)."""
+        k = max(self.draft_s, default=1)
+        return self.d(k) / k
 
     def v(self, k: int) -> float:
         """Verify cost of k+1 positions ÷ target step cost (interpolated when not yet measured)."""
@@ -97,11 +105,25 @@ class CostModel:
         w = (k + 1 - below) / (above - below)
         return ((1 - w) * self.verify_s[below] + w * self.verify_s[above]) / self.target_step_s
 
-    def copy(self) -> CostModel:
-        """An independent copy (per-session refinement of the shared calibration)."""
-        return CostModel(self.target_step_s, self.draft_step_s, dict(self.verify_s), self.decay, self.window,
-                         self.min_window, dict(self.host_s), self.draft_prefill_s,
-                         {key: deque(values, maxlen=self.window) for key, values in self._recent.items()})
+
+@dataclass
+class HostTimes(Refined):
+    """Seconds a lone step of each kind ("plain", or the source that drafted) spends outside the model forwards:
+    choosing k, verifying, committing, handing tokens over. A policy's own: a request's controls and grammar set
+    them, not the device."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, kind: str, seconds: float) -> None:
+        """A whole step of `kind` spent `seconds` outside the model forwards."""
+        self.seconds[kind] = self._refine(kind, self.seconds.get(kind), max(0.0, seconds))
+
+    def of(self, kind: str) -> float:
+        """Host seconds of a step of `kind`; until measured, a plain step's (a drafted step does all a plain one
+        does and more: taking it as free would make drafting look best exactly when nothing is known of it, and
+        start it with a catch-up on the whole prompt), 0 before that."""
+        seconds = self.seconds.get(kind)
+        return self.seconds.get("plain", 0.0) if seconds is None else seconds
 
 
 def _interpolate(table: dict[int, float], x: int) -> float:
