@@ -1,7 +1,7 @@
 """`specrpc bench realistic`: speculation at the sizes users run, without their weights. Random-weight models of a
 real family's published shapes (specrpc/bench/families.py) are built in memory; acceptance is simulated (each draft
 accepted with probability α until the first rejection), so the costs are measured and the acceptance is not.
-Reports c, V(k) for k = 1..8 and, per α, tokens/s and speed-up over target-only for adaptive and fixed k against the
+Reports D(k), V(k) for k = 1..8 and, per α, tokens/s and speed-up over target-only for adaptive and fixed k against the
 bound E/(D + V). Tables say "measured costs, simulated acceptance": never model results.
 
     specrpc bench realistic --pair qwen2.5-coder-7b/0.5b --out bench-realistic          # a GPU, full size
