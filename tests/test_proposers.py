@@ -151,8 +151,9 @@ def lookup_by_search(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]
 
 
 def test_prompt_lookup_index_proposes_what_a_search_of_the_whole_context_finds() -> None:
-    """Contexts that grow step by step, restart with a new prompt, shrink (a reset slot) and alternate between
-    slots: the incremental index always proposes what searching the whole context does."""
+    """Contexts that grow step by step (in place, as a request's does, or as a new list), restart with a new prompt,
+    shrink (a reset slot) and alternate between slots: the incremental index always proposes what searching the
+    whole context does."""
     rng = torch.Generator().manual_seed(0)
     lookup = PromptLookupProposer()
     greedy = SamplingParams(temperature=0.0)
@@ -163,9 +164,13 @@ def test_prompt_lookup_index_proposes_what_a_search_of_the_whole_context_finds()
         event = int(torch.randint(0, 40, (1,), generator=rng))
         if event == 0:  # a new prompt sharing a prefix
             tokens = tokens[: int(torch.randint(0, len(tokens) + 1, (1,), generator=rng))]
-        elif event == 1:  # a reset slot, refilled in place
-            tokens.clear()
-        tokens = tokens + torch.randint(0, 6, (int(torch.randint(1, 4, (1,), generator=rng)),), generator=rng).tolist()
+        elif event == 1:  # a reset slot: a new, empty context
+            tokens = []
+        more = torch.randint(0, 6, (int(torch.randint(1, 4, (1,), generator=rng)),), generator=rng).tolist()
+        if event % 2:
+            tokens.extend(more)  # in place, as `Generation.commit` grows a request's context
+        else:
+            tokens = tokens + more
         contexts[slot] = tokens
         k = int(torch.randint(1, 6, (1,), generator=rng))
         proposal = lookup.propose(tokens, slot, k, greedy, None)

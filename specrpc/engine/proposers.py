@@ -378,10 +378,12 @@ class DraftModelProposer:
 @dataclass
 class NgramIndex:
     """One slot's context as prompt lookup indexes it: `tokens` (a copy) and, per n-gram size s (list index s-1),
-    each n-gram → its most recent start i among those ending before the last token (i + s <= len(tokens) - 1)."""
+    each n-gram → its most recent start i among those ending before the last token (i + s <= len(tokens) - 1);
+    `source`: the context list it was last brought up to."""
 
     tokens: list[int]
     last: list[dict[tuple[int, ...], int]]
+    source: list[int] | None = None
 
 
 def lookup_kind(size: int) -> str:
@@ -406,10 +408,14 @@ class PromptLookupProposer:
         self._index: dict[int, NgramIndex] = {}
 
     def _indexed(self, tokens: list[int], slot: int) -> NgramIndex:
-        """`slot`'s index brought up to `tokens`."""
+        """`slot`'s index brought up to `tokens`. A request's context is one list that only grows
+        (`Generation.commit` extends it): the same list again extends what was indexed, and only another one
+        (a new request, which may share the prompt's start) is compared token by token."""
         index = self._index.get(slot)
-        if index is None or len(index.tokens) > len(tokens) or tokens[: len(index.tokens)] != index.tokens:
+        grown = index is not None and index.source is tokens and len(tokens) >= len(index.tokens)
+        if index is None or not (grown or tokens[: len(index.tokens)] == index.tokens):
             index = self._index[slot] = NgramIndex([], [{} for _ in range(self.max_ngram)])
+        index.source = tokens
         m, n = len(index.tokens), len(tokens)
         for size in range(1, self.max_ngram + 1):
             last = index.last[size - 1]
