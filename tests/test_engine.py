@@ -174,12 +174,12 @@ def test_adaptive_skips_a_draft_catch_up_the_request_cannot_repay(pair: tuple[Pa
     assert drafted["free"] > 0 and drafted["own k"] > 0
 
 
-def test_a_new_session_decodes_from_the_costs_other_sessions_measured(pair: tuple[Path, Path],
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_policy_decodes_from_the_costs_other_slots_measured(pair: tuple[Path, Path],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The start-up costs say verifying is free; in fact every verify forward takes 20 ms beside a plain step's
-    fraction of one. A first session pays for finding out (it drafts, then stops); the device's costs it measured
-    are every policy's, so a second session, on a slot of its own, decodes without drafting from its first step
-    (before, each policy refined a copy of the start-up costs and each new one drafted again). Output unchanged."""
+    fraction of one. A request on slot 0 pays for finding out (it drafts, then stops); the device's costs it measured
+    are every policy's, so a request on slot 1, with a policy of its own, decodes without drafting from its first
+    step, where a copy of the start-up costs would draft again. Output unchanged."""
     engine = make_engine(pair)
     prompt = [(i * 3) % VOCAB for i in range(12)]
     plain = run(engine, prompt, 24, GREEDY, 0)
@@ -203,7 +203,7 @@ def test_a_new_session_decodes_from_the_costs_other_sessions_measured(pair: tupl
             ks.append(step.proposed)
         assert out == plain
         proposed.append(ks[1:])  # after the prefill
-    assert proposed[0][0] > 0, "the first session starts from the start-up costs"
+    assert proposed[0][0] > 0, "slot 0's request starts from the start-up costs"
     assert engine.costs.v(4) > 5, "its verifies were measured into the device's costs"
     assert sum(proposed[1]) == 0, proposed[1]
 

@@ -28,6 +28,7 @@ from service_helpers import GREEDY_K0, collect, first_tokens, ids_of, read_rest,
 
 from specrpc.config import Config
 from specrpc.edges.server import Running, start_server
+from specrpc.engine.policy import CostModel
 from specrpc.serving.runtime import Runtime
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
@@ -329,7 +330,5 @@ async def test_warm_up_runs_on_the_device_thread_and_seeds_every_slot_policy(ser
     finally:
         del runtime.engine.calibrate
     assert threads == ["specrpc-device"]
-    for slot in runtime.registry.slots:  # each slot starts from the calibration, not the cost model's defaults
-        assert slot.policy.costs.target_step_s == costs.target_step_s
-        assert slot.policy.costs.verify_s == costs.verify_s
-        assert slot.policy.costs is not costs
+    for slot in runtime.registry.slots:  # each slot's policy reads the calibrated costs, the device's for every one
+        assert slot.policy.costs is costs and costs.target_step_s != CostModel().target_step_s
