@@ -24,9 +24,9 @@ class Proposal:
     """k proposed tokens; `probs` [k, V] is the proposer's distribution (None: a point mass at each token);
     `draft_s`: a draft model's measured seconds for its drawn tokens in the steady state (a forward each, the first
     over the last step's tokens; a grammar's forced tokens ride along in one; None: not measured, a catch-up came
-    first); `catch_up_s`: seconds a draft model spent catching up on more than the
-    last step's tokens first (after sitting out, or a new prompt); `forced`: the positions of tokens a grammar forced
-    (drafted without drawing: not the proposer's guesses, so the policy's acceptance leaves them out)."""
+    first); `catch_up_s`: seconds a draft model spent catching up on more than the last step's tokens first (after
+    sitting out, or a new prompt); `forced`: the positions of tokens a grammar forced (drafted without drawing: not
+    the proposer's guesses, so the policy's acceptance leaves them out)."""
 
     token_ids: list[int]
     probs: torch.Tensor | None

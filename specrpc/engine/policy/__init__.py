@@ -1,5 +1,5 @@
 """How many tokens to draft, per stream and per batch width: the step costs (`costs`), k per stream from the
-measured α, c and V (`adaptive`), and the batch guard that turns the policy's speculation off at a width where it
+measured α, D and V (`adaptive`), and the batch guard that turns the policy's speculation off at a width where it
 is not faster in fact (`guard`)."""
 
 from specrpc.engine.policy.adaptive import AcceptanceEstimate, AdaptivePolicy, BatchLoad, expected_tokens

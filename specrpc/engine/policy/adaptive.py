@@ -1,6 +1,6 @@
 """How many tokens to draft per stream: maximise the expected speed-up S(k) (below), switch off at S ≤ 1.
 
-α (acceptance per draft token) is estimated per session from decayed counts; c and V(k) are the device's
+α (acceptance per draft token) is estimated per session from decayed counts; D(k) and V(k) are the device's
 `CostModel` (every policy's, refined by every session's lone steps), the host times h the policy's own
 (`HostTimes`): S(k) = E(α, k) (1 + h_plain) / (D(k) + V(k) + h_source). Where a target step is short (int8 weights,
 a small model, a GPU) host time is a large part of a step, and a speculative step spends more of it than a plain

@@ -1,14 +1,14 @@
 """What steps cost, relative and in seconds: the figures the policy's speed-up model S(k) is made of.
 
 D(k) (drafting k tokens in a speculative step ÷ one target step) and V(k) (verifying k+1 tokens ÷ one target
-step) are the device's: one
-`CostModel`, measured at start-up (`calibration`) and refined by every lone step of every session since, which every
-policy reads, so a session decodes from what the device's steps cost now, not from one calibration a slow spell
-or a context unlike the traffic's can leave far off. Each step also spends host time around its forwards (choosing
-k, verifying, committing), measured per policy and kind of step (plain, drafted, looked up) as h (`HostTimes`: a
-request's controls and grammar set it, not the device). A draft that has not seen the prompt must first catch up
-on it, at `draft_prefill_s` a token. A batched step's time is a function of the batch's total tokens (`BatchCosts`,
-shared by every stream too), calibrated at start-up over a few batch widths and refined from every batched step.
+step) are the device's: one `CostModel`, measured at start-up (`calibration`) and refined by every lone step of every
+session since, which every policy reads, so a session decodes from what the device's steps cost now, not from one
+calibration a slow spell or a context unlike the traffic's can leave far off. Each step also spends host time around
+its forwards (choosing k, verifying, committing), measured per policy and kind of step (plain, drafted, looked up)
+as h (`HostTimes`: a request's controls and grammar set it, not the device). A draft that has not seen the prompt
+must first catch up on it, at `draft_prefill_s` a token. A batched step's time is a function of the batch's total
+tokens (`BatchCosts`, shared by every stream too), calibrated at start-up over a few batch widths and refined from
+every batched step.
 """
 
 from __future__ import annotations
