@@ -131,3 +131,24 @@ def test_starts_mode_serves_with_the_bench_model_options() -> None:
     for flag, value in (("--port", "5000"), ("--threads", "2"), ("--weights", "int8"), ("--dtype", "float32"),
                         ("--target", "t"), ("--draft", "d")):
         assert command[command.index(flag) + 1] == value
+
+
+def test_starts_mode_compares_each_start_with_llama_cpp_plain_and_its_best() -> None:
+    """`--starts N --llama-server …`: per start, adaptive and k = 0 ÷ llama.cpp plain (the first peer), adaptive ÷
+    the fastest of its settings in that start; identical where ours (stopping at end of text) starts its reply."""
+    from specrpc.bench.starts import against_peers, markdown
+
+    plain, draft8, ngram = "llama.cpp t", "llama.cpp t + d draft-8-0.5", "llama.cpp t ngram-mod"
+    medians = {"adaptive": 600.0, "k=3": 500.0, "k=0": 250.0, plain: 200.0, draft8: 240.0, ngram: 210.0}
+    tokens = {name: [[1, 2, 3], [4, 5]] for name in ("adaptive", "k=3", "k=0")}
+    tokens |= {plain: [[1, 2, 3, 9], [4, 6]], draft8: [[1, 2, 3], [4, 5, 0]], ngram: [[1, 2], [4, 5]]}
+    peer = against_peers(medians, tokens, [plain, draft8, ngram])
+    assert (peer["plain"], peer["best"]) == (plain, draft8)
+    assert peer["adaptive_vs_plain"] == pytest.approx(3.0) and peer["adaptive_vs_best"] == pytest.approx(2.5)
+    assert peer["k0_vs_plain"] == pytest.approx(1.25)
+    assert peer["identical"] == {plain: 0.5, draft8: 1.0, ngram: 0.5}
+    start = {"median_tokens_per_s": medians, "ratio": 2.4, "llama_cpp": peer}
+    spread = {name: {"min": 1.0, "median": 1.0, "max": 1.0} for name in ("adaptive", "k=3", "k=0")}
+    table = markdown({"pair": "Pair: `x`", "starts": [start], "spread": spread, "cases": 2, "threads": 2,
+                      "dtype": "float32", "weights": "dtype"})
+    assert f"| 1 | 200.0 | 1.25× | 3.00× | 2.50× ({draft8}) | 0.50 |" in table

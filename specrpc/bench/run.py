@@ -556,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                            "comma-separated subset, e.g. draft-3-0,ngram-mod")
     parser.add_argument("--starts", type=int, default=0, metavar="N",
                         help="run only the start-to-start spread: `specrpc serve` started N times, the same prompts "
-                             "each time, median decode tokens/s of adaptive and k=0 per start (bench/starts.py)")
+                             "each time, median decode tokens/s of adaptive and k=0 per start through gRPC; with "
+                             "--llama-server, each prompt through llama.cpp's contenders too (bench/starts.py)")
     parser.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
                         help="with --starts N: N rounds alternating a server of this checkout and one of CHECKOUT "
                              "(another revision of specrpc, its stubs generated), identical tokens checked")
@@ -580,9 +581,18 @@ def main(argv: list[str] | None = None) -> int:
                                      max_new_tokens=args.max_new_tokens or 16, limit=args.keystroke_chars)
         print(keystroke_table(replayed))
         return 0
+    try:
+        peers = specs(args.llama_server, args.gguf_target, args.gguf_draft, args.threads or torch.get_num_threads(),
+                      sweep(args.llama_spec))
+    except ValueError as exc:
+        parser.error(str(exc))
+    if peers and args.temperature != 0:
+        parser.error("the llama.cpp contenders run greedy only: use --temperature 0 or leave out --llama-server")
     if args.starts:
         from specrpc.bench import starts
 
+        if peers and (len(args.gguf_target) != 1 or "infill" in args.workloads.split(",") or args.against):
+            parser.error("--starts with --llama-server: one --gguf-target, no infill workload, no --against")
         cases = build_cases(args.cases, workloads=tuple(w for w in args.workloads.split(",") if w))
         if args.max_new_tokens:
             cases = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases]
@@ -594,18 +604,12 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / "against.md").write_text(starts.compare_markdown(compared))
             print(starts.compare_markdown(compared))
             return 0 if compared["identical_tokens"] else 1
-        spread = starts.run(cases, args.starts, args.target, args.draft, args.threads, args.dtype, args.weights)
+        spread = starts.run(cases, args.starts, args.target, args.draft, args.threads, args.dtype, args.weights,
+                            peers, args.out)
         (args.out / "starts.json").write_text(json.dumps(spread, indent=2))
         (args.out / "starts.md").write_text(starts.markdown(spread))
         print(starts.markdown(spread))
         return 0
-    try:
-        peers = specs(args.llama_server, args.gguf_target, args.gguf_draft, args.threads or torch.get_num_threads(),
-                      sweep(args.llama_spec))
-    except ValueError as exc:
-        parser.error(str(exc))
-    if peers and args.temperature != 0:
-        parser.error("the llama.cpp contenders run greedy only: use --temperature 0 or leave out --llama-server")
     if not peers:
         print(SKIP_LINE, file=sys.stderr, flush=True)
     if args.threads:

@@ -3,6 +3,11 @@ another process, each time warm-up and calibration included; every start gets th
 and k = 0 alternating prompt by prompt, through gRPC. Reported per start: the median per-request decode tokens/s of
 each (tokens after the first ÷ the time after the first), their ratio, and the spread over the starts.
 
+With `--llama-server` (one `--gguf-target`), llama.cpp's llama-server runs beside each start, plain and under each
+speculative setting (each its own process, started once, idle while another contender runs), every prompt through
+each of them in the same turn as ours (its rate from its own timings): per start, adaptive and k = 0 ÷ llama.cpp
+plain and adaptive ÷ its best setting in that start, the comparison of a user's server and a user's llama.cpp.
+
 With `--against CHECKOUT` the starts alternate between this checkout's server and another checkout's (the same
 interpreter and models, its code), round by round with the first one alternating: per mode the median over rounds of
 this ÷ that, and whether every request's tokens were the same (a redesign's before-and-after)."""
@@ -15,13 +20,19 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from specrpc.bench.common import free_port, pair_line
+from specrpc.bench.contenders import Run, Runner
 from specrpc.bench.keystrokes import wait_serving
+from specrpc.bench.llama_server import LlamaServer, LlamaServerSpec
 from specrpc.bench.workloads import Case
+from specrpc.engine.sampling import SamplingParams
+from specrpc.models import load_tokenizer
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -59,46 +70,97 @@ async def decode_rate(stub: pb_grpc.GeneratorStub, case: Case, k: int | None) ->
     return ((len(ids) - 1) / (last - first) if len(ids) > 1 and last > first else 0.0), ids
 
 
-async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Case]) -> dict[str, Any]:
-    """Every case through each mode, alternating which goes first; the medians per mode."""
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def peer_rate(run: Run) -> float:
+    """A llama-server reply's decode tokens/s from its own timings (0 below two tokens)."""
+    rest = len(run.tokens) - 1
+    return rest / (run.total_s - run.ttft_s) if rest > 0 and run.total_s > run.ttft_s else 0.0
+
+
+async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Case],
+                    peers: dict[str, Runner] | None = None, prompts: list[list[int]] | None = None) -> dict[str, Any]:
+    """Every case through each mode and each llama-server contender of `peers` (given `prompts`, the cases' token
+    ids), alternating which goes first; the medians per contender."""
+    peers = peers or {}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         await wait_serving(channel, process)
         stub = pb_grpc.GeneratorStub(channel)
-        rates: dict[str, list[float]] = {name: [] for name in MODES}
-        tokens: dict[str, list[list[int]]] = {name: [] for name in MODES}
+        names = [*MODES, *peers]
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        tokens: dict[str, list[list[int]]] = {name: [] for name in names}
         for i, case in enumerate(cases):
-            order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
-            for name in order:
-                rate, ids = await decode_rate(stub, case, MODES[name])
+            for name in names if i % 2 == 0 else list(reversed(names)):
+                if name in MODES:
+                    rate, ids = await decode_rate(stub, case, MODES[name])
+                else:
+                    assert prompts is not None
+                    run = await asyncio.to_thread(peers[name], prompts[i], case.max_new_tokens, GREEDY)
+                    rate, ids = peer_rate(run), run.tokens
                 rates[name].append(rate)
                 tokens[name].append(ids)
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    return {"median_tokens_per_s": medians, "rates": rates, "tokens": tokens,
-            "ratio": medians["adaptive"] / medians["k=0"] if medians["k=0"] else 0.0}
+    out = {"median_tokens_per_s": medians, "rates": rates, "tokens": tokens,
+           "ratio": medians["adaptive"] / medians["k=0"] if medians["k=0"] else 0.0}
+    if peers:
+        out["llama_cpp"] = against_peers(medians, tokens, list(peers))
+    return out
 
 
-def start_once(cases: list[Case], command: list[str], port: int, cwd: str | None = None) -> dict[str, Any]:
-    """One server start (from `cwd`: its checkout's code), every case through each mode; stopped after."""
+def against_peers(medians: dict[str, float], tokens: dict[str, list[list[int]]], peers: list[str]) -> dict[str, Any]:
+    """One start's comparison with llama.cpp: the plain contender (the first of `peers`) and the fastest of the
+    others, adaptive and k = 0 ÷ plain, adaptive ÷ that best; and per llama.cpp contender, the share of prompts
+    where ours (k = 0, stopping at end of text) is its reply's start (it decodes all its tokens)."""
+    plain, settings = peers[0], peers[1:]
+    best = max(settings, key=medians.__getitem__) if settings else plain
+
+    def ratio(a: str, b: str) -> float:
+        return medians[a] / medians[b] if medians[b] else 0.0
+
+    same = {name: sum(theirs[: len(ours)] == ours for ours, theirs in zip(tokens["k=0"], tokens[name], strict=True))
+            / max(1, len(tokens[name])) for name in peers}
+    return {"plain": plain, "best": best, "adaptive_vs_plain": ratio("adaptive", plain),
+            "adaptive_vs_best": ratio("adaptive", best), "k0_vs_plain": ratio("k=0", plain), "identical": same}
+
+
+def start_once(cases: list[Case], command: list[str], port: int, cwd: str | None = None,
+               peers: dict[str, Runner] | None = None, prompts: list[list[int]] | None = None) -> dict[str, Any]:
+    """One server start (from `cwd`: its checkout's code), every case through each mode (and each of `peers`);
+    stopped after."""
     process = subprocess.Popen(command, env=os.environ.copy(), cwd=cwd)
     try:
-        return asyncio.run(one_start(port, process, cases))
+        return asyncio.run(one_start(port, process, cases, peers, prompts))
     finally:
         process.terminate()
         process.wait(30)
 
 
 def run(cases: list[Case], starts: int, target: str, draft: str, threads: int, dtype: str,
-        weights: str) -> dict[str, Any]:
-    """`starts` server starts, one after the other, the same cases each time."""
+        weights: str, peers: list[LlamaServerSpec] | None = None, logs: Path | None = None) -> dict[str, Any]:
+    """`starts` server starts, one after the other, the same cases each time; with `peers` (llama-server
+    contenders, the plain one first; their logs under `logs`), every case through each of them too."""
     out: list[dict[str, Any]] = []
-    for i in range(starts):
-        port = free_port()
-        t0 = time.perf_counter()
-        result = start_once(cases, serve_command(target, draft, port, threads, dtype, weights), port)
-        out.append(result)
-        m = result["median_tokens_per_s"]
-        print(f"start {i + 1}/{starts}: adaptive {m['adaptive']:.1f} tokens/s, k=0 {m['k=0']:.1f} "
-              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    with ExitStack() as stack:
+        runners: dict[str, Runner] = {}
+        prompts: list[list[int]] | None = None
+        if peers:
+            tokenizer = load_tokenizer(target)
+            prompts = [list(tokenizer(case.prompt).input_ids) for case in cases]  # as the server encodes them
+            for spec in peers:
+                log = (logs or Path(".")) / "llama-server" / (spec.name.replace(" + ", "+").replace(" ", "_") + ".log")
+                runner = stack.enter_context(LlamaServer(spec, log)).runner()
+                runner(prompts[0][:32], 8, GREEDY)  # warm-up
+                runners[spec.name] = runner
+        for i in range(starts):
+            port = free_port()
+            t0 = time.perf_counter()
+            result = start_once(cases, serve_command(target, draft, port, threads, dtype, weights), port,
+                                peers=runners, prompts=prompts)
+            out.append(result)
+            m = result["median_tokens_per_s"]
+            print(f"start {i + 1}/{starts}: adaptive {m['adaptive']:.1f} tokens/s, k=0 {m['k=0']:.1f} "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     spread = {name: {"min": min(s["median_tokens_per_s"][name] for s in out),
                      "median": statistics.median(s["median_tokens_per_s"][name] for s in out),
                      "max": max(s["median_tokens_per_s"][name] for s in out)} for name in MODES}
@@ -165,4 +227,15 @@ def markdown(results: dict[str, Any]) -> str:
     sp = results["spread"]
     lines += ["", "Spread (min – median – max): " + "; ".join(
         f"{name} {v['min']:.1f} – {v['median']:.1f} – {v['max']:.1f}" for name, v in sp.items()), ""]
+    if "llama_cpp" in results["starts"][0]:
+        lines += ["Against llama.cpp's llama-server beside each start (its rate from its own timings; identical: "
+                  "prompts where ours, k = 0, is the start of its reply):", "",
+                  "| start | llama.cpp plain tokens/s | k = 0 ÷ plain | adaptive ÷ plain | adaptive ÷ best (setting) "
+                  "| plain identical |", "| --- | --- | --- | --- | --- | --- |"]
+        for i, s in enumerate(results["starts"]):
+            peer = s["llama_cpp"]
+            lines.append(f"| {i + 1} | {s['median_tokens_per_s'][peer['plain']]:.1f} | {peer['k0_vs_plain']:.2f}× | "
+                         f"{peer['adaptive_vs_plain']:.2f}× | {peer['adaptive_vs_best']:.2f}× ({peer['best']}) | "
+                         f"{peer['identical'][peer['plain']]:.2f} |")
+        lines.append("")
     return "\n".join(lines)
