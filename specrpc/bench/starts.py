@@ -4,7 +4,8 @@ and k = 0 alternating prompt by prompt, through gRPC. Reported per start: the me
 each (tokens after the first ÷ the time after the first), their ratio, and the spread over the starts.
 
 With `--llama-server` (one `--gguf-target`), llama.cpp's llama-server runs beside each start, plain and under each
-speculative setting (each its own process, started once, idle while another contender runs), every prompt through
+speculative setting (each its own process, started afresh with ours, idle while another contender runs: its n-gram
+modes learn from the replies they gave, and every start repeats the prompts), every prompt through
 each of them in the same turn as ours (its rate from its own timings): per start, adaptive and k = 0 ÷ llama.cpp
 plain and adaptive ÷ its best setting in that start, the comparison of a user's server and a user's llama.cpp.
 
@@ -141,26 +142,27 @@ def run(cases: list[Case], starts: int, target: str, draft: str, threads: int, d
     """`starts` server starts, one after the other, the same cases each time; with `peers` (llama-server
     contenders, the plain one first; their logs under `logs`), every case through each of them too."""
     out: list[dict[str, Any]] = []
-    with ExitStack() as stack:
-        runners: dict[str, Runner] = {}
-        prompts: list[list[int]] | None = None
-        if peers:
-            tokenizer = load_tokenizer(target)
-            prompts = [list(tokenizer(case.prompt).input_ids) for case in cases]  # as the server encodes them
-            for spec in peers:
+    prompts: list[list[int]] | None = None
+    if peers:
+        tokenizer = load_tokenizer(target)
+        prompts = [list(tokenizer(case.prompt).input_ids) for case in cases]  # as the server encodes them
+    for i in range(starts):
+        t0 = time.perf_counter()
+        with ExitStack() as stack:  # llama.cpp started afresh too: its n-gram caches learn from the replies it gave
+            runners: dict[str, Runner] = {}
+            for spec in peers or []:
+                assert prompts is not None
                 log = (logs or Path(".")) / "llama-server" / (spec.name.replace(" + ", "+").replace(" ", "_") + ".log")
                 runner = stack.enter_context(LlamaServer(spec, log)).runner()
                 runner(prompts[0][:32], 8, GREEDY)  # warm-up
                 runners[spec.name] = runner
-        for i in range(starts):
             port = free_port()
-            t0 = time.perf_counter()
             result = start_once(cases, serve_command(target, draft, port, threads, dtype, weights), port,
                                 peers=runners, prompts=prompts)
-            out.append(result)
-            m = result["median_tokens_per_s"]
-            print(f"start {i + 1}/{starts}: adaptive {m['adaptive']:.1f} tokens/s, k=0 {m['k=0']:.1f} "
-                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        out.append(result)
+        m = result["median_tokens_per_s"]
+        print(f"start {i + 1}/{starts}: adaptive {m['adaptive']:.1f} tokens/s, k=0 {m['k=0']:.1f} "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     spread = {name: {"min": min(s["median_tokens_per_s"][name] for s in out),
                      "median": statistics.median(s["median_tokens_per_s"][name] for s in out),
                      "max": max(s["median_tokens_per_s"][name] for s in out)} for name in MODES}
