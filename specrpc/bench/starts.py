@@ -5,9 +5,9 @@ each (tokens after the first ÷ the time after the first), their ratio, and the 
 
 With `--llama-server` (one `--gguf-target`), llama.cpp's llama-server runs beside each start, plain and under each
 speculative setting (each its own process, started afresh with ours, idle while another contender runs: its n-gram
-modes learn from the replies they gave, and every start repeats the prompts), every prompt through
-each of them in the same turn as ours (its rate from its own timings): per start, adaptive and k = 0 ÷ llama.cpp
-plain and adaptive ÷ its best setting in that start, the comparison of a user's server and a user's llama.cpp.
+modes learn from the replies they gave, and every start repeats the prompts), every prompt through each of them in
+the same turn as ours (its rate from its own timings): per start, adaptive and k = 0 ÷ llama.cpp plain and adaptive
+÷ its best setting in that start, the comparison of a user's server and a user's llama.cpp.
 
 With `--against CHECKOUT` the starts alternate between this checkout's server and another checkout's (the same
 interpreter and models, its code), round by round with the first one alternating: per mode the median over rounds of
