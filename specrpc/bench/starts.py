@@ -152,7 +152,8 @@ def run(cases: list[Case], starts: int, target: str, draft: str, threads: int, d
             runners: dict[str, Runner] = {}
             for spec in peers or []:
                 assert prompts is not None
-                log = (logs or Path(".")) / "llama-server" / (spec.name.replace(" + ", "+").replace(" ", "_") + ".log")
+                log = ((logs or Path(".")) / "llama-server" / f"start-{i + 1}"
+                       / (spec.name.replace(" + ", "+").replace(" ", "_") + ".log"))  # each start's own
                 runner = stack.enter_context(LlamaServer(spec, log)).runner()
                 runner(prompts[0][:32], 8, GREEDY)  # warm-up
                 runners[spec.name] = runner
