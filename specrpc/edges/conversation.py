@@ -431,8 +431,7 @@ class Conversation:
         reply_text = "".join(reply)
         # a call cut short (the token limit, a stop) stays as far as it was written, as HTTP's message gives it: the
         # history then holds what the model wrote, and the summary shows the client why the reply ended
-        pending = parser.pending if parser is not None else None
-        calls = (*parser.calls, *([pending] if pending else [])) if parser is not None else ()
+        calls = tuple(parser.written) if parser is not None else ()
         self.messages.append(Message("assistant", reply_text, calls))
         self.last_reply = reply_text
         if done is not None:

@@ -321,6 +321,12 @@ class ToolCallParser:
             return None
         return ToolCall(self._id, self._name, "".join(self._args))
 
+    @property
+    def written(self) -> list[ToolCall]:
+        """The calls as the reply wrote them: every ended one, then the one cut short (`pending`) if any."""
+        pending = self.pending
+        return [*self.calls, *([pending] if pending else [])]
+
     def feed(self, piece: str) -> list[ReplyPart]:
         """The parts `piece` completes."""
         self._buffer += piece

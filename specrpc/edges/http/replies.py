@@ -170,7 +170,7 @@ class OpenAIReply(Reply):
         assert self.tools is not None
         content = "".join(self.content)
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        calls = [*self.tools.calls, *([self.tools.pending] if self.tools.pending else [])]
+        calls = self.tools.written
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
