@@ -194,13 +194,7 @@ def test_a_new_policy_decodes_from_the_costs_other_slots_measured(pair: tuple[Pa
     monkeypatch.setattr(engine.target, "forward_batch", slow_verifies)
     proposed: list[list[int]] = []
     for index in (0, 1):
-        gen = engine.start(engine.new_slot(index), GenerationRequest(prompt, 24, GREEDY, proposer="draft"))
-        out: list[int] = []
-        ks: list[int] = []
-        while not gen.finished:
-            step = engine.step_one(gen)
-            out += step.token_ids
-            ks.append(step.proposed)
+        out, ks = proposed_per_step(engine, GenerationRequest(prompt, 24, GREEDY, proposer="draft"), index)
         assert out == plain
         proposed.append(ks[1:])  # after the prefill
     assert proposed[0][0] > 0, "slot 0's request starts from the start-up costs"
@@ -565,9 +559,9 @@ def test_speculation_off_on_the_server_wins_over_a_request_k(pair: tuple[Path, P
     assert on.start(on.new_slot(0), GenerationRequest([1, 2, 3], 12, GREEDY, 4, "draft")).fixed_k == 4
 
 
-def proposed_per_step(engine: Engine, request: GenerationRequest) -> tuple[list[int], list[int]]:
-    """The tokens `request` generates on a fresh slot 0, and each step's number of draft tokens verified."""
-    gen = engine.start(engine.new_slot(0), request)
+def proposed_per_step(engine: Engine, request: GenerationRequest, slot: int = 0) -> tuple[list[int], list[int]]:
+    """The tokens `request` generates on a fresh `slot`, and each step's number of draft tokens verified."""
+    gen = engine.start(engine.new_slot(slot), request)
     tokens: list[int] = []
     proposed: list[int] = []
     while not gen.finished:
