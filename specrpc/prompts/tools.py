@@ -223,9 +223,8 @@ def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, fmt:
         start = [f"start: TEXT | head rest{more}", f"head[lazy]: TEXT {lark_string(fmt.trigger)}",
                  r"TEXT: /(.|\n)*/"]
     body = " | ".join(f"fn_{i}" for i in range(len(chosen)))
-    plain: GrammarLines = [(line, None) for line in ["%llguidance {}", *start, *group, *rest,
-                                                                      f"body: {body}"]]
-    return [*plain, *rules, ("", None)]
+    plain = ["%llguidance {}", *start, *group, *rest, f"body: {body}"]
+    return [*((line, None) for line in plain), *rules, ("", None)]
 
 
 # ---- reading the reply -----------------------------------------------------------------------------------------------
