@@ -77,6 +77,7 @@ class ServerConfig:
     log_prompts: bool = False
     session_ttl_s: float = 600.0
     grace_s: float = 10.0
+    stream_interval_ms: float = 16.0
     reflection: bool = True
     tls_cert: str = ""
     tls_key: str = ""
@@ -165,6 +166,10 @@ HELP: dict[str, str] = {
     "log_prompts": "include prompt and output text in logs (debug only; off by default)",
     "session_ttl_s": "seconds an idle session keeps its KV slot",
     "grace_s": "seconds in-flight streams get to finish after SIGTERM",
+    "stream_interval_ms": "hand a stream's tokens to its client at most once per this many ms (its first tokens and "
+                          "its end at once; what comes between waits and goes out as one chunk): each hand-over "
+                          "costs the event loop and the client CPU time the device step shares (docs/benchmarks.md)"
+                          "; 0: each step's tokens at once",
     "reflection": "serve gRPC server reflection (for grpcurl / buf curl)",
     "tls_cert": "server certificate (PEM) to enable TLS",
     "tls_key": "server private key (PEM)",
@@ -262,6 +267,7 @@ def validate(config: Config) -> None:
         (e.tool_format in FORMAT_NAMES, f"--tool-format must be one of {', '.join(FORMAT_NAMES)}"),
         (s.log_format in {"json", "console"}, "--log-format must be json or console"),
         (0 <= s.port <= 65535, "--port must be in 0..65535"),
+        (0 <= s.stream_interval_ms <= 1000, "--stream-interval-ms must be in 0..1000"),
         (0 <= s.http_port <= 65535, "--http-port must be in 0..65535 (0: no HTTP API)"),
         (s.event_loop in {"asyncio", "uvloop"}, "--event-loop must be asyncio or uvloop"),
         (bool(s.tls_cert) == bool(s.tls_key), "--tls-cert and --tls-key go together"),

@@ -80,6 +80,19 @@ def stub(channel: grpc.aio.Channel) -> pb_grpc.GeneratorStub:
 
 
 @pytest.fixture
+def stream_interval(server: Running) -> Iterator[Callable[[float], None]]:
+    """Set the server's stream interval (seconds; 0: each step's tokens in their own chunk) for one test."""
+    scheduler = server.runtime.scheduler
+    old = scheduler.stream_interval_s
+
+    def use(seconds: float) -> None:
+        scheduler.call(lambda: setattr(scheduler, "stream_interval_s", seconds)).result()
+
+    yield use
+    use(old)
+
+
+@pytest.fixture
 def tokenizer(server: Running) -> PreTrainedTokenizerBase:
     """The served target's tokenizer."""
     return server.runtime.tokenizer

@@ -9,6 +9,7 @@ import json
 import signal
 import ssl
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -333,7 +334,7 @@ async def test_llama_infill_streams_when_asked(http: httpx2.AsyncClient, server:
 
 
 async def test_llama_speculative_n_max_caps_each_steps_draft_and_0_is_target_only(
-    http: httpx2.AsyncClient, client: openai.AsyncOpenAI, stub: Stub
+    http: httpx2.AsyncClient, client: openai.AsyncOpenAI, stub: Stub, stream_interval: Callable[[float], None]
 ) -> None:
     """llama.cpp's per-request `speculative.n_max`: 0 decodes target-only (gRPC num_draft_tokens 0's tokens, and no
     `draft_n` in `timings`, as llama.cpp leaves it out when nothing was drafted); 3 verifies at most 3 draft tokens
@@ -348,6 +349,7 @@ async def test_llama_speculative_n_max_caps_each_steps_draft_and_0_is_target_onl
         speculation=pb.SpeculationParams(num_draft_tokens=0))))
     assert off["content"] == "".join(c.text for c in chunks) and summary.speculation.draft_tokens_proposed == 0
     events = []
+    stream_interval(0.0)  # each step's tokens in their own event
     async with http.stream("POST", "/completion", json={**body, "speculative.n_max": 3, "stream": True}) as response:
         async for line in response.aiter_lines():
             if line.startswith("data: "):

@@ -218,23 +218,27 @@ async def test_chunks_never_split_a_character(stub: Stub, tokenizer: PreTrainedT
         if REPLACEMENT not in full:  # else the model wrote invalid UTF-8, which no detokenizer can make whole
             assert all(REPLACEMENT not in c.text for c in chunks), [c.text for c in chunks]
             assert text_of(chunks) == full
-        # the prompt as token ids gives the same stream
+        # the prompt as token ids gives the same stream (cut into chunks where the stream interval fell)
         by_ids = pb.GenerateRequest(prompt_token_ids=prompt_ids, max_new_tokens=32, speculation=GREEDY_K0)
         if sampling is not None:
             by_ids.sampling.CopyFrom(sampling)
         chunks2, _ = await collect(stub.Generate(by_ids))
-        assert ids_of(chunks2) == ids and [c.text for c in chunks2] == [c.text for c in chunks]
+        assert ids_of(chunks2) == ids and text_of(chunks2) == text_of(chunks)
+        assert all(REPLACEMENT not in c.text for c in chunks2) or REPLACEMENT in full
 
 
 class ScriptedGeneration:
-    """Stands in for the engine's Generation: commits a fixed token script, `per_step` tokens per step."""
+    """Stands in for the engine's Generation: commits a fixed token script, `per_step` tokens per step; step i
+    (from 0) takes `pauses[i]` seconds where given."""
 
-    def __init__(self, request: GenerationRequest, script: list[int], per_step: int) -> None:
-        self.script, self.per_step = script, per_step
+    def __init__(self, request: GenerationRequest, script: list[int], per_step: int,
+                 pauses: dict[int, float] | None = None) -> None:
+        self.script, self.per_step, self.pauses = script, per_step, pauses or {}
         self.stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
         self.finish: str | None = None
 
     def step(self) -> StepResult:
+        time.sleep(self.pauses.get(self.stats.verify_steps, 0.0))
         done = self.stats.completion_tokens
         tokens = self.script[done : done + self.per_step]
         self.stats.completion_tokens += len(tokens)
@@ -245,12 +249,14 @@ class ScriptedGeneration:
 
 
 @pytest.fixture
-def scripted(server: Running, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[int], int], None]:
-    """Make the engine emit a given token script (to force characters split across chunks, whatever the model)."""
+def scripted(server: Running, monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """Make the engine emit a given token script (to force characters split across chunks, whatever the model):
+    use(script, per_step, pauses=None) as `ScriptedGeneration`."""
 
-    def use(script: list[int], per_step: int) -> None:
+    def use(script: list[int], per_step: int, pauses: dict[int, float] | None = None) -> None:
         engine = server.runtime.engine
-        monkeypatch.setattr(engine, "start", lambda slot, request: ScriptedGeneration(request, script, per_step))
+        monkeypatch.setattr(engine, "start",
+                            lambda slot, request: ScriptedGeneration(request, script, per_step, pauses))
 
         def step(gens: list[ScriptedGeneration], on_device: Callable[[], None] | None = None) -> list[StepResult]:
             if on_device is not None:  # the step's forward starts: the scheduler wakes the last step's readers
@@ -263,8 +269,10 @@ def scripted(server: Running, monkeypatch: pytest.MonkeyPatch) -> Callable[[list
 
 
 async def test_multibyte_characters_split_across_chunks_arrive_whole(
-    stub: Stub, tokenizer: PreTrainedTokenizerBase, scripted: Callable[[list[int], int], None]
+    stub: Stub, tokenizer: PreTrainedTokenizerBase, scripted: Callable[..., None],
+    stream_interval: Callable[[float], None]
 ) -> None:
+    stream_interval(0.0)  # each step's tokens in their own chunk
     text = "def 你好():  # 😀 ünï 🎉🎉 数据 — done"
     script = tokenizer(text, add_special_tokens=False).input_ids
     assert tokenizer.decode(script) == text
@@ -288,6 +296,47 @@ async def test_multibyte_characters_split_across_chunks_arrive_whole(
     assert [p.text for p in phrases] == [" Ça va? ", "你好。", "😀 Oui."]
     assert [(p.start_char, p.end_char) for p in phrases] == [(0, 8), (8, 11), (11, 17)]
     await conversation.close()
+
+
+async def test_tokens_wait_for_the_stream_interval_but_the_first_and_the_end_do_not(
+    stub: Stub, tokenizer: PreTrainedTokenizerBase, scripted: Callable[..., None],
+    stream_interval: Callable[[float], None]
+) -> None:
+    """A stream's reader is woken at most once per stream interval: its first step's tokens go out at once, what
+    follows within the interval waits and goes out as one chunk, and its end goes out at once with what waited."""
+    text = "def add(a, b):\n    return a + b\n"
+    script = tokenizer(text, add_special_tokens=False).input_ids
+    assert len(script) > 4
+    scripted(script, 1, dict.fromkeys(range(len(script)), 0.1))  # steps long enough for the reader to keep up
+    stream_interval(0.0)
+    chunks, _ = await collect(stub.Generate(greedy("x", len(script))))
+    assert [list(c.token_ids) for c in chunks] == [[t] for t in script]
+    scripted(script, 1, {1: 0.5})
+    stream_interval(60.0)
+    t0 = time.perf_counter()
+    chunks, summary = await collect(stub.Generate(greedy("x", len(script))))
+    assert time.perf_counter() - t0 < 30, "the end is not held back"
+    assert [list(c.token_ids) for c in chunks] == [script[:1], script[1:]] and text_of(chunks) == text
+    assert summary.completion_tokens == len(script)
+
+
+async def test_a_waiting_chunk_goes_out_when_its_interval_ends_however_long_the_next_step(
+    stub: Stub, tokenizer: PreTrainedTokenizerBase, scripted: Callable[..., None],
+    stream_interval: Callable[[float], None]
+) -> None:
+    """The chunk that waits for its interval goes out when the interval ends, not when the next step does (the
+    waker thread keeps the deadline while the device thread computes)."""
+    script = tokenizer("a b c d", add_special_tokens=False).input_ids
+    scripted(script, 1, {1: 0.5, 2: 3.0})  # the third step takes 3 s
+    stream_interval(1.0)
+    arrival: list[float] = []  # per token, when its chunk arrived
+    t0 = time.perf_counter()
+    async for response in stub.Generate(greedy("x", len(script))):
+        if response.WhichOneof("event") == "chunk":
+            arrival += [time.perf_counter() - t0] * len(response.chunk.token_ids)
+    assert len(arrival) == len(script)
+    assert arrival[0] < 0.5 < arrival[1], arrival  # the first at once; the second waits for the interval
+    assert arrival[1] < 3.0 < arrival[2], arrival  # it went out at the interval's end (1 s), not after the 3 s step
 
 
 # ---- Infill --------------------------------------------------------------------------------------------------------

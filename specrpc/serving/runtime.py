@@ -194,7 +194,8 @@ class Runtime:
                     for name, model in (("target", self.target), ("draft", self.draft)) if model is not None})
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
-        self.scheduler = Scheduler(self.engine, batching=ec.batching == "on")
+        self.scheduler = Scheduler(self.engine, batching=ec.batching == "on",
+                                   stream_interval_s=config.server.stream_interval_ms / 1e3)
         self.suffixes = SuffixStore()  # recent outputs per draft scope (the suffix source)
         self.stop_token_ids = self._stop_token_ids()
         file_sep = [self._special_id(n) for n in FILE_SEP_NAMES]

@@ -1,12 +1,14 @@
 """One thread owns the device: each device step advances every active generation by one step, together in one
 batched engine step (`Engine.step`, `--batching on`) or one after the other (round-robin, `--batching off`),
 and hands events back to the asyncio loop (a deque per job, woken with `call_soon_threadsafe` from a waker thread as
-the next forward starts). Cancellation is checked between steps, and between the streams' deliveries of a batched
-step."""
+the next forward starts, a job's reader at most once per `--stream-interval-ms`). Cancellation is checked between
+steps, and between the streams' deliveries of a batched step."""
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import queue
 import threading
 import time
@@ -40,6 +42,11 @@ class Chunk:
     at: float
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for them
 
+    def joined(self, later: Chunk) -> Chunk:
+        """This chunk and the one after it as one (both waited for the same wake-up of the reader)."""
+        return Chunk(self.text + later.text, self.token_ids + later.token_ids, self.accepted + later.accepted,
+                     later.at, self.logprobs + later.logprobs)
+
 
 @dataclass(frozen=True)
 class Done:
@@ -70,7 +77,8 @@ class Job:
     """One generation in flight, from the event loop's side: its events in order, and a cancel flag.
 
     The device thread appends events to `inbox` and wakes the loop once per burst it has not yet seen (a deque
-    append is thread-safe), so a step costs one `call_soon_threadsafe` at most and no asyncio.Queue hops."""
+    append is thread-safe), so a step costs one `call_soon_threadsafe` at most and no asyncio.Queue hops; chunks
+    that wait for the same wake-up reach the reader as one."""
 
     slot: Slot
     request: GenerationRequest
@@ -90,6 +98,7 @@ class Job:
     first_token_at: float | None = None
     started_at: float | None = None
     done_posted: bool = False  # device thread only: the final event has been handed to the loop
+    wake_at: float = 0.0  # device thread: when the pending wake-up is due (perf_counter seconds)
     _wake_pending: bool = field(default=False, init=False)  # a wake-up is on its way to the loop
     _waiter: asyncio.Future[None] | None = field(default=None, init=False)  # the reader waiting in `get`
 
@@ -98,22 +107,27 @@ class Job:
         self.cancelled.set()
 
     async def get(self) -> Event:
-        """On the loop: the next event, in the order the device thread produced them."""
+        """On the loop: the next event, in the order the device thread produced them (chunks waiting together as
+        one)."""
         while not self.inbox:
             self._waiter = self.loop.create_future()
             await self._waiter
-        return self.inbox.popleft()
+        event = self.inbox.popleft()
+        while isinstance(event, Chunk) and self.inbox and isinstance(later := self.inbox[0], Chunk):
+            self.inbox.popleft()
+            event = event.joined(later)
+        return event
 
-    def post(self, event: Chunk, wakes: list[Job] | None = None) -> None:
-        """From the device thread: deliver a chunk to the loop. With `wakes`, the loop is not woken here: the job
-        joins `wakes` (if it needs waking) for one wake-up of a whole batched step's jobs (`wake_all`)."""
+    def post(self, event: Chunk, wakes: list[Job], interval_s: float = 0.0) -> None:
+        """From the device thread: deliver a chunk to the loop. The loop is not woken here: a job whose reader has no
+        wake-up pending joins `wakes`, to be woken (`Waker`) at once after its first chunk, else `interval_s` after
+        its last wake-up at the earliest; chunks posted until then wait for that wake-up."""
         self.inbox.append(event)
         if not self._wake_pending:
             self._wake_pending = True
-            if wakes is None:
-                self._call(self._wake)
-            else:
-                wakes.append(self)
+            now = time.perf_counter()
+            self.wake_at = max(now, self.wake_at + interval_s) if self.wake_at else now
+            wakes.append(self)
 
     def _wake(self) -> None:
         self._wake_pending = False  # before the reader runs: a chunk appended after this schedules a new wake-up
@@ -160,18 +174,21 @@ def _wake_each(jobs: list[Job]) -> None:
 
 
 class Waker:
-    """A thread that wakes readers (`wake_all`) for the device thread. Handing it a step's jobs keeps the interpreter
-    (a queue put); its `call_soon_threadsafe` lets go of the interpreter at the loop's wake-up socket, and the loop
-    then holds it for its work on the chunks (0.7 ms a step at 8 streams on a 2-core AMD EPYC). Done on the device
-    thread, that work ran before the forward began, the device thread waiting for the interpreter; done here as the
-    forward starts, it runs while the forward, which holds no interpreter, computes."""
+    """A thread that wakes readers (`wake_all`) for the device thread, each when its `wake_at` is due. Handing it a
+    step's jobs keeps the interpreter (a queue put); its `call_soon_threadsafe` lets go of the interpreter at the
+    loop's wake-up socket, and the loop then holds it for its work on the chunks (0.7 ms a step at 8 streams on a
+    2-core AMD EPYC). Done on the device thread, that work ran before the forward began, the device thread waiting
+    for the interpreter; done here as the forward starts, it runs while the forward, which holds no interpreter,
+    computes."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[list[Job] | None] = queue.SimpleQueue()
+        self._due: list[tuple[float, int, Job]] = []  # waker thread only: a heap by wake_at
+        self._order = itertools.count()
         self.thread = threading.Thread(target=self._run, name="specrpc-waker", daemon=True)
 
     def wake(self, jobs: list[Job]) -> None:
-        """Wake the readers of `jobs` soon (in order of hand-over), from the waker thread."""
+        """Wake the readers of `jobs`, each at its `wake_at` (in order of hand-over), from the waker thread."""
         self._queue.put(jobs)
 
     def stop(self) -> None:
@@ -181,18 +198,34 @@ class Waker:
             self.thread.join(timeout=30)
 
     def _run(self) -> None:
-        while (jobs := self._queue.get()) is not None:
-            wake_all(jobs)
+        while True:
+            wait = max(0.0, self._due[0][0] - time.perf_counter()) if self._due else None
+            try:
+                jobs = self._queue.get(timeout=wait)
+            except queue.Empty:
+                jobs = []
+            if jobs is None:
+                wake_all([job for _, _, job in sorted(self._due)])
+                return
+            for job in jobs:
+                heapq.heappush(self._due, (job.wake_at, next(self._order), job))
+            now, due = time.perf_counter(), []
+            while self._due and self._due[0][0] <= now:
+                due.append(heapq.heappop(self._due)[2])
+            if due:
+                wake_all(due)
 
 
 class Scheduler:
     """Every active job one step per device step, batched or round-robin, on a dedicated thread."""
 
     def __init__(self, engine: Engine, on_step: Callable[[Job, StepResult, float], None] | None = None,
-                 batching: bool = True) -> None:
-        """`batching`: one batched engine step for all jobs (`--batching on`), else round-robin."""
+                 batching: bool = True, stream_interval_s: float = 0.0) -> None:
+        """`batching`: one batched engine step for all jobs (`--batching on`), else round-robin.
+        `stream_interval_s`: a job's reader is woken at most this often (its first chunk at once)."""
         self.engine = engine
         self.batching = batching
+        self.stream_interval_s = stream_interval_s
         self.on_step = on_step
         self._jobs: list[Job] = []
         self._incoming: list[Job] = []
@@ -347,7 +380,11 @@ class Scheduler:
             assert job.generation is not None
             t0 = time.perf_counter()
             result = self.engine.step_one(job.generation)
-            return self._deliver(job, result, time.perf_counter() - t0)
+            wakes: list[Job] = []
+            final = self._deliver(job, result, time.perf_counter() - t0, wakes)
+            if wakes:
+                self._waker.wake(wakes)
+            return final
         except Exception as exc:  # the failure belongs to this stream only
             return self._fail(job, exc)
 
@@ -368,10 +405,9 @@ class Scheduler:
         self.engine.reset_slot(job.slot)
         return Failed(exc)
 
-    def _deliver(self, job: Job, result: StepResult, seconds: float,
-                 wakes: list[Job] | None = None) -> Done | Failed | None:
-        """Hand one step's tokens to the loop (detokenized, through stop strings and the line guard; the loop woken
-        now, or with `wakes` by the caller); the final event once the job has ended."""
+    def _deliver(self, job: Job, result: StepResult, seconds: float, wakes: list[Job]) -> Done | Failed | None:
+        """Hand one step's tokens to the loop (detokenized, through stop strings and the line guard; its reader to
+        be woken through `wakes` by the caller); the final event once the job has ended."""
         if self.on_step is not None:
             self.on_step(job, result, seconds)
         if not result.token_ids and result.finish is None:
@@ -394,7 +430,8 @@ class Scheduler:
             safe += job.guard.flush()
         job.text.append(safe)
         if safe or result.token_ids:  # a prefill-only request ends without any
-            job.post(Chunk(safe, result.token_ids, result.accepted, now, result.logprobs), wakes)
+            job.post(Chunk(safe, result.token_ids, result.accepted, now, result.logprobs), wakes,
+                     self.stream_interval_s)
         if limited is not None:
             return self._done(job, limited, "")
         if stopped:
