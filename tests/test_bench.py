@@ -44,8 +44,12 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert sweep["2:batched:adaptive"]["paired_over_other_mode"] > 0  # batched ÷ round-robin, round by round
     assert sweep["2:batched:adaptive"]["paired_over_target_only"] > 0
     assert len(sweep["2:round-robin:target-only"]["round_tokens_per_s"]) == 2
+    # steps that advanced both streams, timed against the bound's forward of 2 tokens; round-robin has none
+    assert sweep["2:batched:target-only"]["full_step_share"] > 0
+    assert sweep["2:round-robin:target-only"]["full_step_share"] == 0
     markdown = (tmp_path / "results.md").read_text()
     assert "| 2 | round-robin |" in markdown and "reached of the bound's ×" in markdown
+    assert "the bound's forward ÷ target-only's full step" in markdown
     pair = pair_hash(str(ASSETS / "target"), str(ASSETS / "draft"))
     assert f"Pair: `{pair}` (target target, draft draft)" in markdown
     assert "batched ÷ round-robin, target-only" in markdown

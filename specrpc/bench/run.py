@@ -23,11 +23,13 @@ from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs, sweep
 from specrpc.bench.workloads import Case, build_cases
 from specrpc.config import Config, EngineConfig, Limits, ServerConfig
+from specrpc.engine.generation import StepResult
 from specrpc.engine.policy import expected_tokens
 from specrpc.engine.sampling import SamplingParams
 from specrpc.openmp import release_workers
 from specrpc.prompts.fim import InfillInput
 from specrpc.serving.runtime import Runtime
+from specrpc.serving.scheduler import Job
 
 
 def summarize(runs: list[Run]) -> dict[str, float]:
@@ -307,13 +309,35 @@ stream runs them 8 times), so that the one-stream point, the denominator of ever
 shortest measurement of the sweep and the noisiest (four requests, under half a second)."""
 
 
+class FullSteps:
+    """The scheduler's `on_step` hook during a sweep point, called on the device thread for each stream a step
+    advanced, one after the other, with the step's seconds: one float object for all the streams of a batched step
+    (the same object, not only the same value), a new one for each round-robin step. Per step: whether each stream
+    got tokens."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, list[bool]]] = []
+
+    def __call__(self, job: Job, result: StepResult, seconds: float) -> None:
+        if not self.steps or self.steps[-1][0] is not seconds:
+            self.steps.append((seconds, []))
+        self.steps[-1][1].append(bool(result.token_ids))
+
+    def median_s(self, streams: int) -> float:
+        """Median seconds of the steps that gave each of `streams` streams tokens (no prompt chunk before a prompt's
+        last in them); 0.0 where none did."""
+        full = [seconds for seconds, got in self.steps if len(got) == streams and all(got)]
+        return statistics.median(full) if full else 0.0
+
+
 async def sweep_point(one: Callable[[Case, int | None, int], Awaitable[tuple[Run, int]]], cases: list[Case],
                       streams: int, k: int | None, runtime: Runtime, span: int = 1) -> dict[str, float]:
     """`streams` clients at once, each running every case one after the other, ceil(span / streams) times over
     (client i starting at case i, so that the clients carry equal work and stay in flight together: a prompt that
     stops early would otherwise leave its client idle and the batch narrower than `streams`), with k (None:
     adaptive): aggregate and per-stream tokens/s, ITL p50/p99, mean k, and the bound plain batched decoding has from
-    the measured batch costs (`streams` tokens per target forward of that many tokens, nothing else)."""
+    the measured batch costs (`streams` tokens per target forward of that many tokens, nothing else: no prompt's
+    prefill, which the aggregate counts), and the median full step (every stream decoding) against it."""
     t0 = time.perf_counter()
     repeats = -(-span // streams)
     batches = [[cases[(i + j) % len(cases)] for j in range(len(cases) * repeats)] for i in range(streams)]
@@ -321,8 +345,17 @@ async def sweep_point(one: Callable[[Case, int | None, int], Awaitable[tuple[Run
     async def worker(batch: list[Case]) -> list[Run]:
         return [(await one(c, k, j))[0] for j, c in enumerate(batch)]
 
-    results = await asyncio.gather(*(worker(b) for b in batches))
-    return point_figures(results, time.perf_counter() - t0, streams, runtime)
+    scheduler = runtime.scheduler
+    full, hook = FullSteps(), scheduler.on_step
+    scheduler.on_step = full
+    try:
+        results = await asyncio.gather(*(worker(b) for b in batches))
+    finally:
+        scheduler.on_step = hook
+    figures = point_figures(results, time.perf_counter() - t0, streams, runtime)
+    step_s, costs = full.median_s(streams), runtime.engine.batch_costs
+    figures["full_step_share"] = costs.target(streams) / step_s if step_s and costs.target_s else 0.0
+    return figures
 
 
 async def one_stream_points(one: Callable[[Case, int | None, int], Awaitable[tuple[Run, int]]], cases: list[Case],
@@ -399,8 +432,9 @@ def markdown(results: dict[str, Any]) -> str:
                   "",
                   "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | adaptive ÷ target-only "
                   "| target-only × one stream | bound (batched target-only, measured batch costs) | bound × one "
-                  "stream's | reached of the bound's × | adaptive ITL p50 / p99 ms | target-only ITL p99 ms | mean k |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "stream's | reached of the bound's × | the bound's forward ÷ target-only's full step | adaptive ITL "
+                  "p50 / p99 ms | target-only ITL p99 ms | mean k |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         one = {mode: sweep.get(f"1:{mode}:target-only", {}).get("aggregate_tokens_per_s")
                for mode in ("batched", "round-robin")}
         one_bound = sweep.get("1:batched:target-only", {}).get("bound_tokens_per_s")
@@ -418,6 +452,7 @@ def markdown(results: dict[str, Any]) -> str:
                              f"{a['per_stream_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
                              f"{ratio:.2f}× | {f'{scale:.2f}×' if scale else ''} | {t['bound_tokens_per_s']:.1f} | "
                              f"{f'{bound_scale:.2f}×' if bound_scale else ''} | {reached} | "
+                             f"{f'{share:.2f}' if (share := t.get('full_step_share')) else ''} | "
                              f"{a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} | "
                              f"{a['mean_k']:.2f} |")
         lines += ["", "The same ratios paired by round (each the median of its ratios within a round; the table above "
