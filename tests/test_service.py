@@ -307,7 +307,7 @@ async def test_tokens_wait_for_the_stream_interval_but_the_first_and_the_end_do_
     text = "def add(a, b):\n    return a + b\n"
     script = tokenizer(text, add_special_tokens=False).input_ids
     assert len(script) > 4
-    scripted(script, 1, dict.fromkeys(range(len(script)), 0.1))  # steps long enough for the reader to keep up
+    scripted(script, 1, dict.fromkeys(range(len(script)), 0.2))  # steps long enough for the reader to keep up
     stream_interval(0.0)
     chunks, _ = await collect(stub.Generate(greedy("x", len(script))))
     assert [list(c.token_ids) for c in chunks] == [[t] for t in script]
