@@ -41,6 +41,12 @@ class Run:
 Runner = Callable[[list[int], int, SamplingParams], Run]
 
 
+def decode_rate(run: Run) -> float:
+    """One request's decode tokens/s (after the first token); 0 when it made fewer than two."""
+    return (len(run.tokens) - 1) / (run.total_s - run.ttft_s) if len(run.tokens) > 1 and run.total_s > run.ttft_s \
+        else 0.0
+
+
 def engine_runner(engine: Engine, k: int | None, proposer: str, stop_token_ids: frozenset[int] = frozenset(),
                   slot_index: int = 0) -> Runner:
     """This engine with a fixed k (None: adaptive policy) and proposer, on a slot emptied per request. Its policy

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from specrpc.bench.common import machine_line, one_slot_runtime, pair_line, write_results
-from specrpc.bench.contenders import Run, measure
+from specrpc.bench.contenders import Run, decode_rate, measure
 from specrpc.bench.run import summarize
 from specrpc.bench.workloads import build_cases, heldout_files
 from specrpc.config import EngineConfig
@@ -174,12 +174,6 @@ def run_row(runtime: Runtime, contenders: tuple[Contender, ...], cases: list[Giv
                     runs[c.name].append(run)
             print(f"round {r + 1}/{rounds}, {case.workload} case {i + 1}/{len(cases)}", file=sys.stderr, flush=True)
     return runs
-
-
-def decode_rate(run: Run) -> float:
-    """One request's decode tokens/s (after the first token); 0 when it made fewer than two."""
-    return (len(run.tokens) - 1) / (run.total_s - run.ttft_s) if len(run.tokens) > 1 and run.total_s > run.ttft_s \
-        else 0.0
 
 
 def row_results(runs: dict[str, list[Run]], workload: str) -> dict[str, Any]:

@@ -28,7 +28,8 @@ from typing import Any
 import grpc
 
 from specrpc.bench.common import free_port, pair_line
-from specrpc.bench.contenders import Run, Runner
+from specrpc.bench.contenders import Runner
+from specrpc.bench.contenders import decode_rate as run_decode_rate
 from specrpc.bench.keystrokes import wait_serving
 from specrpc.bench.llama_server import LlamaServer, LlamaServerSpec
 from specrpc.bench.workloads import Case
@@ -74,12 +75,6 @@ async def decode_rate(stub: pb_grpc.GeneratorStub, case: Case, k: int | None) ->
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def peer_rate(run: Run) -> float:
-    """A llama-server reply's decode tokens/s from its own timings (0 below two tokens)."""
-    rest = len(run.tokens) - 1
-    return rest / (run.total_s - run.ttft_s) if rest > 0 and run.total_s > run.ttft_s else 0.0
-
-
 async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Case],
                     peers: dict[str, Runner] | None = None, prompts: list[list[int]] | None = None) -> dict[str, Any]:
     """Every case through each mode and each llama-server contender of `peers` (given `prompts`, the cases' token
@@ -98,7 +93,7 @@ async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Cas
                 else:
                     assert prompts is not None
                     run = await asyncio.to_thread(peers[name], prompts[i], case.max_new_tokens, GREEDY)
-                    rate, ids = peer_rate(run), run.tokens
+                    rate, ids = run_decode_rate(run), run.tokens  # llama.cpp's own timings
                 rates[name].append(rate)
                 tokens[name].append(ids)
     medians = {name: statistics.median(values) for name, values in rates.items()}

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from specrpc.bench.common import machine_line, pair_line, write_results
-from specrpc.bench.contenders import Run, measure
-from specrpc.bench.given import decode_rate
+from specrpc.bench.contenders import Run, decode_rate, measure
 from specrpc.bench.run import prompt_ids, summarize
 from specrpc.bench.workloads import WORKLOADS, Case, build_cases
 from specrpc.config import Config, EngineConfig, Limits, ServerConfig
