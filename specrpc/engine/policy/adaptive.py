@@ -138,18 +138,20 @@ class AdaptivePolicy:
         if batch is not None:
             plain = self._batch_rate(0, source, a, batch)
             return [1.0] + [self._batch_rate(k, source, a, batch) / plain for k in range(1, cap + 1)]
-        plain, host = self._solo_terms(source)
-        return [1.0] + [expected_tokens(a, k) * plain / (self._drafting(source, k) + self.costs.v(k) + host)
-                        for k in range(1, cap + 1)]
+        terms = self._solo_terms(source)
+        return [1.0] + [self._solo(k, source, a, terms) for k in range(1, cap + 1)]
 
     def _solo_terms(self, source: str) -> tuple[float, float]:
         """What a solo step's S(k) takes besides α, D(k) and V(k): 1 + the plain step's host time and the source's
         host time, in target steps."""
         return 1.0 + self._host("plain"), self._host(host_kind(source))
 
-    def _drafting(self, source: str, k: int) -> float:
-        """Drafting k tokens with `source`, in target steps: D(k) for the draft model, nothing for prompt lookup."""
-        return self.costs.d(k) if source == "draft" else 0.0
+    def _solo(self, k: int, source: str, alpha: float, terms: tuple[float, float]) -> float:
+        """A lone step's S(k) = E(α, k) (1 + h_plain) / (D(k) + V(k) + h_source), `terms` from `_solo_terms`;
+        D(k) for the draft model, nothing for prompt lookup."""
+        plain, host = terms
+        drafting = self.costs.d(k) if source == "draft" else 0.0
+        return expected_tokens(alpha, k) * plain / (drafting + self.costs.v(k) + host)
 
     def _host(self, kind: str) -> float:
         """Host time of a step of `kind` (`HostTimes.of`) ÷ the target step's."""
@@ -164,8 +166,7 @@ class AdaptivePolicy:
             return 1.0
         if batch is not None:
             return self._batch_rate(k, source, a, batch) / self._batch_rate(0, source, a, batch)
-        plain, host = self._solo_terms(source)
-        return expected_tokens(a, k) * plain / (self._drafting(source, k) + self.costs.v(k) + host)
+        return self._solo(k, source, a, self._solo_terms(source))
 
     @staticmethod
     def _batch_rate(k: int, source: str, alpha: float, batch: BatchLoad) -> float:
