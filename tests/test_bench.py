@@ -271,9 +271,11 @@ def test_floor_bench_reports_every_path_at_every_shape_beside_the_read_bandwidth
     library builds) of each cache level found, of memory and of each model's weight bytes; per model and precision
     every path (the native step in each prefetch mode where it builds, the torch forward) at every shape, MKL's
     one-row product at one token only, with positive times and rates; int8 reads about a quarter of float32's bytes;
-    each floor is its fastest path's bytes ÷ the rate of its own buffer of those bytes, and names the level holding
-    them. `--help` measures nothing."""
-    from test_engine import tiny_llama
+    the multiply rate of the float products' instruction (and VNNI's where the build has it); each model's floor at
+    each one-stream shape is the larger of its fastest path's bytes ÷ the rate of its own buffer of those bytes and
+    its multiply-adds (tokens × the model's projections' N × K) ÷ its instruction's rate, names the level holding
+    the bytes, and is said in one-token steps. `--help` measures nothing."""
+    from test_engine import VOCAB, tiny_llama
 
     from specrpc import native
     from specrpc.bench import floor
@@ -309,11 +311,28 @@ def test_floor_bench_reports_every_path_at_every_shape_beside_the_read_bandwidth
         for name, cells in m["paths"].items():
             assert set(cells) == ({"1"} if name == "torch, MKL one-row" else {"1", "3", "2×2"}), (m["model"], name)
             assert all(c["ms"] > 0 and c["gb_s"] > 0 and c["bytes"] > 0 for c in cells.values())
-        f = m["floor"]
-        assert f["held_by"] in [*levels, "memory"] and f["floor_ms"] > 0 and f["path"] in names
+        assert [f["shape"] for f in m["floors"]] == ["1", "3"]
         row = rows[f"{m['model']} {m['weights']} weights"]
-        assert f["buffer"] == row["buffer"] and row["bytes"] == f["bytes"] == m["paths"][f["path"]]["1"]["bytes"]
-        assert f["gb_s"] == row["gb_s"] and f["floor_ms"] == pytest.approx(f["bytes"] / f["gb_s"] / 1e6)
+        h = 64 if m["model"] == "target" else 32  # tiny_llama: 2 layers of qkv 2h × h, o h × h, gate and up 4h × h,
+        assert m["multiply_adds"] == 2 * 9 * h * h + VOCAB * h  # down h × 2h; the head vocab × h
+        step = min(c["1"]["ms"] for c in m["paths"].values())
+        for f in m["floors"]:
+            assert f["held_by"] in [*levels, "memory"] and f["path"] in names and f["buffer"] == row["buffer"]
+            assert f["gb_s"] == row["gb_s"] and f["read_floor_ms"] == pytest.approx(f["bytes"] / f["gb_s"] / 1e6)
+            assert f["bytes"] == m["paths"][f["path"]][f["shape"]]["bytes"]
+            kind = m["multiplies"][f["path"]]
+            if kind in results["multiply"]:
+                assert f["multiply_floor_ms"] == pytest.approx(
+                    f["tokens"] * m["multiply_adds"] / results["multiply"][kind] / 1e6)
+            else:
+                assert f["multiply_floor_ms"] is None
+            assert f["floor_ms"] == max(f["read_floor_ms"], f["multiply_floor_ms"] or 0.0) > 0
+            assert f["floor_steps"] == pytest.approx(f["floor_ms"] / step) and f["steps"] == pytest.approx(
+                f["ms"] / step)
+        assert m["floors"][0]["bytes"] == m["paths"][m["floors"][0]["path"]]["1"]["bytes"]
+    assert set(results["multiply"]) == ({"float", "int8"} if built and native.library().specrpc_int8_group() > 1
+                                        else {"float"} if built else set())
+    assert all(r > 0 for r in results["multiply"].values())
     by = {(m["model"], m["weights"]): m["paths"] for m in results["models"]}
     float_bytes = by["target", "float32"]["torch, oneDNN"]["3"]["bytes"]
     int8_bytes = by["target", "int8"]["torch int8"]["3"]["bytes"]
@@ -321,4 +340,5 @@ def test_floor_bench_reports_every_path_at_every_shape_beside_the_read_bandwidth
     table = (out / "floor.md").read_text()
     assert "| model | weights | path | MB a step | 1 | 3 | 2×2 |" in table and "| buffer | size | GB/s |" in table
     assert "× floor" in table and "GB/s of its bytes" in table and results["machine"] in table
+    assert "| instruction | GMAC/s |" in table and "multiply floor ms" in table and "floor ÷ step" in table
     assert floor.READERS[results["reader"]] in table

@@ -318,6 +318,22 @@ def test_the_bandwidth_reader_reads_every_value_once_a_pass(threads: int) -> Non
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_multiply_loop_counts_the_multiply_adds_of_every_thread(threads: int) -> None:
+    """multiply.cpp's loops, whose count ÷ time is `specrpc bench floor`'s multiply rate: 10 accumulators of 16
+    float lanes (of 64 multiply-adds a VNNI instruction) a round, on every thread; no int8 loop without VNNI."""
+    requires_native()
+    lib = native.library()
+    assert lib is not None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert native.multiply(lib, "float", 1000) == 1000 * 10 * 16 * threads
+        assert native.multiply(lib, "int8", 1000) == (1000 * 10 * 64 * threads if lib.specrpc_int8_group() > 1 else 0)
+    finally:
+        torch.set_num_threads(before)
+
+
 AMX_EMULATED = """
 import torch
 from specrpc import native

@@ -20,8 +20,13 @@ on the machine it runs on:
   embedding's one row per token not) ÷ its step time. The step's time also covers reading K/V and activations and
   computing, so the weights themselves are read at least this fast; a rate above the bandwidth of the level that
   holds them means they came from a faster one;
-- each model's floor: the fastest one-token step against its weight bytes ÷ the rate of its own buffer (× floor
-  near 1 or above: the step reads as fast as the machine can; far above: time spent elsewhere).
+- the multiply rate, multiply-adds a second on torch's threads, of each instruction the products multiply with
+  (multiply.cpp: 16-lane fused multiply-adds for float products, VNNI's vpdpbusd for int8 ones), from registers;
+- each model's floor at each one-stream shape: its fastest path against the larger of two bounds, its weight bytes ÷
+  the rate of its own buffer and its projections' multiply-adds ÷ the rate of its instruction (× floor near 1 or
+  above: the step is as fast as the machine can make it; far above: time spent elsewhere). A verify of several
+  tokens reads the weights once but multiplies every token: where the multiplies bound it, no kernel makes it cost
+  one one-token step, and the floor in one-token steps says what it can cost at least.
 
 Prints Markdown; writes floor.json and floor.md."""
 
@@ -58,6 +63,11 @@ SYS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
 """Where Linux describes cpu0's caches: index*/level, type, size, shared_cpu_list."""
 READ_PER_CALL = 64 << 20
 """Bytes one timed call of the bandwidth sum reads at least: a cache-sized buffer is read that many times over."""
+MULTIPLIES = {"float": "16-lane fused multiply-adds (float products)",
+              "int8": "VNNI's vpdpbusd, 64 multiply-adds each (int8 products)"}
+"""The instructions whose rate is measured (`multiply_rates`), by `Route.multiplies`."""
+MULTIPLY_ROUNDS = 2_000_000
+"""Rounds of one timed call of the multiply loop (multiply.cpp): a few milliseconds."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,29 @@ def read_rates(sizes: list[tuple[str, int]], repeats: int) -> tuple[list[dict[st
     return rates, "torch" if lib is None else "native"
 
 
+def multiply_rates(repeats: int) -> dict[str, float]:
+    """Multiply-adds a second (GMAC/s) of each instruction of `MULTIPLIES` this build's products use, on torch's
+    threads from registers (multiply.cpp), interleaved round after round, the median of `repeats`: empty without the
+    native library, no int8 without VNNI (int8 products then widen their weights to float)."""
+    lib = native_lib.library()
+    if lib is None:
+        return {}
+    kinds = ["float", *(["int8"] if lib.specrpc_int8_group() > 1 else [])]
+    done = {k: native_lib.multiply(lib, k, MULTIPLY_ROUNDS) for k in kinds}  # untimed first calls; the work a call
+    samples = interleaved_samples([partial(native_lib.multiply, lib, k, MULTIPLY_ROUNDS) for k in kinds], repeats)
+    return {k: done[k] / statistics.median(s) / 1e9 for k, s in zip(kinds, samples, strict=True)}
+
+
+def multiply_adds(w: LlamaWeights) -> int:
+    """Multiply-adds of one token through every projection and the head (N × K each)."""
+    total = 0
+    for p in w.linears():
+        stored = p.q8 if p.q8 is not None else p.wt if p.wt is not None else p.packed
+        assert stored is not None
+        total += stored.numel()
+    return total
+
+
 @dataclass(frozen=True)
 class Shape:
     """A forward the engine runs: `rows` streams of `tokens` tokens each (a decode step: 1 × 1; a verify of k
@@ -214,6 +247,8 @@ class Route:
     forward: Callable[[list[BatchRow]], object]
     weights: LlamaWeights
     native_int8: bool | None  # the native step reading int8 (True) or float32 (False) weights; None: torch
+    multiplies: str | None  # the instruction its products multiply with (`MULTIPLIES`); None: not measured (AMX tiles,
+    # torch's int8 and bf16 kernels)
     most_tokens: int = sys.maxsize
 
     def reads(self, tokens: int) -> int:
@@ -266,16 +301,21 @@ def routes(lm: LlamaLM) -> tuple[list[Route], str]:
     why = native.supported(w, CPU, torch.float32)
     if why is None:
         step = native.NativeStep(w, lm.cache)
+        lib = native_lib.library()
+        vnni = lib is not None and lib.specrpc_int8_group() > 1  # int8 products multiply int8 activations
         for amx in (False, True) if step.int8 and native_lib.amx_available() else (False,):
+            kind = None if amx else "int8" if step.int8 and vnni else "float"
             for mode in native_lib.PREFETCH:
                 out.append(Route(f"native{' int8' if step.int8 else ''}{' AMX' if amx else ''}, prefetch {mode}",
-                                 partial(native_forward, step, mode, amx), w, step.int8))
+                                 partial(native_forward, step, mode, amx), w, step.int8, kind))
     if lm.decode_tunable():
         onednn, mkl = with_packed_decode(w, True), with_packed_decode(w, False)
-        out.append(Route("torch, oneDNN", partial(eager_forward, onednn, lm.cache), onednn, None))
-        out.append(Route("torch, MKL one-row", partial(eager_forward, mkl, lm.cache), mkl, None, most_tokens=1))
+        out.append(Route("torch, oneDNN", partial(eager_forward, onednn, lm.cache), onednn, None, "float"))
+        out.append(Route("torch, MKL one-row", partial(eager_forward, mkl, lm.cache), mkl, None, "float",
+                         most_tokens=1))
     else:
-        out.append(Route(torch_name(w), partial(eager_forward, w, lm.cache), w, None))
+        name = torch_name(w)
+        out.append(Route(name, partial(eager_forward, w, lm.cache), w, None, "float" if name == "torch" else None))
     return out, why or "on"
 
 
@@ -301,7 +341,8 @@ def load(path: str, role: str, precision: str, draft_int8: bool, slots: int, cap
 def measure_model(lm: LlamaLM, shapes: list[Shape], context: int, repeats: int) -> dict[str, Any]:
     """Every route of `lm` at every shape, all routes of a shape interleaved (`interleaved_samples`) after a prompt
     of `context` tokens in each slot: per route and shape the median and lower-quartile ms, the weight bytes read and
-    the effective rate (GB/s)."""
+    the effective rate (GB/s); per route the instruction its products multiply with; the model's multiply-adds a
+    token."""
     found, native_state = routes(lm)
     most = max(s.tokens for s in shapes)
     ids = (torch.arange(context + most) * 7919) % lm.vocab_size  # [context + most]
@@ -320,7 +361,8 @@ def measure_model(lm: LlamaLM, shapes: list[Shape], context: int, repeats: int) 
                 paths[r.name][shape.label] = {"ms": median * 1e3,
                                               "lower_quartile_ms": statistics.quantiles(seconds, n=4)[0] * 1e3,
                                               "bytes": nbytes, "gb_s": nbytes / median / 1e9}
-    return {"native": native_state, "paths": paths}
+    return {"native": native_state, "paths": paths, "multiplies": {r.name: r.multiplies for r in found},
+            "multiply_adds": multiply_adds(lm.weights)}
 
 
 def fastest(paths: dict[str, dict[str, Any]], label: str) -> str:
@@ -333,18 +375,29 @@ def weights_buffer(model: dict[str, Any]) -> str:
     return f"{model['model']} {model['weights']} weights"
 
 
-def floor(paths: dict[str, dict[str, Any]], label: str, levels: list[CacheLevel], bandwidth: list[dict[str, Any]],
-          buffer: str, threads: int) -> dict[str, Any]:
-    """The fastest route at shape `label` against its floor: its weight bytes ÷ the read rate of `buffer` (a buffer
-    of those bytes), and the smallest level holding them on `threads` threads (memory where none does), for
-    reference."""
+def floor(model: dict[str, Any], shape: Shape, levels: list[CacheLevel], bandwidth: list[dict[str, Any]],
+          threads: int, rates: dict[str, float]) -> dict[str, Any]:
+    """The fastest route of `model` (`measure_model`'s) at one-stream `shape` against its floor, the larger of: its
+    weight bytes ÷ the read rate of the model's own buffer (`weights_buffer`), and its projections' multiply-adds ÷
+    the rate of the instruction it multiplies with (`rates`; None where that is not measured); the smallest level
+    holding the bytes on `threads` threads (memory where none does), for reference; the floor and the time in the
+    model's fastest one-token steps where shape 1 was measured."""
+    paths, label = model["paths"], shape.label
     name = fastest(paths, label)
     cell = paths[name][label]
     held = next((f"L{c.level}" for c in levels if cell["bytes"] <= c.capacity(threads)), "memory")
+    buffer = weights_buffer(model)
     rate = next(b["gb_s"] for b in bandwidth if b["buffer"] == buffer)
-    floor_ms = cell["bytes"] / rate / 1e6
-    return {"shape": label, "path": name, "bytes": cell["bytes"], "held_by": held, "buffer": buffer, "gb_s": rate,
-            "floor_ms": floor_ms, "ms": cell["ms"], "over_floor": cell["ms"] / floor_ms}
+    read_ms = cell["bytes"] / rate / 1e6
+    kind = model["multiplies"][name]
+    multiply_ms = shape.tokens * model["multiply_adds"] / rates[kind] / 1e6 if kind in rates else None
+    floor_ms = max(read_ms, multiply_ms or 0.0)
+    step = min((c["1"]["ms"] for c in paths.values() if "1" in c), default=None)  # the fastest one-token step
+    ms = cell["ms"]
+    return {"shape": label, "tokens": shape.tokens, "path": name, "bytes": cell["bytes"], "held_by": held,
+            "buffer": buffer, "gb_s": rate, "read_floor_ms": read_ms, "multiplies": kind,
+            "multiply_floor_ms": multiply_ms, "floor_ms": floor_ms, "ms": ms, "over_floor": ms / floor_ms,
+            "floor_steps": None if step is None else floor_ms / step, "steps": None if step is None else ms / step}
 
 
 def precision_name(precision: str, role: str, draft_int8: bool) -> str:
@@ -367,6 +420,10 @@ def markdown(results: dict[str, Any]) -> str:
              "bytes as its fastest one-token path reads them (a buffer under 64 MiB read many times a call).", "",
              "| buffer | size | GB/s |", "| --- | --- | --- |"]
     lines += [f"| {b['buffer']} | {mib(b['bytes'])} | {b['gb_s']:.1f} |" for b in results["bandwidth"]]
+    lines += ["", f"Multiply rate: multiply.cpp's loop of each instruction from registers, {threads} threads, median "
+              f"of {results['repeats']} interleaved rounds.", "", "| instruction | GMAC/s |", "| --- | --- |"]
+    rates = results["multiply"]
+    lines += [f"| {MULTIPLIES[k]} | {r:.1f} |" for k, r in rates.items()] or ["| (native library not built) | - |"]
     labels = results["shapes"]
     lines += ["", "Weight bytes read per second, effective (each path's projection bytes at its precision ÷ the median "
               "step, which also reads K/V and activations: the weights are read at least this fast): GB/s (ms a "
@@ -385,15 +442,25 @@ def markdown(results: dict[str, Any]) -> str:
                 text = "-" if c is None else f"{c['gb_s']:.1f} ({c['ms']:.2f})"
                 row.append(f" **{text}** |" if c is not None and best[label] == name else f" {text} |")
             lines.append("".join(row))
-    lines += ["", f"Floor: the fastest path at the first shape ({labels[0]}) against its weight bytes ÷ the read rate "
-              "of a buffer of those bytes (its weights row above); held by: the smallest cache level that holds them "
-              "on these threads, for reference.", "",
-              "| model | weights | path | MB | held by | GB/s of its bytes | floor ms | ms | × floor |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "Floor: each model's fastest path at each one-stream shape against the larger of its read floor "
+              "(its weight bytes ÷ the read rate of a buffer of those bytes, its weights row above) and its multiply "
+              "floor (its projections' multiply-adds, tokens × those of one, ÷ its instruction's rate above; - where "
+              "that is not measured); held by: the smallest cache level that holds the bytes on these threads, for "
+              "reference; ÷ step: the floor and the time in the model's fastest one-token steps (a verify of that "
+              "many tokens costs at least the first).", "",
+              "| model | weights | tokens | path | MB | held by | GB/s of its bytes | read floor ms "
+              "| multiply floor ms | ms | × floor | floor ÷ step | ms ÷ step |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def num(x: float | None, digits: int) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+
     for m in results["models"]:
-        f = m["floor"]
-        lines.append(f"| {m['model']} | {m['weights']} | {f['path']} | {f['bytes'] / 1e6:.1f} | {f['held_by']} | "
-                     f"{f['gb_s']:.1f} | {f['floor_ms']:.3f} | {f['ms']:.3f} | {f['over_floor']:.2f} |")
+        for f in m["floors"]:
+            lines.append(f"| {m['model']} | {m['weights']} | {f['tokens']} | {f['path']} | {f['bytes'] / 1e6:.1f} | "
+                         f"{f['held_by']} | {f['gb_s']:.1f} | {f['read_floor_ms']:.3f} | "
+                         f"{num(f['multiply_floor_ms'], 3)} | {f['ms']:.3f} | {f['over_floor']:.2f} | "
+                         f"{num(f['floor_steps'], 2)} | {num(f['steps'], 2)} |")
     off = [f"{m['model']} ({m['weights']}): native step off ({m['native']})" for m in results["models"]
            if m["native"] != "on"]
     if off:
@@ -464,8 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     first = shapes[0].label  # each model's own buffer: the bytes its fastest path reads there
     own = [(weights_buffer(m), m["paths"][fastest(m["paths"], first)][first]["bytes"]) for m in results["models"]]
     results["bandwidth"], results["reader"] = read_rates(buffers(levels, args.memory_mib) + own, args.repeats)
+    results["multiply"] = multiply_rates(args.repeats)
     for m in results["models"]:
-        m["floor"] = floor(m["paths"], first, levels, results["bandwidth"], weights_buffer(m), threads)
+        m["floors"] = [floor(m, s, levels, results["bandwidth"], threads, results["multiply"]) for s in shapes
+                       if s.rows == 1]
     write_results(args.out, "floor", results, markdown(results))
     return 0
 

@@ -1,5 +1,5 @@
 """The native forward of a few tokens (decode.cpp), the native logits transform and min-p (transform.cpp) and the
-read-bandwidth kernel of `specrpc bench floor` (bandwidth.cpp): built with the machine's C++ compiler on first use (or
+read-bandwidth and multiply-rate loops of `specrpc bench floor` (bandwidth.cpp, multiply.cpp): built with the machine's C++ compiler on first use (or
 by `make install`) into one library cached by the sources, the flags and the CPU, loaded with ctypes into torch's
 OpenMP runtime.
 
@@ -27,7 +27,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.cpp", "transform.cpp", "bandwidth.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.cpp", "transform.cpp", "bandwidth.cpp",
+                                                          "multiply.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi")
 
 
@@ -187,6 +188,9 @@ def library() -> ctypes.CDLL | None:
     read = lib.specrpc_read
     read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     read.restype = ctypes.c_double
+    for name in ("specrpc_multiply_float", "specrpc_multiply_int8"):
+        getattr(lib, name).argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+        getattr(lib, name).restype = ctypes.c_double
     for name in ("specrpc_int8_group", "specrpc_int8_block", "specrpc_amx_enable"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
@@ -235,3 +239,12 @@ def read_sum(lib: ctypes.CDLL, x: torch.Tensor, passes: int) -> float:
     share of `x` on every pass (as the native step splits its weights): what `specrpc bench floor` times."""
     assert x.is_contiguous() and x.dtype == torch.float32 and x.device.type == "cpu", "native read: bad tensor"
     return float(lib.specrpc_read(x.data_ptr(), x.numel(), passes, torch.get_num_threads()))
+
+
+def multiply(lib: ctypes.CDLL, kind: str, rounds: int) -> float:
+    """Multiply-adds done by multiply.cpp's loop of the products' instruction (`kind` "float": 16-lane fused
+    multiply-adds; "int8": VNNI's vpdpbusd, 0 without VNNI) for `rounds` rounds on torch's threads, from registers:
+    what `specrpc bench floor` times as the multiply rate."""
+    fn = lib.specrpc_multiply_float if kind == "float" else lib.specrpc_multiply_int8
+    sink = ctypes.c_double()
+    return float(fn(rounds, torch.get_num_threads(), ctypes.byref(sink)))

@@ -1,0 +1,78 @@
+// The multiply rate of `specrpc bench floor` (specrpc/bench/floor.py): the instruction the native step's products
+// multiply with, run from registers on every thread with more independent accumulators than its latency needs, so
+// that only its throughput sets the pace. A forward's multiply-adds ÷ this rate bound its time from below, as its
+// weight bytes ÷ the read rate do: a verify of several tokens reads the weights once but multiplies each token. Float
+// products: 16-lane fused multiply-adds (one AVX-512 register, two AVX2 ones); int8 products with VNNI: vpdpbusd, 64
+// multiply-adds an instruction. Built into the same library as decode.cpp (specrpc/native/__init__.py).
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+
+typedef float v16 __attribute__((vector_size(64)));
+
+constexpr int CHAINS = 10;  // accumulators in flight: latency 4-5 × up to 2 issued a cycle, with room
+
+static inline v16 fma16(v16 a, v16 b, v16 c) {  // as decode.cpp's: one rounding, AVX-512 or two AVX2 halves
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    __m256 a2[2], b2[2], c2[2];
+    std::memcpy(a2, &a, sizeof a);
+    std::memcpy(b2, &b, sizeof b);
+    std::memcpy(c2, &c, sizeof c);
+    c2[0] = _mm256_fmadd_ps(a2[0], b2[0], c2[0]);
+    c2[1] = _mm256_fmadd_ps(a2[1], b2[1], c2[1]);
+    std::memcpy(&c, c2, sizeof c);
+    return c;
+#else
+    for (int i = 0; i < 16; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return c;
+#endif
+}
+
+// `rounds` × CHAINS float multiply-adds of 16 lanes on each of `threads` threads: the multiply-adds done (the values
+// summed into `sink` so that none is left out).
+extern "C" double specrpc_multiply_float(int64_t rounds, int threads, double* sink) {
+    double total = 0.0, done = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : total, done)
+    {
+        v16 acc[CHAINS], a, b;
+        for (int i = 0; i < 16; ++i) a[i] = 0.999f, b[i] = 1e-3f * static_cast<float>(omp_get_thread_num() + i);
+        for (int c = 0; c < CHAINS; ++c) acc[c] = b;
+        for (int64_t r = 0; r < rounds; ++r) {
+            for (int c = 0; c < CHAINS; ++c) acc[c] = fma16(acc[c], a, b);  // each round on the one before
+        }
+        for (int c = 0; c < CHAINS; ++c)
+            for (int i = 0; i < 16; ++i) total += acc[c][i];
+        done += static_cast<double>(rounds) * CHAINS * 16;
+    }
+    *sink = total;
+    return done;
+}
+
+// As `specrpc_multiply_float` for the int8 products' vpdpbusd (64 multiply-adds each); 0 where this build's int8
+// products do not multiply int8 activations (no VNNI: they widen the weights to float, the float rate).
+extern "C" double specrpc_multiply_int8(int64_t rounds, int threads, double* sink) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    double total = 0.0, done = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : total, done)
+    {
+        __m512i acc[CHAINS];
+        __m512i w = _mm512_set1_epi32(0x01020304), x = _mm512_set1_epi32(0x01010101 * (omp_get_thread_num() + 1));
+        for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_set1_epi32(c);
+        for (int64_t r = 0; r < rounds; ++r) {
+            for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_dpbusd_epi32(acc[c], w, x);
+        }
+        for (int c = 0; c < CHAINS; ++c) total += _mm512_reduce_add_epi32(acc[c]);
+        done += static_cast<double>(rounds) * CHAINS * 64;
+    }
+    *sink = total;
+    return done;
+#else
+    (void)rounds, (void)threads;
+    *sink = 0.0;
+    return 0.0;
+#endif
+}
