@@ -370,8 +370,8 @@ static inline void gemm_vnni(const Model* m, Weight w, const float* __restrict b
 }
 
 // AMX: a verify's int8 products on the tile unit (Intel Sapphire Rapids and later), the same bits as `panels_q`. VNNI
-// multiplies 64 weight bytes by one token's activations an instruction, so a product over T tokens costs T times one
-// token's and a verify of a few tokens is bound by the multiplies (about 1 dpbusd a cycle per core); one TDPBSUD
+// multiplies 64 weight bytes by one token's activations an instruction, so a product over T tokens does T times one
+// token's multiplies (at most one dpbusd a cycle per core; `specrpc bench floor` measures the rate); one TDPBSUD
 // multiplies a block of 32 columns of 16 panel rows by all T tokens at once. Each block's integer sums are exact in
 // any order, so the tile's sums are `panels_q`'s; they are turned into floats block after block in the same order
 // (offset's correction, scale by the block's activation scale, one fused multiply-add), so every output is the same
