@@ -1,7 +1,7 @@
 """The native forward of a few tokens (decode.cpp), the native logits transform and min-p (transform.cpp) and the
-read-bandwidth and multiply-rate loops of `specrpc bench floor` (bandwidth.cpp, multiply.cpp): built with the machine's C++ compiler on first use (or
-by `make install`) into one library cached by the sources, the flags and the CPU, loaded with ctypes into torch's
-OpenMP runtime.
+read-bandwidth and multiply-rate loops of `specrpc bench floor` (bandwidth.cpp, multiply.cpp): built with the
+machine's C++ compiler on first use (or by `make install`) into one library cached by the sources, the flags and the
+CPU, loaded with ctypes into torch's OpenMP runtime.
 
 A decode step of a small model spends as much time in a thousand small torch ops as in reading its weights; the
 native step reads each weight once in one OpenMP parallel region, for a one-token step and a verify alike. The
