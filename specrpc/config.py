@@ -16,6 +16,8 @@ from specrpc.prompts.tool_formats import FORMAT_NAMES
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 ENV_PREFIX = "SPECRPC_"
+MAX_STREAM_INTERVAL_MS = 1000
+"""The longest stream interval, the server's or a request's: a second without tokens reads as a stall."""
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,8 @@ def validate(config: Config) -> None:
         (e.tool_format in FORMAT_NAMES, f"--tool-format must be one of {', '.join(FORMAT_NAMES)}"),
         (s.log_format in {"json", "console"}, "--log-format must be json or console"),
         (0 <= s.port <= 65535, "--port must be in 0..65535"),
-        (0 <= s.stream_interval_ms <= 1000, "--stream-interval-ms must be in 0..1000"),
+        (0 <= s.stream_interval_ms <= MAX_STREAM_INTERVAL_MS,
+         f"--stream-interval-ms must be in 0..{MAX_STREAM_INTERVAL_MS}"),
         (0 <= s.http_port <= 65535, "--http-port must be in 0..65535 (0: no HTTP API)"),
         (s.event_loop in {"asyncio", "uvloop"}, "--event-loop must be asyncio or uvloop"),
         (bool(s.tls_cert) == bool(s.tls_key), "--tls-cert and --tls-key go together"),

@@ -364,6 +364,38 @@ async def test_llama_speculative_n_max_caps_each_steps_draft_and_0_is_target_onl
     assert sdk.choices[0].text == off["content"]
 
 
+async def test_a_request_sets_its_own_stream_interval_on_every_route(
+    http: httpx2.AsyncClient, stream_interval: Callable[[float], None]
+) -> None:
+    """`stream_interval_ms` in the body, as gRPC's field: under a server interval of a minute a stream's first
+    tokens come at once and the rest with its end (two content events), while 0 hands each step's tokens over at
+    once (target-only here: about one event a token); outside 0..1000 is a 400 naming the field, on the OpenAI and
+    llama.cpp routes alike."""
+    stream_interval(60.0)
+    body = {"prompt": "def add(a, b):\n", "n_predict": 24, "temperature": 0, "speculative.n_max": 0,
+            "ignore_eos": True, "stream": True}
+
+    async def events(extra: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        async with http.stream("POST", "/completion", json={**body, **extra}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    out.append(json.loads(line[6:]))
+        return [e for e in out if e["tokens"]]
+
+    held = await events({})
+    assert len(held) == 2 and sum(len(e["tokens"]) for e in held) == 24
+    each = await events({"stream_interval_ms": 0})
+    assert len(each) >= 12 and "".join(e["content"] for e in each) == "".join(e["content"] for e in held)
+    for route, request in (("/completion", {"prompt": "x", "stream_interval_ms": 1001}),
+                           ("/v1/completions", {"prompt": "x", "stream_interval_ms": -1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "stream_interval_ms": 2000})):
+        response = await http.post(route, json=request)
+        assert response.status_code == 400, (route, response.text)
+        assert "stream_interval_ms must be in 0..1000" in response.text, (route, response.text)
+
+
 # ---- cancel, auth, bad requests ------------------------------------------------------------------------------------
 
 

@@ -339,6 +339,45 @@ async def test_a_waiting_chunk_goes_out_when_its_interval_ends_however_long_the_
     assert arrival[1] < 3.0 < arrival[2], arrival  # it went out at the interval's end (1 s), not after the 3 s step
 
 
+async def test_a_request_sets_its_own_stream_interval(
+    stub: Stub, tokenizer: PreTrainedTokenizerBase, scripted: Callable[..., None],
+    stream_interval: Callable[[float], None]
+) -> None:
+    """A request's `stream_interval_ms` stands in for the server's, for its own stream: 0 hands each step's tokens
+    over at once under a server interval of a minute (Generate, Infill, and a Converse session's replies from its
+    start), and 1000 holds them beside a server interval of 0; outside 0..1000 is INVALID_ARGUMENT naming the field."""
+    text = "def add(a, b):\n    return a + b\n"
+    script = tokenizer(text, add_special_tokens=False).input_ids
+    slow = dict.fromkeys(range(len(script)), 0.2)  # steps long enough for the reader to keep up
+    stream_interval(60.0)
+    scripted(script, 1, slow)
+    chunks, _ = await collect(stub.Generate(greedy("x", len(script), stream_interval_ms=0)))
+    assert [list(c.token_ids) for c in chunks] == [[t] for t in script]
+    scripted(script, 1, slow)
+    chunks, _ = await collect(stub.Infill(pb.InfillRequest(prefix="x", suffix="\n", max_new_tokens=len(script),
+                                                           stream_interval_ms=0)))
+    assert [list(c.token_ids) for c in chunks] == [[t] for t in script]
+    scripted(script, 1, slow)
+    chat = Conversation(stub)
+    await chat.start(stream_interval_ms=0)
+    chunks, _, summary = await chat.turn("Write add.", max_new_tokens=len(script))
+    assert [list(c.token_ids) for c in chunks] == [[t] for t in script[:summary.generation.completion_tokens]]
+    await chat.close()
+    stream_interval(0.0)
+    scripted(script, 1, dict.fromkeys(range(len(script)), 0.02))
+    chunks, _ = await collect(stub.Generate(greedy("x", len(script), stream_interval_ms=1000)))
+    assert [list(c.token_ids) for c in chunks] == [script[:1], script[1:]]
+    for request in (stub.Generate(greedy("x", 4, stream_interval_ms=1001)),
+                    stub.Infill(pb.InfillRequest(prefix="x", stream_interval_ms=5000))):
+        error = await rpc_error(request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stream_interval_ms must be in 0..1000" in (error.details() or "")
+    call = stub.Converse()
+    await call.write(pb.ConverseRequest(start=pb.SessionStart(stream_interval_ms=1001)))
+    error = await rpc_error(call)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "start.stream_interval_ms" in (error.details() or "")
+
+
 # ---- Infill --------------------------------------------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from specrpc.config import Config, Limits
+from specrpc.config import MAX_STREAM_INTERVAL_MS, Config, Limits
 from specrpc.engine.constraint import MAX_GRAMMAR_BYTES, ConstraintKind, ConstraintSpec
 from specrpc.engine.generation import MAX_TOP_LOGPROBS
 from specrpc.engine.sampling import SamplingParams
@@ -263,6 +263,14 @@ def repo_name(value: str, name: str = "repo_name") -> str:
         raise InvalidRequest(f"{name} must be one line of at most {MAX_REPO_NAME} characters; got "
                              f"{len(value)} characters")
     return value
+
+
+def stream_interval(params: DecodeParams, value: int | None, name: str = "stream_interval_ms") -> DecodeParams:
+    """`params` with the request's stream interval (None: the server's), checked."""
+    if value is not None and not 0 <= value <= MAX_STREAM_INTERVAL_MS:
+        raise InvalidRequest(f"{name} must be in 0..{MAX_STREAM_INTERVAL_MS} (milliseconds between hand-overs of a "
+                             f"stream's tokens; 0 = each step's at once; unset = the server's); got {value}")
+    return replace(params, stream_interval_ms=value)
 
 
 def editor_params(params: DecodeParams, *, n_indent: int, max_time_ms: int, prefill_only: bool, logprobs: bool,

@@ -70,6 +70,7 @@ class DecodeParams:
     prediction: tuple[int, ...] = ()  # the client's predicted output, tokens of its text (a draft; empty: none)
     constraint: ConstraintSpec | None = None  # what the output must match (JSON schema, regex, grammar)
     shown_tokens: frozenset[int] = frozenset()  # special tokens the text shows (a tool format's call markers)
+    stream_interval_ms: int | None = None  # tokens handed over at most this often (None: the server's; 0: each step)
 
 
 @dataclass(frozen=True)
@@ -473,7 +474,8 @@ class Runtime:
         )
         job = Job(lease.slot, request, IncrementalDetokenizer(self.stream_decoder, prompt, params.shown_tokens),
                   StopMatcher(params.stop), loop, guard=LineGuard(params.n_indent),
-                  max_time_s=params.max_time_ms / 1e3, arrival=arrival)
+                  max_time_s=params.max_time_ms / 1e3, arrival=arrival,
+                  interval_s=None if params.stream_interval_ms is None else params.stream_interval_ms / 1e3)
 
         def finished() -> None:
             try:

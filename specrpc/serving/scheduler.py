@@ -87,6 +87,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     guard: LineGuard = field(default_factory=LineGuard)  # n_indent and the time budget (editor completions)
     max_time_s: float = 0.0  # time budget from the first token, ended at the next newline; 0: none
+    interval_s: float | None = None  # the request's stream interval (`post`); None: the scheduler's
     inbox: deque[Event] = field(default_factory=deque)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -222,7 +223,8 @@ class Scheduler:
     def __init__(self, engine: Engine, on_step: Callable[[Job, StepResult, float], None] | None = None,
                  batching: bool = True, stream_interval_s: float = 0.0) -> None:
         """`batching`: one batched engine step for all jobs (`--batching on`), else round-robin.
-        `stream_interval_s`: a job's reader is woken at most this often (its first chunk at once)."""
+        `stream_interval_s`: a job's reader is woken at most this often (its first chunk at once), unless the job
+        brings its own (`Job.interval_s`)."""
         self.engine = engine
         self.batching = batching
         self.stream_interval_s = stream_interval_s
@@ -431,7 +433,7 @@ class Scheduler:
         job.text.append(safe)
         if safe or result.token_ids:  # a prefill-only request ends without any
             job.post(Chunk(safe, result.token_ids, result.accepted, now, result.logprobs), wakes,
-                     self.stream_interval_s)
+                     self.stream_interval_s if job.interval_s is None else job.interval_s)
         if limited is not None:
             return self._done(job, limited, "")
         if stopped:

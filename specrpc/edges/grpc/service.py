@@ -279,6 +279,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         """`params` with the editor fields and the constraint of a Generate or Infill request, checked
         (validation.editor_params)."""
         params = replace(params, constraint=self._constraint(request.constraint))
+        params = validation.stream_interval(params, request.stream_interval_ms
+                                            if request.HasField("stream_interval_ms") else None)
         return validation.editor_params(params, n_indent=request.n_indent, max_time_ms=request.max_time_ms,
                                         prefill_only=request.prefill_only, logprobs=request.logprobs,
                                         top_logprobs=request.top_logprobs, max_new_tokens=request.max_new_tokens,
@@ -520,6 +522,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             wanted = validation.session_id(start.session_id, "start.session_id", header)
             self._decode_params(start.max_new_tokens, start.sampling if start.HasField("sampling") else None,
                                 list(start.stop), start.speculation if start.HasField("speculation") else None)
+            validation.stream_interval(DecodeParams(0), start.stream_interval_ms
+                                       if start.HasField("stream_interval_ms") else None, "start.stream_interval_ms")
             tools = tool_list(start.tools)
             choice = tool_choice(start.tool_choice, bool(tools)) if start.HasField("tool_choice") else None
             conversation.parallel = start.parallel_tool_calls if start.HasField("parallel_tool_calls") else True
@@ -536,6 +540,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 d.speculation if d.HasField("speculation") else None)
             params = self._decode_params(turn.max_new_tokens or d.max_new_tokens, sampling,
                                          [*d.stop, *reply_stops(self.runtime)], speculation)
+            if d.HasField("stream_interval_ms"):
+                params = replace(params, stream_interval_ms=d.stream_interval_ms)
             tools = tool_list(turn.tools)
             message = TurnInput(turn.role, turn.text, turn.tool_call_id, tools,
                                 tool_choice(turn.tool_choice, bool(tools or conversation.tools))

@@ -161,6 +161,8 @@ def openai_editor_options(body: Body, chat: bool) -> EditorOptions:
 
 SPECULATIVE = ("speculative.n_max", "speculative.n_min")
 """llama.cpp's per-request speculation fields, in its spelling (a dot inside the key), on every generation route."""
+STREAM_INTERVAL = "stream_interval_ms"
+"""The per-request stream interval on every generation route, spelled as gRPC's field (no API family has one)."""
 
 
 def speculative(body: Body, params: DecodeParams, config: Config) -> DecodeParams:
@@ -171,6 +173,13 @@ def speculative(body: Body, params: DecodeParams, config: Config) -> DecodeParam
     most = body.integer(most_name, 0, -(2**63), 2**63) if body.has(most_name) else None
     least = body.integer(least_name, 0, -(2**63), 2**63)
     return validation.draft_lengths(params, config, most, least, SPECULATIVE)
+
+
+def streamed(body: Body, params: DecodeParams) -> DecodeParams:
+    """`stream_interval_ms`, as gRPC's: how often at most a stream's tokens are handed over (0: each step's at once;
+    unset: the server's --stream-interval-ms), checked (validation.stream_interval)."""
+    value = body.integer(STREAM_INTERVAL, 0, -(2**63), 2**63) if body.has(STREAM_INTERVAL) else None
+    return validation.stream_interval(params, value, body.name(STREAM_INTERVAL))
 
 
 def response_format(body: Body) -> ConstraintSpec | None:
@@ -390,8 +399,9 @@ class HttpApi:
                                          "exclusive: send one, or set tool_choice to none")
         prompt = chat_prompt(self.gateway, messages, tools)
         params = apply_editor_options(decode(self, sampling, budget, reply_stops(rt)), options)
-        params = speculative(body, replace(params, constraint=calls or response_format(body),
-                                           shown_tokens=fmt.shown if calls else frozenset()), self.config)
+        params = streamed(body, speculative(body, replace(params, constraint=calls or response_format(body),
+                                                          shown_tokens=fmt.shown if calls else frozenset()),
+                                            self.config))
         params = validation.prediction(params, prediction_text(body), rt.encode_plain, rt.context_limit)
         stream, usage = stream_flags(body)
         reply = OpenAIReply(chat=True, model=rt.target_info.name, include_usage=usage, text=rt.token_text,
@@ -415,8 +425,8 @@ class HttpApi:
         sampling, budget = openai_sampling(body, 16, self.config.limits.max_new_tokens,  # OpenAI's default: 16
                                            self.config.limits.max_choices)
         options = openai_editor_options(body, chat=False)
-        params = speculative(body, replace(apply_editor_options(decode(self, sampling, budget), options),
-                                           constraint=response_format(body)), self.config)
+        params = streamed(body, speculative(body, replace(apply_editor_options(decode(self, sampling, budget), options),
+                                                          constraint=response_format(body)), self.config))
         params = validation.prediction(params, prediction_text(body), rt.encode_plain, rt.context_limit)
         if body.has("suffix"):  # fill-in-the-middle, as gRPC Infill: the model family's template
             fim = rt.infill_prompt(InfillInput(prefix=text, suffix=body.text("suffix")))
@@ -528,7 +538,7 @@ class HttpApi:
                                 prefill_only=n_predict == 0, logprobs=n_probs > 0, top_logprobs=n_probs)
         params = replace(apply_editor_options(decode(self, sampling, "n_predict", names=LLAMA_SAMPLING_NAMES), options,
                                               LLAMA_NAMES), constraint=llama_constraint(body))
-        params = speculative(body, params, self.config)
+        params = streamed(body, speculative(body, params, self.config))
         fields = [str(f) for f in body.items("response_fields")]
         settings = {"n_predict": n_predict, "temperature": sampling.temperature, "top_k": sampling.top_k,
                     "top_p": sampling.top_p, "seed": sampling.seed, "n_indent": options.n_indent,
