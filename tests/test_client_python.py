@@ -151,6 +151,24 @@ async def test_editor_fields_travel_and_come_back_typed(client: AsyncClient) -> 
     assert "logprobs" in err.value.details
 
 
+async def test_the_stream_interval_travels_only_when_set(client: AsyncClient) -> None:
+    """`stream_interval_ms=` on generate, infill and a session's start is sent as the request's field (0 included)
+    and left unset by default (the server's interval); the server's check reaches the client typed."""
+    from specrpc_client import _core
+
+    assert not _core.generate_request("x").HasField("stream_interval_ms")
+    assert _core.generate_request("x", editor=_core.EditorFields(stream_interval_ms=0)).HasField("stream_interval_ms")
+    assert _core.infill_request("x", editor=_core.EditorFields(stream_interval_ms=40)).stream_interval_ms == 40
+    assert not _core.session_start("s").start.HasField("stream_interval_ms")
+    assert _core.session_start("s", stream_interval_ms=0).start.HasField("stream_interval_ms")
+    fast = client.generate("def fibonacci(n):", max_new_tokens=8, stream_interval_ms=0)
+    assert sum([len(chunk.token_ids) async for chunk in fast]) == 8
+    for call in (client.generate("x", max_new_tokens=4, stream_interval_ms=1001),
+                 client.infill("a", "b", max_new_tokens=4, stream_interval_ms=5000)):
+        with pytest.raises(InvalidArgument, match=r"stream_interval_ms must be in 0\.\.1000"):
+            await call.result()
+
+
 async def test_prediction_and_rewrite_travel_and_come_back_typed(client: AsyncClient, server: Running) -> None:
     """`prediction=` on generate and infill reaches the server (its tokens counted in the typed summary); `rewrite()`
     streams the region and ends with it whole and its changed lines, on the async and the blocking client."""

@@ -231,6 +231,11 @@ class EditorFields:
     logprobs: bool = False
     top_logprobs: int = 0
     prediction: str = ""  # the output as the client predicts it: a draft, verified token by token
+    stream_interval_ms: int | None = None  # tokens handed over at most this often (None: the server's; 0: each step)
+
+    def fields(self) -> dict[str, object]:
+        """The request fields these set (an unset stream interval left out: the server's)."""
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 def generate_request(prompt: str | Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling | None = None,
@@ -241,11 +246,12 @@ def generate_request(prompt: str | Sequence[int], *, max_new_tokens: int = 0, sa
     n_indent (end before a new line indented less), max_time_ms (a time budget from the first token, ended at the
     next newline), prefill_only (only cache the prompt in the session), logprobs and top_logprobs (0..20),
     prediction (the output as predicted, for example the text being rewritten: the server drafts from it; the
-    output is the same without it, and the summary counts its accepted and rejected tokens). `constraint`: what
-    the output must match (a JSON Schema, a regex, a grammar, any JSON object)."""
+    output is the same without it, and the summary counts its accepted and rejected tokens), stream_interval_ms
+    (how often at most the server hands tokens over, 0..1000; 0: each step's at once; None: the server's).
+    `constraint`: what the output must match (a JSON Schema, a regex, a grammar, any JSON object)."""
     text, ids = (prompt, []) if isinstance(prompt, str) else ("", list(prompt))
     return pb.GenerateRequest(prompt=text, prompt_token_ids=ids, session_id=session_id,
-                              truncate_prompt=truncate_prompt, path=path, **vars(editor),
+                              truncate_prompt=truncate_prompt, path=path, **editor.fields(),
                               **_common(max_new_tokens, sampling, stop, speculation,
                                         constraint))  # type: ignore[arg-type]
 
@@ -262,7 +268,7 @@ def infill_request(prefix: str, suffix: str = "", *, extra_files: Sequence[Extra
     kind = FimLayout.parse(layout) if isinstance(layout, str) else layout
     return pb.InfillRequest(prefix=prefix, suffix=suffix, extra=extra_to_proto(extra_files), path=path,
                             session_id=session_id, typed_line=typed_line, repo_name=repo_name, truncate=truncate,
-                            layout=cast("pb.FimLayout.ValueType", int(kind)), **vars(editor),
+                            layout=cast("pb.FimLayout.ValueType", int(kind)), **editor.fields(),
                             **_common(max_new_tokens, sampling, stop, speculation,
                                       constraint))  # type: ignore[arg-type]
 
@@ -285,14 +291,18 @@ def rewrite_request(path: str, text: str, region_start: int, region_end: int, cu
 def session_start(session_id: str, *, system: str = "", phrase_mode: bool = True, sampling: Sampling | None = None,
                   speculation: Speculation | None = None, max_new_tokens: int = 0, stop: Sequence[str] = (),
                   tools: ToolDeclarations = (), tool_choice: ToolChoiceLike | None = None,
-                  parallel_tool_calls: bool | None = None) -> pb.ConverseRequest:
-    """The first message of a Converse stream; `tools` the replies may call, `tool_choice` (unset: auto with tools)
-    and `parallel_tool_calls` (unset: the server's default, true) are the session's defaults."""
+                  parallel_tool_calls: bool | None = None, stream_interval_ms: int | None = None
+                  ) -> pb.ConverseRequest:
+    """The first message of a Converse stream; `tools` the replies may call, `tool_choice` (unset: auto with tools),
+    `parallel_tool_calls` (unset: the server's default, true) and `stream_interval_ms` (unset: the server's) are the
+    session's defaults."""
     start = pb.SessionStart(session_id=session_id, system=system, phrase_mode=phrase_mode,
                             **_tool_fields(tools, tool_choice),  # type: ignore[arg-type]
                             **_common(max_new_tokens, sampling, stop, speculation))  # type: ignore[arg-type]
     if parallel_tool_calls is not None:
         start.parallel_tool_calls = parallel_tool_calls
+    if stream_interval_ms is not None:
+        start.stream_interval_ms = stream_interval_ms
     return pb.ConverseRequest(start=start)
 
 

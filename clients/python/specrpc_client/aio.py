@@ -275,7 +275,7 @@ class AsyncClient:
                  truncate_prompt: bool = False, path: str = "", n_indent: int = 0, max_time_ms: int = 0,
                  prefill_only: bool = False, logprobs: bool = False, top_logprobs: int = 0,
                  prediction: str = "", constraint: Constraint | None = None,
-                 timeout: Timeout = UNSET) -> AsyncGeneration:
+                 stream_interval_ms: int | None = None, timeout: Timeout = UNSET) -> AsyncGeneration:
         """Continue a prompt (text or token ids; `path`: the file the text opens); the stream starts now. Call
         inside a running event loop. Editor fields: `n_indent` ends before a new line indented less than that many
         characters, `max_time_ms` ends at the next newline once that budget from the first token is spent,
@@ -289,7 +289,7 @@ class AsyncClient:
                                          speculation=speculation, session_id=session_id,
                                          truncate_prompt=truncate_prompt, path=path,
                                          editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
-                                                                   top_logprobs, prediction),
+                                                                   top_logprobs, prediction, stream_interval_ms),
                                          constraint=constraint)
         return self._stream("Generate", request, session_id, self._timeout(timeout))
 
@@ -311,7 +311,7 @@ class AsyncClient:
                repo_name: str = "", truncate: bool = False, layout: FimLayout | str = FimLayout.UNSPECIFIED,
                n_indent: int = 0, max_time_ms: int = 0, prefill_only: bool = False, logprobs: bool = False,
                top_logprobs: int = 0, prediction: str = "", constraint: Constraint | None = None,
-               timeout: Timeout = UNSET) -> AsyncGeneration:
+               stream_interval_ms: int | None = None, timeout: Timeout = UNSET) -> AsyncGeneration:
         """Fill in the middle between prefix and suffix (extra_files: other files as context; typed_line: the
         current line's text before the cursor when sent apart from prefix; repo_name: the repository, for families
         with a repository token; truncate: trim the prompt to fit the context instead of failing; layout: a
@@ -321,7 +321,7 @@ class AsyncClient:
                                        speculation=speculation, session_id=session_id, typed_line=typed_line,
                                        repo_name=repo_name, truncate=truncate, layout=layout,
                                        editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
-                                                                 top_logprobs, prediction),
+                                                                 top_logprobs, prediction, stream_interval_ms),
                                        constraint=constraint)
         return self._stream("Infill", request, session_id, self._timeout(timeout))
 
@@ -473,19 +473,22 @@ class VoiceSession:
     default with tools), 'none', 'required', a function's name or a ToolChoice; parallel_tool_calls: whether a
     reply may make several calls (unset: yes). A reply's calls are in `reply.tool_calls` (and its events); answer
     a call with `tool_result(call, result)`, several with `tool_results([(call, result), ...])` (one reply for all).
+    stream_interval_ms: how often at most the server hands a reply's tokens over (0: each step's at once, for word
+    by word speech; unset: the server's --stream-interval-ms).
     """
 
     def __init__(self, client: AsyncClient, session_id: str | None = None, *, system: str = "",
                  phrase_mode: bool = True, sampling: Sampling | None = None, speculation: Speculation | None = None,
                  max_new_tokens: int = 0, stop: Sequence[str] = (), tools: ToolDeclarations = (),
                  tool_choice: ToolChoiceLike | None = None, parallel_tool_calls: bool | None = None,
-                 timeout: float | None = None) -> None:
+                 stream_interval_ms: int | None = None, timeout: float | None = None) -> None:
         self.client = client
         self.session_id = session_id or uuid.uuid4().hex
         self._start = _core.session_start(self.session_id, system=system, phrase_mode=phrase_mode,
                                           sampling=sampling, speculation=speculation,
                                           max_new_tokens=max_new_tokens, stop=stop, tools=tools,
-                                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
+                                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                                          stream_interval_ms=stream_interval_ms)
         self.timeout = timeout
         self.started: SessionStarted | None = None
         self._call: Any = None

@@ -231,13 +231,13 @@ class Client:
                  truncate_prompt: bool = False, path: str = "", n_indent: int = 0, max_time_ms: int = 0,
                  prefill_only: bool = False, logprobs: bool = False, top_logprobs: int = 0,
                  prediction: str = "", constraint: Constraint | None = None,
-                 timeout: Timeout = UNSET) -> Generation:
+                 stream_interval_ms: int | None = None, timeout: Timeout = UNSET) -> Generation:
         """Continue a prompt (the parameters of AsyncClient.generate)."""
         request = _core.generate_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                          speculation=speculation, session_id=session_id,
                                          truncate_prompt=truncate_prompt, path=path,
                                          editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
-                                                                   top_logprobs, prediction),
+                                                                   top_logprobs, prediction, stream_interval_ms),
                                          constraint=constraint)
         return self._stream("Generate", request, session_id, self._timeout(timeout))
 
@@ -259,14 +259,14 @@ class Client:
                repo_name: str = "", truncate: bool = False, layout: FimLayout | str = FimLayout.UNSPECIFIED,
                n_indent: int = 0, max_time_ms: int = 0, prefill_only: bool = False, logprobs: bool = False,
                top_logprobs: int = 0, prediction: str = "", constraint: Constraint | None = None,
-               timeout: Timeout = UNSET) -> Generation:
+               stream_interval_ms: int | None = None, timeout: Timeout = UNSET) -> Generation:
         """Fill in the middle between prefix and suffix (the parameters of AsyncClient.infill)."""
         request = _core.infill_request(prefix, suffix, extra_files=extra_files, path=path,
                                        max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                        speculation=speculation, session_id=session_id, typed_line=typed_line,
                                        repo_name=repo_name, truncate=truncate, layout=layout,
                                        editor=_core.EditorFields(n_indent, max_time_ms, prefill_only, logprobs,
-                                                                 top_logprobs, prediction),
+                                                                 top_logprobs, prediction, stream_interval_ms),
                                        constraint=constraint)
         return self._stream("Infill", request, session_id, self._timeout(timeout))
 
@@ -285,18 +285,20 @@ class Conversation:
     """A blocking Converse session: `say(text)` yields the reply's chunks, phrases (phrase mode), tool calls and
     TurnSummary; `tool_result(call, result)` answers a call, `tool_results([(call, result), ...])` several at once
     (one reply); `cancel()` (any thread) stops the reply in flight; `rewind(n)` keeps n spoken characters of the
-    last reply. `tools`, `tool_choice` and `parallel_tool_calls` as in VoiceSession."""
+    last reply. `tools`, `tool_choice`, `parallel_tool_calls` and `stream_interval_ms` as in VoiceSession."""
 
     def __init__(self, client: Client, session_id: str | None = None, *, system: str = "", phrase_mode: bool = False,
                  sampling: Sampling | None = None, speculation: Speculation | None = None, max_new_tokens: int = 0,
                  stop: Sequence[str] = (), tools: ToolDeclarations = (), tool_choice: ToolChoiceLike | None = None,
-                 parallel_tool_calls: bool | None = None, timeout: float | None = None) -> None:
+                 parallel_tool_calls: bool | None = None, stream_interval_ms: int | None = None,
+                 timeout: float | None = None) -> None:
         self.client = client
         self.session_id = session_id or uuid.uuid4().hex
         self._start = _core.session_start(self.session_id, system=system, phrase_mode=phrase_mode,
                                           sampling=sampling, speculation=speculation,
                                           max_new_tokens=max_new_tokens, stop=stop, tools=tools,
-                                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
+                                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                                          stream_interval_ms=stream_interval_ms)
         self.timeout = timeout
         self.started: SessionStarted | None = None
         self._requests: queue.Queue[Any] = queue.Queue()

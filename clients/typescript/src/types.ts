@@ -85,6 +85,9 @@ export interface EditorOptions {
   logprobs?: boolean;
   /** With logprobs: also this many most likely tokens per position, 0..20. */
   topLogprobs?: number;
+  /** How often at most, in milliseconds, the server hands this stream's tokens over, 0..1000: 0 = each verify step's
+   * tokens at once (a client that times every token); unset = the server's --stream-interval-ms. */
+  streamIntervalMs?: number;
 }
 
 /** A JSON Schema: an object (sent as its JSON text) or its JSON text. */
@@ -373,13 +376,15 @@ export function speculationToProto(s: SpeculationOptions | undefined): Speculati
   });
 }
 
-/** The request fields of EditorOptions (unset = off). */
+/** The request fields of EditorOptions (unset = off; an unset stream interval is left out: the server's). */
 export function editorToProto(o: EditorOptions): {
   nIndent: number; maxTimeMs: number; prefillOnly: boolean; logprobs: boolean; topLogprobs: number;
+  streamIntervalMs?: number;
 } {
   return {
     nIndent: o.nIndent ?? 0, maxTimeMs: o.maxTimeMs ?? 0, prefillOnly: o.prefillOnly ?? false,
     logprobs: o.logprobs ?? false, topLogprobs: o.topLogprobs ?? 0,
+    ...(o.streamIntervalMs === undefined ? {} : { streamIntervalMs: o.streamIntervalMs }),
   };
 }
 

@@ -180,6 +180,15 @@ describe("SpecrpcClient against specrpc serve", { skip }, () => {
     assert.equal(next.cachedPromptTokens, warm.promptTokens - 1);
   });
 
+  test("streamIntervalMs travels as the request's field: 0 streams, out of range is INVALID_ARGUMENT", async () => {
+    const events = await collect(client.complete("def fibonacci(n):", { maxNewTokens: 8, streamIntervalMs: 0 }));
+    const tokens = events.filter((e) => e.type === "chunk").flatMap((c) => c.tokenIds);
+    assert.equal(tokens.length, 8);
+    await assert.rejects(client.infill("a", "b", { maxNewTokens: 4, streamIntervalMs: 1001 }).result(),
+      (e: unknown) => e instanceof ConnectError && e.code === Code.InvalidArgument &&
+        e.message.includes("stream_interval_ms must be in 0..1000"));
+  });
+
   test("AbortSignal mid-stream ends the iteration quietly as cancelled", async () => {
     const controller = new AbortController();
     const gen = client.complete("Once upon a time", {
