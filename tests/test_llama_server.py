@@ -133,6 +133,25 @@ def test_starts_mode_serves_with_the_bench_model_options() -> None:
         assert command[command.index(flag) + 1] == value
 
 
+def test_starts_mode_divides_each_modes_rate_at_a_requested_stream_interval_by_its_rate_at_the_servers() -> None:
+    """`--starts N --stream-intervals 0,50`: per start and mode, the median rate of its requests asking for each
+    interval ÷ its median at the server's own interval, one column per interval and mode."""
+    from specrpc.bench.starts import MODES, against_server_interval, interval_name, markdown
+
+    medians = {"adaptive": 600.0, "k=3": 500.0, "k=0": 250.0}
+    medians |= {interval_name(m, 0): r * 0.9 for m, r in list(medians.items())}
+    medians |= {interval_name(m, 50): r * 1.05 for m, r in list(medians.items()) if "@" not in m}
+    ratios = against_server_interval(medians, (0, 50))
+    assert set(ratios) == set(MODES) and interval_name("k=0", 0) == "k=0 @0 ms"
+    assert all(ratios[m][0] == pytest.approx(0.9) and ratios[m][50] == pytest.approx(1.05) for m in MODES)
+    spread = {name: {"min": 1.0, "median": 1.0, "max": 1.0} for name in MODES}
+    start = {"median_tokens_per_s": medians, "ratio": 2.4, "intervals": ratios}
+    table = markdown({"pair": "Pair: `x`", "starts": [start], "spread": spread, "cases": 2, "threads": 2,
+                      "dtype": "float32", "weights": "dtype"})
+    assert "| start | adaptive @0 ms | k=3 @0 ms | k=0 @0 ms | adaptive @50 ms | k=3 @50 ms | k=0 @50 ms |" in table
+    assert "| 1 | 0.900× | 0.900× | 0.900× | 1.050× | 1.050× | 1.050× |" in table
+
+
 def test_starts_mode_compares_each_start_with_llama_cpp_plain_and_its_best() -> None:
     """`--starts N --llama-server …`: per start, adaptive and k = 0 ÷ llama.cpp plain (the first peer), adaptive ÷
     the fastest of its settings in that start; identical where ours (stopping at end of text) starts its reply."""

@@ -22,7 +22,7 @@ from specrpc.bench.common import machine_line, pair_line, percentile
 from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
 from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs, sweep
 from specrpc.bench.workloads import Case, build_cases
-from specrpc.config import Config, EngineConfig, Limits, ServerConfig
+from specrpc.config import MAX_STREAM_INTERVAL_MS, Config, EngineConfig, Limits, ServerConfig
 from specrpc.engine.generation import StepResult
 from specrpc.engine.policy import expected_tokens
 from specrpc.engine.sampling import SamplingParams
@@ -593,6 +593,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the start-to-start spread: `specrpc serve` started N times, the same prompts "
                              "each time, median decode tokens/s of adaptive and k=0 per start through gRPC; with "
                              "--llama-server, each prompt through llama.cpp's contenders too (bench/starts.py)")
+    parser.add_argument("--stream-intervals", default="", metavar="MS,…",
+                        help="with --starts N: each mode also with its requests asking for each of these stream "
+                             "intervals (stream_interval_ms, 0..1000), interleaved in the same start, ÷ the server's "
+                             "own")
     parser.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
                         help="with --starts N: N rounds alternating a server of this checkout and one of CHECKOUT "
                              "(another revision of specrpc, its stubs generated), identical tokens checked")
@@ -639,8 +643,14 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / "against.md").write_text(starts.compare_markdown(compared))
             print(starts.compare_markdown(compared))
             return 0 if compared["identical_tokens"] else 1
+        try:
+            intervals = tuple(int(x) for x in args.stream_intervals.split(",") if x)
+        except ValueError:
+            parser.error(f"--stream-intervals: comma-separated milliseconds; got {args.stream_intervals!r}")
+        if any(not 0 <= ms <= MAX_STREAM_INTERVAL_MS for ms in intervals):
+            parser.error(f"--stream-intervals: each in 0..{MAX_STREAM_INTERVAL_MS}")
         spread = starts.run(cases, args.starts, args.target, args.draft, args.threads, args.dtype, args.weights,
-                            peers, args.out)
+                            peers, args.out, intervals)
         (args.out / "starts.json").write_text(json.dumps(spread, indent=2))
         (args.out / "starts.md").write_text(starts.markdown(spread))
         print(starts.markdown(spread))

@@ -9,6 +9,10 @@ modes learn from the replies they gave, and every start repeats the prompts), ev
 the same turn as ours (its rate from its own timings): per start, adaptive and k = 0 ÷ llama.cpp plain and adaptive
 ÷ its best setting in that start, the comparison of a user's server and a user's llama.cpp.
 
+With `--stream-intervals MS,…` every mode also runs with each request asking for that stream interval
+(`stream_interval_ms`), interleaved with the rest in the same start: per start, each mode's rate at each interval ÷
+its rate at the server's own (what handing tokens over costs, measured by a shipped command in one server).
+
 With `--against CHECKOUT` the starts alternate between this checkout's server and another checkout's (the same
 interpreter and models, its code), round by round with the first one alternating: per mode the median over rounds of
 this ÷ that, and whether every request's tokens were the same (a redesign's before-and-after)."""
@@ -51,12 +55,20 @@ def serve_command(target: str, draft: str, port: int, threads: int, dtype: str, 
     return command + (["--threads", str(threads)] if threads else [])
 
 
-async def decode_rate(stub: pb_grpc.GeneratorStub, case: Case, k: int | None) -> tuple[float, list[int]]:
+def interval_name(mode: str, interval_ms: int) -> str:
+    """The contender of `mode` whose requests ask for a stream interval of `interval_ms` ("adaptive @0 ms")."""
+    return f"{mode} @{interval_ms} ms"
+
+
+async def decode_rate(stub: pb_grpc.GeneratorStub, case: Case, k: int | None, interval_ms: int | None = None
+                      ) -> tuple[float, list[int]]:
     """One greedy request's decode tokens/s as the client sees it (0 when it produced fewer than two tokens), and its
-    tokens."""
+    tokens; `interval_ms`: the request's stream interval (None: the server's)."""
     spec = pb.SpeculationParams() if k is None else pb.SpeculationParams(num_draft_tokens=k)
     common: dict[str, Any] = {"max_new_tokens": case.max_new_tokens, "sampling": pb.SamplingParams(temperature=0.0),
                               "speculation": spec}
+    if interval_ms is not None:
+        common["stream_interval_ms"] = interval_ms
     call: Any = (stub.Generate(pb.GenerateRequest(prompt=case.prompt, **common)) if case.suffix is None
                  else stub.Infill(pb.InfillRequest(prefix=case.prompt, suffix=case.suffix, **common)))
     t0 = time.perf_counter()
@@ -76,20 +88,24 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Case],
-                    peers: dict[str, Runner] | None = None, prompts: list[list[int]] | None = None) -> dict[str, Any]:
-    """Every case through each mode and each llama-server contender of `peers` (given `prompts`, the cases' token
-    ids), alternating which goes first; the medians per contender."""
+                    peers: dict[str, Runner] | None = None, prompts: list[list[int]] | None = None,
+                    intervals: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Every case through each mode (and each mode at each of `intervals`, the requests' stream interval) and each
+    llama-server contender of `peers` (given `prompts`, the cases' token ids), alternating which goes first; the
+    medians per contender."""
     peers = peers or {}
+    ours: dict[str, tuple[int | None, int | None]] = {name: (k, None) for name, k in MODES.items()}
+    ours |= {interval_name(name, ms): (k, ms) for ms in intervals for name, k in MODES.items()}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         await wait_serving(channel, process)
         stub = pb_grpc.GeneratorStub(channel)
-        names = [*MODES, *peers]
+        names = [*ours, *peers]
         rates: dict[str, list[float]] = {name: [] for name in names}
         tokens: dict[str, list[list[int]]] = {name: [] for name in names}
         for i, case in enumerate(cases):
             for name in names if i % 2 == 0 else list(reversed(names)):
-                if name in MODES:
-                    rate, ids = await decode_rate(stub, case, MODES[name])
+                if name in ours:
+                    rate, ids = await decode_rate(stub, case, *ours[name])
                 else:
                     assert prompts is not None
                     run = await asyncio.to_thread(peers[name], prompts[i], case.max_new_tokens, GREEDY)
@@ -101,7 +117,15 @@ async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Cas
            "ratio": medians["adaptive"] / medians["k=0"] if medians["k=0"] else 0.0}
     if peers:
         out["llama_cpp"] = against_peers(medians, tokens, list(peers))
+    if intervals:
+        out["intervals"] = against_server_interval(medians, intervals)
     return out
+
+
+def against_server_interval(medians: dict[str, float], intervals: tuple[int, ...]) -> dict[str, dict[int, float]]:
+    """Per mode, its median rate with each requested stream interval ÷ its median at the server's own."""
+    return {name: {ms: medians[interval_name(name, ms)] / medians[name] if medians[name] else 0.0
+                   for ms in intervals} for name in MODES}
 
 
 def against_peers(medians: dict[str, float], tokens: dict[str, list[list[int]]], peers: list[str]) -> dict[str, Any]:
@@ -121,21 +145,24 @@ def against_peers(medians: dict[str, float], tokens: dict[str, list[list[int]]],
 
 
 def start_once(cases: list[Case], command: list[str], port: int, cwd: str | None = None,
-               peers: dict[str, Runner] | None = None, prompts: list[list[int]] | None = None) -> dict[str, Any]:
-    """One server start (from `cwd`: its checkout's code), every case through each mode (and each of `peers`);
-    stopped after."""
+               peers: dict[str, Runner] | None = None, prompts: list[list[int]] | None = None,
+               intervals: tuple[int, ...] = ()) -> dict[str, Any]:
+    """One server start (from `cwd`: its checkout's code), every case through each mode (at each of `intervals` too,
+    and through each of `peers`); stopped after."""
     process = subprocess.Popen(command, env=os.environ.copy(), cwd=cwd)
     try:
-        return asyncio.run(one_start(port, process, cases, peers, prompts))
+        return asyncio.run(one_start(port, process, cases, peers, prompts, intervals))
     finally:
         process.terminate()
         process.wait(30)
 
 
 def run(cases: list[Case], starts: int, target: str, draft: str, threads: int, dtype: str,
-        weights: str, peers: list[LlamaServerSpec] | None = None, logs: Path | None = None) -> dict[str, Any]:
+        weights: str, peers: list[LlamaServerSpec] | None = None, logs: Path | None = None,
+        intervals: tuple[int, ...] = ()) -> dict[str, Any]:
     """`starts` server starts, one after the other, the same cases each time; with `peers` (llama-server
-    contenders, the plain one first; their logs under `logs`), every case through each of them too."""
+    contenders, the plain one first; their logs under `logs`), every case through each of them too; with
+    `intervals`, every mode at each requested stream interval too."""
     out: list[dict[str, Any]] = []
     prompts: list[list[int]] | None = None
     if peers:
@@ -154,7 +181,7 @@ def run(cases: list[Case], starts: int, target: str, draft: str, threads: int, d
                 runners[spec.name] = runner
             port = free_port()
             result = start_once(cases, serve_command(target, draft, port, threads, dtype, weights), port,
-                                peers=runners, prompts=prompts)
+                                peers=runners, prompts=prompts, intervals=intervals)
         out.append(result)
         m = result["median_tokens_per_s"]
         print(f"start {i + 1}/{starts}: adaptive {m['adaptive']:.1f} tokens/s, k=0 {m['k=0']:.1f} "
@@ -235,5 +262,15 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {i + 1} | {s['median_tokens_per_s'][peer['plain']]:.1f} | {peer['k0_vs_plain']:.2f}× | "
                          f"{peer['adaptive_vs_plain']:.2f}× | {peer['adaptive_vs_best']:.2f}× ({peer['best']}) | "
                          f"{peer['identical'][peer['plain']]:.2f} |")
+        lines.append("")
+    if "intervals" in results["starts"][0]:
+        intervals = list(results["starts"][0]["intervals"]["adaptive"])
+        lines += ["Each mode with its requests asking for a stream interval (`stream_interval_ms`), ÷ the same mode at "
+                  "the server's own, interleaved in each start:", "",
+                  "| start | " + " | ".join(f"{m} @{ms} ms" for ms in intervals for m in MODES) + " |",
+                  "| --- |" + " --- |" * (len(intervals) * len(MODES))]
+        for i, s in enumerate(results["starts"]):
+            lines.append(f"| {i + 1} | " + " | ".join(f"{s['intervals'][m][ms]:.3f}×" for ms in intervals
+                                                        for m in MODES) + " |")
         lines.append("")
     return "\n".join(lines)
