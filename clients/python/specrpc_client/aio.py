@@ -284,7 +284,8 @@ class AsyncClient:
         output as predicted (for example the region being rewritten): the server drafts from it, the output is the
         same without it, and the summary counts its accepted and rejected tokens (Infill takes it too).
         `constraint`: what the output must match, for example `Constraint(json_schema={...})` (Infill takes it
-        too); a bad schema or grammar is InvalidArgument."""
+        too); a bad schema or grammar is InvalidArgument. `stream_interval_ms`: how often at most the server hands
+        tokens over, 0..1000 (0: each step's at once, for a client that times every token; unset: the server's)."""
         request = _core.generate_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                          speculation=speculation, session_id=session_id,
                                          truncate_prompt=truncate_prompt, path=path,
