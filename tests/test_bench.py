@@ -95,6 +95,17 @@ def test_realistic_mode_reports_costs_and_simulated_speedups_at_scaled_shapes(tm
     assert "measured costs, simulated acceptance" in (tmp_path / "realistic.md").read_text()
 
 
+def test_a_requests_figures_rate_its_decode_and_nothing_without_two_tokens() -> None:
+    """`request_figures`' tokens/s is the tokens after the first ÷ the time after the first, as every other rate of
+    the bench (`decode_rate`); a request that made no token or one has none, never a negative one."""
+    from specrpc.bench.contenders import Run
+    from specrpc.bench.run import request_figures
+
+    assert request_figures(Run([1, 2, 3, 4, 5], ttft_s=0.1, total_s=0.5))["tokens_per_s"] == pytest.approx(10.0)
+    assert request_figures(Run([], ttft_s=0.1, total_s=0.3))["tokens_per_s"] == 0.0
+    assert request_figures(Run([7], ttft_s=0.1, total_s=0.3))["tokens_per_s"] == 0.0
+
+
 def test_simulated_verifier_accepts_until_the_first_rejection() -> None:
     import torch
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from specrpc.bench.common import machine_line, pair_line, percentile
-from specrpc.bench.contenders import Run, Runner, engine_runner, hf_runner
+from specrpc.bench.contenders import Run, Runner, decode_rate, engine_runner, hf_runner
 from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs, sweep
 from specrpc.bench.workloads import Case, build_cases
 from specrpc.config import MAX_STREAM_INTERVAL_MS, Config, EngineConfig, Limits, ServerConfig
@@ -60,9 +60,7 @@ def summarize(runs: list[Run]) -> dict[str, float]:
 def request_figures(r: Run) -> dict[str, float]:
     """One request's figures, kept beside a contender's summary so that a run whose summary surprises can be read
     request by request (where a policy drafted little, where a step stalled)."""
-    decode_s = r.total_s - r.ttft_s
-    return {"tokens": len(r.tokens), "ttft_ms": r.ttft_s * 1e3,
-            "tokens_per_s": (len(r.tokens) - 1) / decode_s if decode_s > 0 else 0.0,
+    return {"tokens": len(r.tokens), "ttft_ms": r.ttft_s * 1e3, "tokens_per_s": decode_rate(r),
             "steps": r.steps, "proposed": r.proposed, "accepted": r.accepted,
             "mean_k": statistics.fmean(r.ks) if r.ks else 0.0,
             "longest_gap_ms": max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)),
