@@ -150,6 +150,13 @@ def test_starts_mode_divides_each_modes_rate_at_a_requested_stream_interval_by_i
                       "dtype": "float32", "weights": "dtype"})
     assert "| start | adaptive @0 ms | k=3 @0 ms | k=0 @0 ms | adaptive @50 ms | k=3 @50 ms | k=0 @50 ms |" in table
     assert "| 1 | 0.900× | 0.900× | 0.900× | 1.050× | 1.050× | 1.050× |" in table
+    from specrpc.cli import main as cli_main
+
+    for argv in (["--stream-intervals", "0"], ["--starts", "1", "--stream-intervals", "fast"],
+                 ["--starts", "1", "--stream-intervals", "1001"]):  # refused before any server starts
+        with pytest.raises(SystemExit) as refused:
+            cli_main(["bench", *argv])
+        assert refused.value.code == 2, argv
 
 
 def test_starts_mode_compares_each_start_with_llama_cpp_plain_and_its_best() -> None:

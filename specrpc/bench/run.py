@@ -623,6 +623,15 @@ def main(argv: list[str] | None = None) -> int:
                       sweep(args.llama_spec))
     except ValueError as exc:
         parser.error(str(exc))
+    if args.stream_intervals and (not args.starts or args.against is not None):
+        parser.error("--stream-intervals goes with --starts N (and not with --against): each start's modes run at "
+                     "each interval too")
+    try:
+        intervals = tuple(int(x) for x in args.stream_intervals.split(",") if x)
+    except ValueError:
+        parser.error(f"--stream-intervals: comma-separated milliseconds; got {args.stream_intervals!r}")
+    if any(not 0 <= ms <= MAX_STREAM_INTERVAL_MS for ms in intervals):
+        parser.error(f"--stream-intervals: each in 0..{MAX_STREAM_INTERVAL_MS}")
     if peers and args.temperature != 0:
         parser.error("the llama.cpp contenders run greedy only: use --temperature 0 or leave out --llama-server")
     if args.starts:
@@ -641,12 +650,6 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / "against.md").write_text(starts.compare_markdown(compared))
             print(starts.compare_markdown(compared))
             return 0 if compared["identical_tokens"] else 1
-        try:
-            intervals = tuple(int(x) for x in args.stream_intervals.split(",") if x)
-        except ValueError:
-            parser.error(f"--stream-intervals: comma-separated milliseconds; got {args.stream_intervals!r}")
-        if any(not 0 <= ms <= MAX_STREAM_INTERVAL_MS for ms in intervals):
-            parser.error(f"--stream-intervals: each in 0..{MAX_STREAM_INTERVAL_MS}")
         spread = starts.run(cases, args.starts, args.target, args.draft, args.threads, args.dtype, args.weights,
                             peers, args.out, intervals)
         (args.out / "starts.json").write_text(json.dumps(spread, indent=2))
