@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.cpp", "transform.cpp", "bandwidth.cpp",
                                                           "multiply.cpp"))
+HEADERS = (Path(__file__).with_name("vector.h"),)  # included by the sources: part of what a built library is of
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi")
 
 
@@ -70,7 +71,7 @@ def build(compiler: str | None = None) -> Path | None:
     if cxx is None:
         log.warning("native decode: no C++ compiler found; the torch forward serves every step")
         return None
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     flags = _flags()
     key = hashlib.sha256("\0".join([*texts, cxx, *flags, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"decode-{key}.so"

@@ -8,15 +8,8 @@
 #include <omp.h>
 
 #include <cstdint>
-#include <cstring>
 
-typedef float v16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX2 ones
-
-static inline v16 load16(const float* p) {
-    v16 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
+#include "vector.h"
 
 // Enough independent adds in flight that the loads, not the adds, set the pace: 8 registers of 16 lanes with AVX-512,
 // 4 of them (8 registers of 8) with AVX2, whose 16 registers would otherwise spill.

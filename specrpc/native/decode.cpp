@@ -19,6 +19,8 @@
 #include <unistd.h>
 #endif
 
+#include "vector.h"
+
 struct Layer {  // projections: float [N, K], or int8 [N, K] with float scales [N] (the *_scale, null for float)
     const float* attn_norm;  // [d]
     const void* qkv;         // [(hq + 2 hkv) dh, d]
@@ -97,14 +99,6 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
     return acc;
 }
 
-typedef float v16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX2 ones
-
-static inline v16 load16(const float* p) {
-    v16 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-
 static inline v16 load16(const int8_t* p) {  // 16 int8 weights as floats (exact), widened in registers
     v16 v;
 #if defined(__AVX512F__)
@@ -120,24 +114,6 @@ static inline v16 load16(const int8_t* p) {  // 16 int8 weights as floats (exact
     for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
 #endif
     return v;
-}
-
-static inline v16 fma16(v16 a, v16 b, v16 c) {  // a * b + c, rounded once, the same on every path
-#if defined(__AVX512F__)
-    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-    __m256 a2[2], b2[2], c2[2];
-    std::memcpy(a2, &a, sizeof a);
-    std::memcpy(b2, &b, sizeof b);
-    std::memcpy(c2, &c, sizeof c);
-    c2[0] = _mm256_fmadd_ps(a2[0], b2[0], c2[0]);
-    c2[1] = _mm256_fmadd_ps(a2[1], b2[1], c2[1]);
-    std::memcpy(&c, c2, sizeof c);
-    return c;
-#else
-    for (int i = 0; i < 16; ++i) c[i] = std::fma(a[i], b[i], c[i]);
-    return c;
-#endif
 }
 
 static inline v16 splat(float x) {  // x in every lane

@@ -4,33 +4,13 @@
 // weight bytes ÷ the read rate do: a verify of several tokens reads the weights once but multiplies each token. Float
 // products: 16-lane fused multiply-adds (one AVX-512 register, two AVX2 ones); int8 products with VNNI: vpdpbusd, 64
 // multiply-adds an instruction. Built into the same library as decode.cpp (specrpc/native/__init__.py).
-#include <immintrin.h>
 #include <omp.h>
 
 #include <cstdint>
-#include <cstring>
 
-typedef float v16 __attribute__((vector_size(64)));
+#include "vector.h"
 
 constexpr int CHAINS = 10;  // accumulators in flight: latency 4-5 × up to 2 issued a cycle, with room
-
-static inline v16 fma16(v16 a, v16 b, v16 c) {  // as decode.cpp's: one rounding, AVX-512 or two AVX2 halves
-#if defined(__AVX512F__)
-    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-    __m256 a2[2], b2[2], c2[2];
-    std::memcpy(a2, &a, sizeof a);
-    std::memcpy(b2, &b, sizeof b);
-    std::memcpy(c2, &c, sizeof c);
-    c2[0] = _mm256_fmadd_ps(a2[0], b2[0], c2[0]);
-    c2[1] = _mm256_fmadd_ps(a2[1], b2[1], c2[1]);
-    std::memcpy(&c, c2, sizeof c);
-    return c;
-#else
-    for (int i = 0; i < 16; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
-    return c;
-#endif
-}
 
 // `rounds` × CHAINS float multiply-adds of 16 lanes on each of `threads` threads: the multiply-adds done (the values
 // summed into `sink` so that none is left out).
