@@ -201,6 +201,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def on_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's threads set to the test's parameter for the test (indirect parametrization), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def tiny_llama(path: Path) -> Path:
     """A small random Llama checkpoint at `path` (a forward well under a millisecond)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -298,8 +307,8 @@ def test_a_stalled_torch_forward_is_chosen_at_no_count(tmp_path: Path, monkeypat
     assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native_rows == native_step.MAX_TOKENS
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_the_bandwidth_reader_reads_every_value_once_a_pass(threads: int) -> None:
+@pytest.mark.parametrize("on_threads", [1, 3], indirect=True)
+def test_the_bandwidth_reader_reads_every_value_once_a_pass(on_threads: int) -> None:
     """bandwidth.cpp's reader, what `specrpc bench floor` times: the sum it returns of a buffer of small whole
     numbers (exact in float32 in any order) read 3 times is exactly 3 × torch's sum, for lengths under one block and
     not a multiple of the block or of the threads' shares, from an address off the vector width: a value skipped or
@@ -307,31 +316,21 @@ def test_the_bandwidth_reader_reads_every_value_once_a_pass(threads: int) -> Non
     requires_native()
     lib = native.library()
     assert lib is not None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for n in (37, 64 * 3 + 5, 100_003):
-            values = torch.randint(1, 8, (n + 1,), generator=torch.Generator().manual_seed(n)).float()  # [n + 1]
-            x = values[1:]  # [n], 4 bytes past an aligned start
-            assert native.read_sum(lib, x, 3) == 3 * float(x.sum()), n
-    finally:
-        torch.set_num_threads(before)
+    for n in (37, 64 * 3 + 5, 100_003):
+        values = torch.randint(1, 8, (n + 1,), generator=torch.Generator().manual_seed(n)).float()  # [n + 1]
+        x = values[1:]  # [n], 4 bytes past an aligned start
+        assert native.read_sum(lib, x, 3) == 3 * float(x.sum()), n
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_the_multiply_loop_counts_the_multiply_adds_of_every_thread(threads: int) -> None:
+@pytest.mark.parametrize("on_threads", [1, 3], indirect=True)
+def test_the_multiply_loop_counts_the_multiply_adds_of_every_thread(on_threads: int) -> None:
     """multiply.cpp's loops, whose count ÷ time is `specrpc bench floor`'s multiply rate: 10 accumulators of 16
     float lanes (of 64 multiply-adds a VNNI instruction) a round, on every thread; no int8 loop without VNNI."""
     requires_native()
     lib = native.library()
     assert lib is not None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        assert native.multiply(lib, "float", 1000) == 1000 * 10 * 16 * threads
-        assert native.multiply(lib, "int8", 1000) == (1000 * 10 * 64 * threads if lib.specrpc_int8_group() > 1 else 0)
-    finally:
-        torch.set_num_threads(before)
+    assert native.multiply(lib, "float", 1000) == 1000 * 10 * 16 * on_threads
+    assert native.multiply(lib, "int8", 1000) == (1000 * 10 * 64 * on_threads if lib.specrpc_int8_group() > 1 else 0)
 
 
 AMX_EMULATED = """
