@@ -100,30 +100,7 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
 }
 
 static inline v16 load16(const int8_t* p) {  // 16 int8 weights as floats (exact), widened in registers
-    v16 v;
-#if defined(__AVX512F__)
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    std::memcpy(&v, &f, sizeof v);
-#elif defined(__AVX2__)
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
-    std::memcpy(&v, &lo, sizeof lo);
-    std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-#else
-    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-#endif
-    return v;
-}
-
-static inline v16 splat(float x) {  // x in every lane
-#if defined(__AVX512F__)
-    return (v16)_mm512_set1_ps(x);
-#else
-    v16 v;
-    for (int i = 0; i < 16; ++i) v[i] = x;
-    return v;
-#endif
+    return widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 constexpr int64_t LANES = 16;  // output rows per panel: one 16-lane vector
@@ -629,14 +606,12 @@ static inline void rope(float* __restrict x, const float* __restrict c, const fl
     for (int64_t i = 0; i < dh; ++i) x[i] = tmp[i] * c[i] + tmp[(i + half) % dh] * s[i];
 }
 
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
 // exp(x) lane by lane for x <= 0 (a softmax's shifted scores), within 2 ulp: x = n ln 2 + r, |r| <= ln 2 / 2,
 // exp(r) by Cephes' polynomial, times 2^n through the exponent bits; below -87 (where exp underflows towards 0) it
 // gives 2^-126. Each lane's result depends on that lane alone.
 static inline v16 exp16(v16 x) {
     const v16 floor_x = splat(-87.0f);
-    x = x < floor_x ? floor_x : x;
+    x = select16(x < floor_x, floor_x, x);
     const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
     const v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
     const v16 r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
@@ -647,17 +622,15 @@ static inline v16 exp16(v16 x) {
     p = p * r + splat(1.6666665459e-1f);
     p = p * r + splat(5.0000001201e-1f);
     p = p * r * r + r + splat(1.0f);
-    const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-    v16 scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return p * exp2i16(n);
 }
 
 // silu(g) u lane by lane: g sigmoid(g), the sigmoid from exp(-|g|) (`exp16`, an argument <= 0), 1 / (1 + e) for g >= 0
 // and e / (1 + e) below.
 static inline v16 silu16(v16 g, v16 u) {
-    const v16 one = splat(1.0f), e = exp16(g < v16{} ? g : -g);
-    return g * ((g < v16{} ? e : one) / (one + e)) * u;
+    const m16 negative = g < v16{};
+    const v16 one = splat(1.0f), e = exp16(select16(negative, g, -g));
+    return g * (select16(negative, e, one) / (one + e)) * u;
 }
 
 // The gated SiLU of columns i0 .. i0 + n - 1 (n <= 16) of a token's up row [2 ffn] (gate, then up), in place over the
@@ -674,27 +647,6 @@ static inline void silu_gate(float* row, int64_t ffn, int64_t i0, int64_t n) {
     std::memcpy(u, row + ffn + i0, n * sizeof(float));
     const v16 y = silu16(load16(g), load16(u));
     std::memcpy(row + i0, &y, n * sizeof(float));
-}
-
-// Lane i of the result = the sum of a[i]'s 16 lanes, in one fixed tree for every i:
-// (((0+8)+(4+12))+((2+10)+(6+14)))+(((1+9)+(5+13))+((3+11)+(7+15))).
-static inline v16 fold(v16 x, v16 y, vi16 lo, vi16 hi) {  // lanes `lo` of x:y plus lanes `hi`
-    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
-}
-
-static inline v16 reduce16(const v16* a) {
-    v16 b[8], c[4], d[2];
-    for (int m = 0; m < 8; ++m)  // 16 vectors of 16 partial sums → 8 of 2 × 8
-        b[m] = fold(a[2 * m], a[2 * m + 1], vi16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-                    vi16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
-    for (int m = 0; m < 4; ++m)  // → 4 of 4 × 4
-        c[m] = fold(b[2 * m], b[2 * m + 1], vi16{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
-                    vi16{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
-    for (int m = 0; m < 2; ++m)  // → 2 of 8 × 2
-        d[m] = fold(c[2 * m], c[2 * m + 1], vi16{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
-                    vi16{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-    return fold(d[0], d[1], vi16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},  // → 16 sums, in order
-                vi16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
 // q . k[i] for the key rows i in [first, count) of a block of 16 at `k` (stride dh; the other lanes are 0): each the
@@ -756,25 +708,6 @@ static inline void edge_store(float* s, int64_t p0, int64_t lo, int64_t hi, v16 
         if (p0 + i >= lo && p0 + i < hi) s[p0 + i] = block[i];
 }
 
-// The sum of x's 16 lanes, in one fixed tree (x plus x with its halves swapped, then quarters, pairs, neighbours).
-static inline float hsum16(v16 x) {
-    x = x + __builtin_shuffle(x, vi16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    x = x + __builtin_shuffle(x, vi16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    x = x + __builtin_shuffle(x, vi16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    x = x + __builtin_shuffle(x, vi16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return x[0];
-}
-
-static inline v16 vmax16(v16 a, v16 b) { return a > b ? a : b; }
-
-static inline float hmax16(v16 x) {  // the largest of x's 16 lanes
-    x = vmax16(x, __builtin_shuffle(x, vi16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-    x = vmax16(x, __builtin_shuffle(x, vi16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-    x = vmax16(x, __builtin_shuffle(x, vi16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-    x = vmax16(x, __builtin_shuffle(x, vi16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
-    return x[0];
-}
-
 // The scores s[lo .. hi) become their softmax, in place, 16 positions a vector in blocks aligned to multiples of 16
 // positions: each position's lane, and so every rounding, depends on the range alone, not on what else is attended.
 // The sum is lane-wise block after block, then one fixed tree; each weight is its exp divided by that sum.
@@ -792,7 +725,7 @@ static inline void softmax(float* s, int64_t lo, int64_t hi) {
             acc += e;
         } else {
             const v16 x = edge_load(s, p0, lo, hi, -INFINITY);
-            const v16 e = x == splat(-INFINITY) ? zero : exp16(x - mx);  // outside the range: no weight
+            const v16 e = select16(x == splat(-INFINITY), zero, exp16(x - mx));  // outside the range: no weight
             edge_store(s, p0, lo, hi, e);
             acc += e;
         }

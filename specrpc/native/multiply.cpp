@@ -18,9 +18,11 @@ extern "C" double specrpc_multiply_float(int64_t rounds, int threads, double* si
     double total = 0.0, done = 0.0;
 #pragma omp parallel num_threads(threads) reduction(+ : total, done)
     {
-        v16 acc[CHAINS], a, b;
-        for (int i = 0; i < 16; ++i) a[i] = 0.999f, b[i] = 1e-3f * static_cast<float>(omp_get_thread_num() + i);
-        for (int c = 0; c < CHAINS; ++c) acc[c] = b;
+        float lanes[16];
+        for (int i = 0; i < 16; ++i) lanes[i] = 1e-3f * static_cast<float>(omp_get_thread_num() + i);
+        const v16 a = splat(0.999f), b = load16(lanes);
+        v16 acc[CHAINS];
+        for (int c = 0; c < CHAINS; ++c) acc[c] = b + splat(static_cast<float>(c));  // distinct chains: none folded
         for (int64_t r = 0; r < rounds; ++r) {
             for (int c = 0; c < CHAINS; ++c) acc[c] = fma16(acc[c], a, b);  // each round on the one before
         }
