@@ -106,8 +106,8 @@ HELP: dict[str, str] = {
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
     "weights": "dtype (weights stored at --dtype), int8 (int8 weights for target and draft, like llama.cpp's "
                "q8_0: every matrix product of both models reads int8 weights, no float copy is kept; on CPUs with "
-               "AVX-512 VNNI the decode step's products also quantize their activations to int8 per 32 columns, as "
-               "q8_0's do) or bf16 "
+               "AVX-512 VNNI, or AVX2 without AVX-512, the decode step's products also quantize their activations to "
+               "int8 per 32 columns, as q8_0's do) or bf16 "
                "(weight-only bf16, activations at --dtype); CPU only; greedy speculation still equals greedy "
                "target-only decoding at that precision",
     "max_sessions": "KV-cache slots preallocated per model: the most sessions/streams resident at once",

@@ -64,7 +64,7 @@ SYS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
 READ_PER_CALL = 64 << 20
 """Bytes one timed call of the bandwidth sum reads at least: a cache-sized buffer is read that many times over."""
 MULTIPLIES = {"float": "16-lane fused multiply-adds (float products)",
-              "int8": "VNNI's vpdpbusd, 64 multiply-adds each (int8 products)"}
+              "int8": "int8 products' integer multiply-adds (VNNI's vpdpbusd; AVX2's vpmaddubsw sequence)"}
 """The instructions whose rate is measured (`multiply_rates`), by `Route.multiplies`."""
 MULTIPLY_ROUNDS = 2_000_000
 """Rounds of one timed call of the multiply loop (multiply.cpp): a few milliseconds."""
@@ -164,7 +164,7 @@ def read_rates(sizes: list[tuple[str, int]], repeats: int) -> tuple[list[dict[st
 def multiply_rates(repeats: int) -> dict[str, float]:
     """Multiply-adds a second (GMAC/s) of each instruction of `MULTIPLIES` this build's products use, on torch's
     threads from registers (multiply.cpp), interleaved round after round, the median of `repeats`: empty without the
-    native library, no int8 without VNNI (int8 products then widen their weights to float)."""
+    native library, no int8 where the int8 products widen their weights to float (AVX-512 without VNNI)."""
     lib = native_lib.library()
     if lib is None:
         return {}
@@ -302,9 +302,9 @@ def routes(lm: LlamaLM) -> tuple[list[Route], str]:
     if why is None:
         step = native.NativeStep(w, lm.cache)
         lib = native_lib.library()
-        vnni = lib is not None and lib.specrpc_int8_group() > 1  # int8 products multiply int8 activations
+        dot = lib is not None and lib.specrpc_int8_group() > 1  # int8 products multiply int8 activations
         for amx in (False, True) if step.int8 and native_lib.amx_available() else (False,):
-            kind = None if amx else "int8" if step.int8 and vnni else "float"
+            kind = None if amx else "int8" if step.int8 and dot else "float"
             for mode in native_lib.PREFETCH:
                 out.append(Route(f"native{' int8' if step.int8 else ''}{' AMX' if amx else ''}, prefetch {mode}",
                                  partial(native_forward, step, mode, amx), w, step.int8, kind))

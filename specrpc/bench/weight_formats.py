@@ -11,7 +11,8 @@ formats, each rounded as its engine stores it:
 
 All three run through one float32 forward (transformers), so the figures differ by the weights alone. The engines
 also round activations in their integer products (ggml's q8_0 dot products take q8_0 activations; the native int8
-step on a CPU with AVX-512 VNNI quantizes activations per 32 columns): that is not in these figures.
+step on a CPU with AVX-512 VNNI, or AVX2 without AVX-512, quantizes activations per 32 columns): that is not in these
+figures.
 """
 
 from __future__ import annotations

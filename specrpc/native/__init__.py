@@ -244,8 +244,8 @@ def read_sum(lib: ctypes.CDLL, x: torch.Tensor, passes: int) -> float:
 
 def multiply(lib: ctypes.CDLL, kind: str, rounds: int) -> float:
     """Multiply-adds done by multiply.cpp's loop of the products' instruction (`kind` "float": 16-lane fused
-    multiply-adds; "int8": VNNI's vpdpbusd, 0 without VNNI) for `rounds` rounds on torch's threads, from registers:
-    what `specrpc bench floor` times as the multiply rate."""
+    multiply-adds; "int8": VNNI's vpdpbusd, or AVX2's byte multiply-adds, 0 where int8 products widen to float) for
+    `rounds` rounds on torch's threads, from registers: what `specrpc bench floor` times as the multiply rate."""
     fn = lib.specrpc_multiply_float if kind == "float" else lib.specrpc_multiply_int8
     sink = ctypes.c_double()
     return float(fn(rounds, torch.get_num_threads(), ctypes.byref(sink)))

@@ -61,7 +61,7 @@ struct Model {
     float* att;               // [T, hq dh]
     float* up;                // [T, 2 ffn]
     float* scores;            // [T, hq, capacity]
-    int8_t* xq;               // [T, kq]: a product's activations quantized (int8 products with VNNI, `quantize`)
+    int8_t* xq;               // [T, kq]: a product's activations quantized (`SPECRPC_INT8_DOT` products, `quantize`)
     float* xs;                // [T, kq / 32]: their scales per block of 32 columns
     int32_t* xsum;            // [T, kq / 32]: the sums of their quantized values per block
     int64_t kq;               // the widest product's columns, rounded up to a multiple of 32
@@ -184,11 +184,13 @@ template <bool TWICE = false, typename Tile>
 static inline void tiles(int64_t T, int64_t rows, int64_t most, Tile tile) {  // TWICE: two accumulators a panel, token
     const int64_t n_panels = (rows + LANES - 1) / LANES;
     // up to 8 tokens in one pass over the weights (a larger model is bound by reading them)
-    int64_t tokens = TWICE ? (T <= 2 ? 2 : T <= 4 ? 4 : T <= 6 ? 6 : 8)
+    // (AVX2's integer products, TWICE with 16 registers of 8 lanes: at most 4 tokens, 2 panels for one)
+    int64_t tokens = TWICE ? (REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : T <= 6 ? 6 : 8) : (T <= 4 ? T : T <= 6 ? 3 : 4))
                            : REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : 3);
     if (most > 0 && tokens > most && (TWICE || REGS == 32) && tokens > 2)  // the largest pass of at most `most`
         tokens = most >= 6 && TWICE ? 6 : most >= 4 ? 4 : 2;
-    const int R = TWICE ? (tokens == 2 ? 6 : tokens == 4 ? 3 : tokens == 6 ? 2 : 1)
+    const int R = TWICE ? (REGS == 32 ? (tokens == 2 ? 6 : tokens == 4 ? 3 : tokens == 6 ? 2 : 1)
+                                      : (tokens == 1 ? 2 : 1))
                         : REGS == 32 ? (tokens == 2 ? 8 : tokens == 4 ? 6 : 3) : (tokens == 1 ? 4 : 2);
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t end = n_panels * (me + 1) / threads;
@@ -210,15 +212,26 @@ static inline void tiles(int64_t T, int64_t rows, int64_t most, Tile tile) {  //
 #pragma omp barrier
 }
 
+// How int8 products multiply int8 activations: 1, VNNI's vpdpbusd (AVX-512); 2, AVX2's byte multiply-adds on a CPU
+// without AVX-512 (vpmaddubsw, as llama.cpp's q8_0 products there); 0, not at all (the weights widened to float).
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-constexpr bool VNNI = true;
-constexpr int INT8_GROUP = 4;  // int8 products multiply int8 activations (VNNI): weights in groups of 4 columns
+#define SPECRPC_INT8_DOT 1
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define SPECRPC_INT8_DOT 2
+#else
+#define SPECRPC_INT8_DOT 0
+#endif
+
+#if SPECRPC_INT8_DOT
+constexpr bool INT8_DOT = true;
+constexpr int INT8_GROUP = 4;  // int8 products multiply int8 activations: weights in groups of 4 columns
 constexpr int64_t QBLOCK = 32;  // activation columns per quantization scale, as llama.cpp's q8_0 (two vectors)
 
 // Token t's activations x [cols] quantized to int8 per block of QBLOCK columns (scale max |x| / 127 over the block,
 // round to nearest even), as llama.cpp quantizes a q8_0 product's activations; the row padded with zeros to kq
 // columns; xs / xsum [kq / QBLOCK]: each block's scale and the sum of its quantized values. A token's quantized row
 // depends on its own activations alone, so its products are the same bits whatever shares the forward.
+#if SPECRPC_INT8_DOT == 1
 static inline void quantize(const float* __restrict x, int64_t cols, int8_t* __restrict q, float* __restrict xs,
                             int32_t* __restrict xsum, int64_t kq) {
     for (int64_t b0 = 0; b0 < kq; b0 += QBLOCK) {
@@ -236,12 +249,50 @@ static inline void quantize(const float* __restrict x, int64_t cols, int8_t* __r
         xsum[b0 / QBLOCK] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     }
 }
+#else
+// (AVX2: the same values, 8 lanes at a time; the conversion rounds by MXCSR, to nearest even as the AVX-512 one.)
+static inline void quantize(const float* __restrict x, int64_t cols, int8_t* __restrict q, float* __restrict xs,
+                            int32_t* __restrict xsum, int64_t kq) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b0 = 0; b0 < kq; b0 += QBLOCK) {
+        alignas(32) float block[QBLOCK] = {};  // the block's activations, zeros past the row's end
+        const int64_t n = cols - b0 < QBLOCK ? (cols > b0 ? cols - b0 : 0) : QBLOCK;
+        std::memcpy(block, x + b0, n * sizeof(float));
+        __m256 v[4], mv = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            v[i] = _mm256_load_ps(block + 8 * i);
+            mv = _mm256_max_ps(mv, _mm256_andnot_ps(sign, v[i]));
+        }
+        mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 0x01));
+        mv = _mm256_max_ps(mv, _mm256_permute_ps(mv, 0x4E));
+        mv = _mm256_max_ps(mv, _mm256_permute_ps(mv, 0xB1));
+        const float mx = _mm256_cvtss_f32(mv);
+        const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+        __m256i qi[4];
+        for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        // packs interleave 128-bit lanes: the dwords come out as columns 0-3, 8-11, 16-19, 24-27, 4-7, ...
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b0),
+                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        xs[b0 / QBLOCK] = mx / 127.0f;
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+        int32_t lanes[8];
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), sum);
+        xsum[b0 / QBLOCK] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    }
+}
+#endif
 
 // R panels × TT tokens of an int8 product with int8 activations: the panels hold the weights + 128 as uint8 in groups
 // of 4 columns ([K / 4, 16, 4] per panel, K padded to QBLOCK), so one VNNI instruction adds 4 products per lane for a
 // token. Each block's integer sums start from the offset's correction (-128 × the block's sum of activations) and are
 // exact in any order; they are scaled by the block's activation scale and accumulated in float, block after block in
 // order; the row's weight scale is applied once at the end.
+#if SPECRPC_INT8_DOT == 1
+constexpr int QREGS = 32;  // registers the integer products hold their weights and sums in
+template <int R, int TT>
+constexpr bool q_fits = 2 * R * TT + R + 2 <= QREGS;  // integer and float sums, a group of each panel, activations
+
 template <int R, int TT, int PF>
 static inline void panels_q(const uint8_t* __restrict w, const float* __restrict scale, const float* __restrict b,
                             const int8_t* __restrict xq, const float* __restrict xs, const int32_t* __restrict xsum,
@@ -292,6 +343,80 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
     }
 }
 
+#else
+// (AVX2, 16 registers of 8 lanes: a panel's 16 rows in two halves of 8.) vpmaddubsw multiplies unsigned bytes by
+// signed ones and adds neighbours into 16 bits with saturation, which a weight + 128 (up to 255) times an activation
+// (up to 127) would overflow; so the weights go back to signed (w + 128 with its top bit flipped) and the sign moves
+// onto the activations: |w| × (x with w's sign) = w x, each pair at most 2 × 128 × 127 < 2^15, exact. vpmaddwd by
+// ones adds the pairs into 32 bits: each lane one row's sum over a group of 4 columns, as VNNI's. The block's sums
+// are the same exact integers as VNNI's (which add the offset's correction to the sums of w + 128), and are scaled
+// and accumulated in float as there: the same bits.
+constexpr int QREGS = 16;
+template <int R, int TT>
+constexpr bool q_fits = 2 * R * TT + 4 * R + 3 <= QREGS;  // sums; signed and absolute weights; activations, constants
+
+template <int R, int TT, int PF>
+static inline void panels_q(const uint8_t* __restrict w, const float* __restrict scale, const float* __restrict b,
+                            const int8_t* __restrict xq, const float* __restrict xs, const int32_t* __restrict xsum,
+                            int64_t kq, float* __restrict y, int64_t rows, int64_t groups, int64_t n0, bool add,
+                            int64_t ahead) {
+    (void)xsum;  // signed weights need no offset's correction
+    constexpr int64_t per_block = QBLOCK / INT8_GROUP;
+    const int64_t nb = kq / QBLOCK;
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+    __m256 facc[R][TT][2];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < TT; ++t) facc[r][t][0] = facc[r][t][1] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < groups; k0 += per_block) {
+        const int64_t blk = k0 / per_block;
+        __m256i acc[R][TT][2];  // the block's exact integer sums, rows 0-7 and 8-15
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < TT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k0 + per_block; ++k) {
+            __m256i ws[R][2], wa[R][2];  // the group's weights, signed and absolute
+            for (int r = 0; r < R; ++r) {
+                const uint8_t* col = w + (r * groups + k) * LANES * INT8_GROUP;
+                prefetch<PF>(col + ahead);
+                for (int h = 0; h < 2; ++h) {
+                    ws[r][h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + 32 * h)),
+                                                flip);
+                    wa[r][h] = _mm256_abs_epi8(ws[r][h]);
+                }
+            }
+            for (int t = 0; t < TT; ++t) {
+                int32_t four;
+                std::memcpy(&four, xq + t * kq + k * INT8_GROUP, sizeof four);
+                const __m256i xb = _mm256_set1_epi32(four);
+                for (int r = 0; r < R; ++r)
+                    for (int h = 0; h < 2; ++h) {
+                        const __m256i pairs = _mm256_maddubs_epi16(wa[r][h], _mm256_sign_epi8(xb, ws[r][h]));
+                        acc[r][t][h] = _mm256_add_epi32(acc[r][t][h], _mm256_madd_epi16(pairs, ones));
+                    }
+            }
+        }
+        for (int t = 0; t < TT; ++t) {
+            const __m256 sx = _mm256_set1_ps(xs[t * nb + blk]);
+            for (int r = 0; r < R; ++r)
+                for (int h = 0; h < 2; ++h)
+                    facc[r][t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][t][h]), sx, facc[r][t][h]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const int64_t n = n0 + r * LANES, valid = rows - n < LANES ? rows - n : LANES;
+        for (int t = 0; t < TT; ++t) {
+            float v[LANES];
+            _mm256_storeu_ps(v, facc[r][t][0]);
+            _mm256_storeu_ps(v + 8, facc[r][t][1]);
+            float* out = y + t * rows + n;
+            for (int64_t j = 0; j < valid; ++j) {
+                const float value = v[j] * scale[n + j] + (b ? b[n + j] : 0.0f);
+                out[j] = add ? out[j] + value : value;
+            }
+        }
+    }
+}
+#endif
+
 template <int R, int PF>
 static inline void panels_q_tt(int64_t tt, const uint8_t* w, const float* scale, const float* b, const int8_t* xq,
                                const float* xs, const int32_t* xsum, int64_t kq, float* y, int64_t rows,
@@ -299,7 +424,7 @@ static inline void panels_q_tt(int64_t tt, const uint8_t* w, const float* scale,
     switch (tt) {
 #define SPECRPC_TT(N) \
     case N: \
-        if constexpr (2 * R * N + R + 2 <= REGS) \
+        if constexpr (q_fits<R, N>) \
             panels_q<R, N, PF>(w, scale, b, xq, xs, xsum, kq, y, rows, groups, n0, add, ahead); \
         else __builtin_trap(); /* `tiles` never asks for more than the registers hold */ \
         return;
@@ -308,11 +433,11 @@ static inline void panels_q_tt(int64_t tt, const uint8_t* w, const float* scale,
     }
 }
 
-// y = x W^T for int8 W through VNNI (`panels_q`), its T activation rows already quantized into the model's xq / xs /
-// xsum by the loop that produced them (`quantize_cols`).
+// y = x W^T for int8 W through integer products (`panels_q`), its T activation rows already quantized into the
+// model's xq / xs / xsum by the loop that produced them (`quantize_cols`).
 template <int PF>
-static inline void gemm_vnni(const Model* m, Weight w, const float* __restrict b, float* __restrict y, int64_t T,
-                             int64_t rows, int64_t cols, bool add) {
+static inline void gemm_dot(const Model* m, Weight w, const float* __restrict b, float* __restrict y, int64_t T,
+                            int64_t rows, int64_t cols, bool add) {
     const int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, groups = kq / INT8_GROUP, nb = kq / QBLOCK;
     const uint8_t* q = static_cast<const uint8_t*>(w.w);
     tiles<true>(T, rows, pass_cap(m, T), [&](auto r, int64_t tt, int64_t p, int64_t t0) {
@@ -332,7 +457,9 @@ static inline void gemm_vnni(const Model* m, Weight w, const float* __restrict b
 // SPECRPC_AMX_EMULATE: the tile instructions as scalar code with their documented semantics (Intel SDM: LDTILECFG,
 // TILEZERO, TILELOADD, TILESTORED, TDPBSUD), so the kernel is tested on CPUs without AMX. SPECRPC_NO_AMX: none (the
 // build's fallback where the assembler does not know the tile instructions).
-#if defined(SPECRPC_AMX_EMULATE)
+#if SPECRPC_INT8_DOT != 1
+#define SPECRPC_AMX 0
+#elif defined(SPECRPC_AMX_EMULATE)
 #define SPECRPC_AMX 1
 #define SPECRPC_AMX_TARGET
 #elif defined(__linux__) && defined(__x86_64__) && !defined(SPECRPC_NO_AMX) && (__GNUC__ >= 11 || __clang_major__ >= 12)
@@ -434,7 +561,7 @@ static int amx_permitted() {
 static bool amx_ready = false;  // set by specrpc_amx_enable
 
 // y = x W^T for int8 W through AMX, T <= 16 tokens (their activations quantized in the model's xq / xs / xsum, as for
-// `gemm_vnni`): the panels split across the threads as `tiles` splits them, AMX_PANELS at a time, all T tokens at
+// `gemm_dot`): the panels split across the threads as `tiles` splits them, AMX_PANELS at a time, all T tokens at
 // once; per block of 32 columns one TDPBSUD a panel, its int32 sums [T, 16] then scaled and accumulated in float as
 // `panels_q` accumulates them. Call inside the parallel region; it ends in a barrier.
 template <int PF>
@@ -510,7 +637,7 @@ SPECRPC_AMX_TARGET static void gemm_amx(const Model* m, Weight w, const float* _
 }
 #endif
 
-// An int8 product: through AMX from `amx_from` tokens where this process may use it, else VNNI (the same bits).
+// An int8 product: through AMX from `amx_from` tokens where this process may use it, else VNNI or AVX2 (the same bits).
 template <int PF>
 static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, float* __restrict y, int64_t T,
                           int64_t rows, int64_t cols, bool add) {
@@ -518,23 +645,23 @@ static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, f
     if (amx_ready && m->amx_from > 0 && T >= m->amx_from && T <= 16)
         return gemm_amx<PF>(m, w, b, y, T, rows, cols, add);
 #endif
-    gemm_vnni<PF>(m, w, b, y, T, rows, cols, add);
+    gemm_dot<PF>(m, w, b, y, T, rows, cols, add);
 }
 #else
-constexpr bool VNNI = false;
+constexpr bool INT8_DOT = false;
 constexpr int INT8_GROUP = 1;  // int8 weights widened to float in registers, one column at a time
 constexpr int64_t QBLOCK = 1;  // no activation blocks: activations stay float
 #endif
 
-// Whether a product with weight w multiplies int8 activations (int8 weights, VNNI): then the loop that produces its
-// activations also quantizes them (`quantize_cols`), each token's where it is written, so that no loop of the
+// Whether a product with weight w multiplies int8 activations (int8 weights, `INT8_DOT`): then the loop that produces
+// its activations also quantizes them (`quantize_cols`), each token's where it is written, so that no loop of the
 // product's own (and no barrier) comes between.
-static inline bool quantizes(Weight w) { return VNNI && w.scale != nullptr; }
+static inline bool quantizes(Weight w) { return INT8_DOT && w.scale != nullptr; }
 
 // Columns c0 .. c0 + n - 1 of token t's activations x (x points at column c0) for a product of `cols` columns into the
 // model's xq / xs / xsum (`quantize`): c0 a multiple of QBLOCK, and n one too unless the columns reach the row's end.
 static inline void quantize_cols(const Model* m, const float* x, int64_t cols, int64_t t, int64_t c0, int64_t n) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if SPECRPC_INT8_DOT
     const int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, nb = kq / QBLOCK;
     quantize(x, n, m->xq + t * kq + c0, m->xs + t * nb + c0 / QBLOCK, m->xsum + t * nb + c0 / QBLOCK,
              (n + QBLOCK - 1) / QBLOCK * QBLOCK);
@@ -559,7 +686,7 @@ template <int PF>
 static inline void gemm_pf(const Model* m, Weight w, const float* __restrict b, const float* __restrict x, int64_t ldx,
                            float* __restrict y, int64_t T, int64_t rows, int64_t cols, bool add) {
     if (w.scale) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if SPECRPC_INT8_DOT
         (void)x, (void)ldx;  // the activations were quantized where they were written (`quantizes`)
         gemm_q<PF>(m, w, b, y, T, rows, cols, add);
 #else
@@ -961,10 +1088,11 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
     return 0;
 }
 
-// Columns per group of an int8 panel (`pack_int8_groups`): 4 where int8 products run on VNNI, else 1.
+// Columns per group of an int8 panel (`pack_int8_groups`): 4 where int8 products multiply int8 activations (VNNI,
+// AVX2), else 1.
 extern "C" int specrpc_int8_group() { return INT8_GROUP; }
 
-// Columns an int8 panel's rows are padded to a multiple of (`pack_int8_groups`): VNNI's activation block, else 1.
+// Columns an int8 panel's rows are padded to a multiple of (`pack_int8_groups`): the activation block, else 1.
 extern "C" int specrpc_int8_block() { return QBLOCK; }
 
 // Whether int8 products may run on AMX tiles in this process (`gemm_amx`; asks Linux for the tile state once): 1, or

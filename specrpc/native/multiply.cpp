@@ -34,10 +34,38 @@ extern "C" double specrpc_multiply_float(int64_t rounds, int threads, double* si
     return done;
 }
 
-// As `specrpc_multiply_float` for the int8 products' vpdpbusd (64 multiply-adds each); 0 where this build's int8
-// products do not multiply int8 activations (no VNNI: they widen the weights to float, the float rate).
+// As `specrpc_multiply_float` for the instructions the int8 products multiply with, 64 multiply-adds a chain and
+// round: VNNI's vpdpbusd; on AVX2 without AVX-512, decode.cpp's sequence for two halves of 32 (the activations take
+// the weights' sign, vpmaddubsw, vpmaddwd, an add; the sign taken from the chain's own sums so that no step can be
+// hoisted out of the loop). 0 where this build's int8 products do not multiply int8 activations (AVX-512 without
+// VNNI: they widen the weights to float, the float rate).
 extern "C" double specrpc_multiply_int8(int64_t rounds, int threads, double* sink) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    double total = 0.0, done = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : total, done)
+    {
+        __m256i acc[CHAINS][2];
+        const __m256i wa = _mm256_set1_epi32(0x01020304), ones = _mm256_set1_epi16(1);
+        const __m256i x = _mm256_set1_epi32(0x01010101 * (omp_get_thread_num() + 1));
+        for (int c = 0; c < CHAINS; ++c) acc[c][0] = acc[c][1] = _mm256_set1_epi32(c - 5);
+        for (int64_t r = 0; r < rounds; ++r) {
+            for (int c = 0; c < CHAINS; ++c)
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i pairs = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, acc[c][h]));
+                    acc[c][h] = _mm256_add_epi32(acc[c][h], _mm256_madd_epi16(pairs, ones));
+                }
+        }
+        for (int c = 0; c < CHAINS; ++c)
+            for (int h = 0; h < 2; ++h) {
+                int32_t lanes[8];
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), acc[c][h]);
+                for (int32_t v : lanes) total += v;
+            }
+        done += static_cast<double>(rounds) * CHAINS * 64;
+    }
+    *sink = total;
+    return done;
+#elif defined(__AVX512VNNI__) && defined(__AVX512F__)
     double total = 0.0, done = 0.0;
 #pragma omp parallel num_threads(threads) reduction(+ : total, done)
     {
