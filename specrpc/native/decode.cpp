@@ -785,14 +785,21 @@ template <bool FULL, int DC = 0>
 static inline v16 dots16(const float* __restrict q, const float* __restrict k, int64_t dh, int64_t first,
                          int64_t count) {
     if constexpr (FULL && DC > 0) {
+        constexpr int KEYS = REGS == 32 ? 16 : 4;  // key rows whose sums the registers hold at once (AVX2: 4 of 16)
         v16 a[16];
+#pragma GCC unroll 4
+        for (int i0 = 0; i0 < 16; i0 += KEYS) {
+            v16 g[KEYS];
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) a[i] = v16{};
+            for (int i = 0; i < KEYS; ++i) g[i] = v16{};
 #pragma GCC unroll 8
-        for (int c = 0; c < DC; ++c) {
-            const v16 qd = load16(q + 16 * c);
+            for (int c = 0; c < DC; ++c) {
+                const v16 qd = load16(q + 16 * c);
 #pragma GCC unroll 16
-            for (int i = 0; i < 16; ++i) a[i] = fma16(qd, load16(k + i * DC * 16 + 16 * c), a[i]);
+                for (int i = 0; i < KEYS; ++i) g[i] = fma16(qd, load16(k + (i0 + i) * DC * 16 + 16 * c), g[i]);
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < KEYS; ++i) a[i0 + i] = g[i];
         }
         return reduce16(a);
     }
@@ -869,7 +876,7 @@ static inline void softmax(float* s, int64_t lo, int64_t hi) {
 }
 
 constexpr int64_t QUERIES = 16;  // queries a job attends together: each key and value row read from memory once for all
-constexpr int64_t IN_REGISTERS = 4;  // queries whose weighted sums the registers hold at once
+constexpr int64_t IN_REGISTERS = REGS == 32 ? 4 : 1;  // queries whose weighted sums the registers hold at once
 constexpr int64_t VALUE_TILE = 64;   // value rows a tile: 16 KB at dh = 64, read from the L1 cache by each group
 
 // acc[j] += w[j][p] v[p] for the NJ queries j and the positions p in [a, b), which each of them attends: one fused
@@ -921,12 +928,16 @@ static inline void weigh_values(const float* __restrict vh, float* const* w, flo
                 }
             };
             checked(p0, a);
-            static_assert(IN_REGISTERS == 4, "weigh_all's cases");
-            switch (nj) {
-                case 4: weigh_all<4>(vh, w + j0, acc, a, b); break;
-                case 3: weigh_all<3>(vh, w + j0, acc, a, b); break;
-                case 2: weigh_all<2>(vh, w + j0, acc, a, b); break;
-                default: weigh_all<1>(vh, w + j0, acc, a, b); break;
+            static_assert(IN_REGISTERS == 4 || IN_REGISTERS == 1, "weigh_all's cases");
+            if constexpr (IN_REGISTERS == 4) {
+                switch (nj) {
+                    case 4: weigh_all<4>(vh, w + j0, acc, a, b); break;
+                    case 3: weigh_all<3>(vh, w + j0, acc, a, b); break;
+                    case 2: weigh_all<2>(vh, w + j0, acc, a, b); break;
+                    default: weigh_all<1>(vh, w + j0, acc, a, b); break;
+                }
+            } else {
+                weigh_all<1>(vh, w + j0, acc, a, b);
             }
             checked(b, p1);
             for (int64_t j = 0; j < nj; ++j) std::memcpy(out[j0 + j], acc[j], sizeof acc[j]);
