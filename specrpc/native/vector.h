@@ -31,7 +31,10 @@ static inline v16 operator+(v16 a, v16 b) { return {_mm256_add_ps(a.lo, b.lo), _
 static inline v16 operator-(v16 a, v16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 static inline v16 operator*(v16 a, v16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 static inline v16 operator/(v16 a, v16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
-static inline v16 operator-(v16 a) { return v16{} - a; }
+static inline v16 operator-(v16 a) {  // the sign flipped (-0 from +0, as GCC's vector negation)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return {_mm256_xor_ps(a.lo, sign), _mm256_xor_ps(a.hi, sign)};
+}
 static inline v16& operator+=(v16& a, v16 b) { return a = a + b; }
 static inline m16 operator<(v16 a, v16 b) {
     return {_mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ)};
