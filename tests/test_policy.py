@@ -11,6 +11,7 @@ from specrpc.engine.policy import (
     BatchCosts,
     BatchLoad,
     CostModel,
+    SharedRates,
     expected_tokens,
 )
 
@@ -143,6 +144,32 @@ def test_realized_rate_switches_off_a_proposer_slower_than_plain_decoding() -> N
         policy.observe_step("plain", seconds=5.0, tokens=1)  # plain steps measured slower still: back on
     assert policy.realized_speedup("draft") == pytest.approx(2.5)
     assert policy.choose() > 0
+
+
+def test_a_new_session_judges_by_the_devices_realized_rates_until_it_has_steps_of_its_own() -> None:
+    """A server's slots take new requests with policies of their own: where the draft was slower than plain
+    decoding in fact on the device (every session's solo steps, `SharedRates`), a new session does not pay again to
+    learn it (a catch-up on its prompt, slow steps); a session without the device's rates still tries. Its own
+    steps take over once it has enough, and a request's own k does not teach the device."""
+    device, model = SharedRates(), costs(c=0.05, v_per_token=0.02)
+    acceptance = {"draft": AcceptanceEstimate(accepted=95, trials=100)}
+    first = AdaptivePolicy(max_k=8, costs=model, shared=device, acceptance=dict(acceptance))
+    for _ in range(first.min_realized_steps):
+        first.observe_step("plain", seconds=1.0, tokens=1)
+        first.observe_step("draft", seconds=4.0, tokens=2)  # 2 s a token against plain's 1 s
+    fresh = AdaptivePolicy(max_k=8, costs=model, shared=device,
+                           acceptance={"draft": AcceptanceEstimate(accepted=95, trials=100)})
+    alone = AdaptivePolicy(max_k=8, costs=model, acceptance={"draft": AcceptanceEstimate(accepted=95, trials=100)})
+    assert fresh.realized_speedup("draft") == pytest.approx(0.5) and fresh.choose() == 0
+    assert alone.realized_speedup("draft") == float("inf") and alone.choose() > 0
+    for _ in range(fresh.min_realized_steps):  # this session's text drafts well: its own steps decide
+        fresh.observe_step("draft", seconds=1.0, tokens=4)
+    assert fresh.realized_speedup("draft") == pytest.approx(4.0) and fresh.choose() > 0
+    other = SharedRates()
+    fixed = AdaptivePolicy(max_k=8, costs=model, shared=other)
+    for _ in range(fixed.min_realized_steps):
+        fixed.observe_step("draft", seconds=9.0, tokens=1, share=False)  # a request's own k
+    assert other.rates == {}
 
 
 def test_realized_guard_comes_back_at_the_first_good_probe_and_stays_off_while_probes_are_slow() -> None:

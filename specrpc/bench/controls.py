@@ -138,7 +138,7 @@ def run_row(runtime: Runtime, row: str, cases: list[ControlCase], rounds: int) -
     engine = runtime.engine
     row_contenders = contenders(row)
     make = request_maker(runtime, row)
-    policies = {c.name: engine.new_policy() for c in row_contenders}
+    policies = {c.name: engine.new_policy(shared=False) for c in row_contenders}
     runs: dict[str, list[Run]] = {c.name: [] for c in row_contenders}
     for r in range(rounds):
         for i, case in enumerate(cases):
@@ -177,7 +177,7 @@ def greedy_path(runtime: Runtime, ids: list[int], n: int, params: SamplingParams
     """The target's own greedy output after `ids` under the controls (k = 0): a path the drafts would follow."""
     engine = runtime.engine
     request = GenerationRequest(ids, n, params, 0, engine.default_proposer, runtime.stop_token_ids, grammar=grammar)
-    return measure(engine, 0, engine.new_policy(), request).tokens
+    return measure(engine, 0, engine.new_policy(shared=False), request).tokens
 
 
 def verify_step(runtime: Runtime, path: list[int], cut: int, k: int) -> tuple[torch.Tensor, float]:

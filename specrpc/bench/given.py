@@ -152,7 +152,7 @@ def run_row(runtime: Runtime, contenders: tuple[Contender, ...], cases: list[Giv
     cases of each round run (filling tries and policies) but are not kept. Each round starts with empty tries, so
     that no case drafts from its own output of an earlier round."""
     engine = runtime.engine
-    policies = {c.name: engine.new_policy() for c in contenders}
+    policies = {c.name: engine.new_policy(shared=False) for c in contenders}
     runs: dict[str, list[Run]] = {c.name: [] for c in contenders}
     for r in range(rounds):
         tries = {c.name: SuffixTrie() for c in contenders if c.suffix}

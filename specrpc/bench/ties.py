@@ -142,7 +142,8 @@ def measure_modes(runtimes: dict[str, Runtime], cases: list[Case], ks: list[int]
     solo: dict[str, dict[str, list[Run]]] = {m: {name: [] for name, _ in solo_contenders(ks)} for m in runtimes}
     tokens: dict[str, dict[str, list[list[int]]]] = {m: {} for m in runtimes}
     divergences: dict[str, list[Divergence]] = {m: [] for m in runtimes}
-    policies = {m: {name: rt.engine.new_policy() for name, _ in solo_contenders(ks)} for m, rt in runtimes.items()}
+    policies = {m: {name: rt.engine.new_policy(shared=False) for name, _ in solo_contenders(ks)}
+                for m, rt in runtimes.items()}
     prompts = {m: [prompt_ids(rt, c) for c in cases] for m, rt in runtimes.items()}
     contenders = solo_contenders(ks)
     for i, case in enumerate(cases):

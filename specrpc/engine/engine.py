@@ -17,7 +17,7 @@ from specrpc.config import EngineConfig
 from specrpc.engine.calibration import calibrate, calibrate_batches
 from specrpc.engine.generation import FINISH_LENGTH, Generation, GenerationRequest, Slot, StepResult
 from specrpc.engine.plan import Drafting, Plan, draft_lag, plan, plan_batch
-from specrpc.engine.policy import AdaptivePolicy, BatchCosts, BatchGuard, CostModel, host_kind
+from specrpc.engine.policy import AdaptivePolicy, BatchCosts, BatchGuard, CostModel, SharedRates, host_kind
 from specrpc.engine.prefix import reuse_prefix
 from specrpc.engine.proposers import (
     GIVEN,
@@ -80,6 +80,7 @@ class Engine:
         self.stall: Stall | None = None  # test hook, see Stall
         self.max_k = 0 if config.speculation == "off" else config.max_draft_tokens
         self.costs = CostModel()  # the device's step costs: every policy's, refined by every lone step
+        self.rates = SharedRates()  # the device's realized rates: what a policy judges by before its own steps
         self.calibration_rounds = 0  # measured rounds of the last `calibrate`
         self.batch_costs = BatchCosts()  # batched steps' costs by total tokens, shared by every stream
         self.batch_guard = BatchGuard()  # whether speculating pays in fact, per batch width
@@ -112,9 +113,12 @@ class Engine:
         if self.draft is not None:
             self.draft.truncate(slot.index, 0)
 
-    def new_policy(self) -> AdaptivePolicy:
-        """An adaptive policy on the device's costs (`costs`, shared: every policy's lone steps refine them)."""
-        return AdaptivePolicy(max_k=self.max_k, costs=self.costs)
+    def new_policy(self, shared: bool = True) -> AdaptivePolicy:
+        """An adaptive policy on the device's costs (`costs`, shared: every policy's lone steps refine them) and,
+        where `shared`, its realized rates (`rates`): a session's first steps are judged by what every other
+        session's steps realized (a server's slots, each taking new requests). Unshared: its own steps alone (a
+        bench contender's one policy for all its requests)."""
+        return AdaptivePolicy(max_k=self.max_k, costs=self.costs, shared=self.rates if shared else None)
 
     def calibrate(self, slot: int = 0, context: int = 256, repeats: int = 9, budget_s: float = 3.0,
                   max_repeats: int = 40, settle: float = 0.01) -> CostModel:
@@ -406,7 +410,8 @@ class Engine:
                 policy.observe(proposal.estimate, *proposal.drawn_outcome(result.accepted))
             if timing is not None:
                 policy.observe_step(proposal.estimate if len(proposal) else "plain",
-                                    time.perf_counter() - timing.start, len(result.tokens), proposal.catch_up_s)
+                                    time.perf_counter() - timing.start, len(result.tokens), proposal.catch_up_s,
+                                    share=gen.fixed_k is None)
         step = gen.commit(tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)
         self._roll_back(gen)
         if proposal.source == "suggestion":

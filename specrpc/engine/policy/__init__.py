@@ -2,7 +2,8 @@
 measured α, D and V (`adaptive`), and the batch guard that turns the policy's speculation off at a width where it
 is not faster in fact (`guard`)."""
 
-from specrpc.engine.policy.adaptive import AcceptanceEstimate, AdaptivePolicy, BatchLoad, expected_tokens
+from specrpc.engine.policy.adaptive import (AcceptanceEstimate, AdaptivePolicy, BatchLoad, SharedRates,
+                                           expected_tokens)
 from specrpc.engine.policy.costs import BatchCosts, CostModel, HostTimes, host_kind
 from specrpc.engine.policy.guard import BatchGuard
 
@@ -14,6 +15,7 @@ __all__ = [
     "BatchLoad",
     "CostModel",
     "HostTimes",
+    "SharedRates",
     "expected_tokens",
     "host_kind",
 ]

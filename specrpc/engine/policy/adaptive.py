@@ -10,10 +10,13 @@ steps re-measures α so that a session whose text became predictable comes back;
 where it would first catch up on a prompt it never saw, until that costs at most `probe_share` of the time off.
 
 The model can miss costs it does not see (a draft catching up after sitting out, a GPU stalling on a shape met for
-the first time, host work between kernels), so the policy also keeps the realized seconds per committed token of
-each proposer's whole steps and switches a proposer off when it is not faster than plain decoding in fact. While a
-proposer is off, what was measured before is stale: each probe restarts its realized rate from the probe's own step,
-so a proposer comes back at the first good probe once the stall is gone, and stays off while probes are slow.
+the first time, host work between kernels, a draft evicting the target's weights from a cache), so the policy also
+keeps the realized seconds per committed token of each proposer's whole steps and switches a proposer off when it is
+not faster than plain decoding in fact. While a proposer is off, what was measured before is stale: each probe
+restarts its realized rate from the probe's own step, so a proposer comes back at the first good probe once the
+stall is gone, and stays off while probes are slow. Until a session has steps of its own, it judges by the device's
+(`SharedRates`: every session's solo steps), so a server whose draft does not pay in fact does not pay again for
+learning it on every new request (a draft's catch-up on each new prompt, a few slow steps).
 
 In a batched step (several streams in one target forward, `BatchLoad`), a stream's k is chosen for the whole batch's
 throughput: k maximises (others' expected tokens + E(α, k)) ÷ (batch time with this stream's k + 1 tokens + its
@@ -90,6 +93,18 @@ class RealizedRate:
         return self.seconds / self.tokens if self.tokens > 0 else float("inf")
 
 
+@dataclass
+class SharedRates:
+    """Realized rates of every session's solo steps on one device, per proposer and for plain decoding: what a
+    session judges by until it has steps of its own (`AdaptivePolicy.realized_speedup`)."""
+
+    rates: dict[str, RealizedRate] = field(default_factory=dict)
+
+    def observe(self, source: str, seconds: float, tokens: int) -> None:
+        """A session's solo step with `source`'s drafts ("plain": none)."""
+        self.rates.setdefault(source, RealizedRate()).observe(seconds, tokens)
+
+
 PRIORS = {"draft": (3.0, 4.0), "prediction": (9.0, 10.0)}
 """(accepted, trials) a source's acceptance starts from: the draft at 0.75, a client's prediction at 0.9 (where it is
 aligned with the output it is mostly right; a long first span is what it is sent for), prompt lookup's kinds at
@@ -119,6 +134,7 @@ class AdaptivePolicy:
     min_realized_steps: int = 4  # whole steps of a proposer before its realized rate can switch it off
     plain_every: int = 32  # speculative solo steps between two plain ones, which keep plain decoding's rate measured
     realized: dict[str, RealizedRate] = field(default_factory=dict)  # per proposer, and "plain" for k = 0
+    shared: SharedRates | None = None  # the device's, every session's (None: this session's steps alone)
     _steps_off: dict[str, int] = field(default_factory=dict)
     _probing: set[str] = field(default_factory=set)  # proposers whose next step is a probe
     _since_plain: int = 0  # solo steps with drafts since the last plain one
@@ -226,18 +242,21 @@ class AdaptivePolicy:
         """Record a verify step's outcome for the proposer that drafted."""
         self._alpha(source).observe(proposed, accepted)
 
-    def observe_step(self, source: str, seconds: float, tokens: int, catch_up_s: float = 0.0) -> None:
+    def observe_step(self, source: str, seconds: float, tokens: int, catch_up_s: float = 0.0,
+                     share: bool = True) -> None:
         """A whole step with `source`'s drafts ("plain": none) took `seconds` and committed `tokens`, `catch_up_s` of
         it a draft catching up on tokens, which is left out: it is the price of the steps that did not run the draft
         (plain ones, prompt lookup's, a probe's sitting out), paid once, not what drafting costs from here on. A
         probe's step alone decides the rate (counted as judged: `min_realized_steps` - 1 earlier steps, with no
-        weight)."""
+        weight). `share`: also into the device's rates (not a request's own k, which the policy did not choose)."""
         seconds -= catch_up_s
         self._since_plain = 0 if source == "plain" else self._since_plain + 1
         if source in self._probing:
             self._probing.discard(source)
             self.realized[source] = RealizedRate(steps=self.min_realized_steps - 1)
         self.realized.setdefault(source, RealizedRate()).observe(seconds, tokens)
+        if self.shared is not None and share:
+            self.shared.observe(source, seconds, tokens)
 
     def plain_due(self) -> bool:
         """Whether the next solo step should decode plainly: one step in `plain_every` + 1 while speculating, so
@@ -246,11 +265,20 @@ class AdaptivePolicy:
         return self.max_k > 0 and self._since_plain >= self.plain_every
 
     def realized_speedup(self, source: str) -> float:
-        """Measured speed-up of `source`'s steps over plain decoding (over one calibrated target step while no
-        plain step was measured, which flatters plain decoding); inf until `min_realized_steps` steps were seen."""
-        rate = self.realized.get(source)
-        if rate is None or rate.steps < self.min_realized_steps:
+        """Measured speed-up of `source`'s steps over plain decoding: this session's, else (fewer than
+        `min_realized_steps` of its own) the device's (`shared`); plain decoding's likewise, else one calibrated
+        target step (which flatters plain decoding); inf until `min_realized_steps` steps were seen."""
+        rate = self._measured(source)
+        if rate is None:
             return float("inf")
-        plain = self.realized.get("plain")
+        plain = self.realized.get("plain") or self._measured("plain")
         plain_s = plain.per_token if plain is not None else self.costs.target_step_s
         return plain_s / rate.per_token
+
+    def _measured(self, source: str) -> RealizedRate | None:
+        """`source`'s realized rate with at least `min_realized_steps` steps: this session's, else the device's."""
+        for rates in (self.realized, self.shared.rates if self.shared is not None else {}):
+            rate = rates.get(source)
+            if rate is not None and rate.steps >= self.min_realized_steps:
+                return rate
+        return None
