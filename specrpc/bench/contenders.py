@@ -52,7 +52,7 @@ def engine_runner(engine: Engine, k: int | None, proposer: str, stop_token_ids: 
     """This engine with a fixed k (None: adaptive policy) and proposer, on a slot emptied per request. Its policy
     carries over from request to request, as a server slot's does. Without `stop_token_ids` it decodes all n
     tokens (like `generate` with min_new_tokens); with the server's, it stops where the server would."""
-    policy = engine.new_policy(shared=False)  # its own steps: every contender's rates its own
+    policy = engine.new_policy(shared=False)  # judged by its own steps: contenders do not judge by each other's
 
     def run(prompt: list[int], n: int, params: SamplingParams) -> Run:
         return measure(engine, slot_index, policy, GenerationRequest(
