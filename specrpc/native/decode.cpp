@@ -262,15 +262,10 @@ static inline void quantize(const float* __restrict x, int64_t cols, int8_t* __r
         alignas(32) float block[QBLOCK] = {};  // the block's activations, zeros past the row's end
         const int64_t n = cols - b0 < QBLOCK ? (cols > b0 ? cols - b0 : 0) : QBLOCK;
         std::memcpy(block, x + b0, n * sizeof(float));
-        __m256 v[4], mv = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-            v[i] = _mm256_load_ps(block + 8 * i);
-            mv = _mm256_max_ps(mv, _mm256_andnot_ps(sign, v[i]));
-        }
-        mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 0x01));
-        mv = _mm256_max_ps(mv, _mm256_permute_ps(mv, 0x4E));
-        mv = _mm256_max_ps(mv, _mm256_permute_ps(mv, 0xB1));
-        const float mx = _mm256_cvtss_f32(mv);
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = _mm256_load_ps(block + 8 * i);
+        const float mx = hmax16({_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))});
         const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
         __m256i qi[4];
         for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
@@ -348,13 +343,11 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
 }
 
 #else
-// (AVX2, 16 registers of 8 lanes: a panel's 16 rows in two halves of 8.) vpmaddubsw multiplies unsigned bytes by
-// signed ones and adds neighbours into 16 bits with saturation, which a weight + 128 (up to 255) times an activation
-// (up to 127) would overflow; so the weights go back to signed (w + 128 with its top bit flipped) and the sign moves
-// onto the activations: |w| × (x with w's sign) = w x, each pair at most 2 × 128 × 127 < 2^15, exact. vpmaddwd by
-// ones adds the pairs into 32 bits: each lane one row's sum over a group of 4 columns, as VNNI's. The block's sums
-// are the same exact integers as VNNI's (which add the offset's correction to the sums of w + 128), and are scaled
-// and accumulated in float as there: the same bits.
+// (AVX2, 16 registers of 8 lanes: a panel's 16 rows in two halves of 8.) The weights go back to signed (w + 128 with
+// its top bit flipped) and `dot_bytes` multiplies their absolute values by the activations carrying their sign: each
+// lane one row's exact sum over a group of 4 columns, as VNNI's. The block's sums are the same exact integers as
+// VNNI's (which add the offset's correction to the sums of w + 128), and are scaled and accumulated in float as
+// there: the same bits.
 constexpr int QREGS = 16;
 template <int R, int TT>
 constexpr bool q_fits = 2 * R * TT + 4 * R + 3 <= QREGS;  // sums; signed and absolute weights; activations, constants
@@ -367,7 +360,7 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
     (void)xsum;  // signed weights need no offset's correction
     constexpr int64_t per_block = QBLOCK / INT8_GROUP;
     const int64_t nb = kq / QBLOCK;
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     __m256 facc[R][TT][2];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < TT; ++t) facc[r][t][0] = facc[r][t][1] = _mm256_setzero_ps();
@@ -392,10 +385,7 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
                 std::memcpy(&four, xq + t * kq + k * INT8_GROUP, sizeof four);
                 const __m256i xb = _mm256_set1_epi32(four);
                 for (int r = 0; r < R; ++r)
-                    for (int h = 0; h < 2; ++h) {
-                        const __m256i pairs = _mm256_maddubs_epi16(wa[r][h], _mm256_sign_epi8(xb, ws[r][h]));
-                        acc[r][t][h] = _mm256_add_epi32(acc[r][t][h], _mm256_madd_epi16(pairs, ones));
-                    }
+                    for (int h = 0; h < 2; ++h) acc[r][t][h] = dot_bytes(acc[r][t][h], wa[r][h], xb, ws[r][h]);
             }
         }
         for (int t = 0; t < TT; ++t) {

@@ -3,7 +3,8 @@
 // that only its throughput sets the pace. A forward's multiply-adds ÷ this rate bound its time from below, as its
 // weight bytes ÷ the read rate do: a verify of several tokens reads the weights once but multiplies each token. Float
 // products: 16-lane fused multiply-adds (one AVX-512 register, two AVX2 ones); int8 products with VNNI: vpdpbusd, 64
-// multiply-adds an instruction. Built into the same library as decode.cpp (specrpc/native/__init__.py).
+// multiply-adds an instruction; on AVX2: `dot_bytes`, 32. Built into the same library as decode.cpp
+// (specrpc/native/__init__.py).
 #include <omp.h>
 
 #include <cstdint>
@@ -35,25 +36,21 @@ extern "C" double specrpc_multiply_float(int64_t rounds, int threads, double* si
 }
 
 // As `specrpc_multiply_float` for the instructions the int8 products multiply with, 64 multiply-adds a chain and
-// round: VNNI's vpdpbusd; on AVX2 without AVX-512, decode.cpp's sequence for two halves of 32 (the activations take
-// the weights' sign, vpmaddubsw, vpmaddwd, an add; the sign taken from the chain's own sums so that no step can be
-// hoisted out of the loop). 0 where this build's int8 products do not multiply int8 activations (AVX-512 without
-// VNNI: they widen the weights to float, the float rate).
+// round: VNNI's vpdpbusd; on AVX2 without AVX-512, `dot_bytes` on two halves of 32 (its sign taken from the chain's
+// own sums, so that no step can be hoisted out of the loop). 0 where this build's int8 products do not multiply int8
+// activations (AVX-512 without VNNI: they widen the weights to float, the float rate).
 extern "C" double specrpc_multiply_int8(int64_t rounds, int threads, double* sink) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
     double total = 0.0, done = 0.0;
 #pragma omp parallel num_threads(threads) reduction(+ : total, done)
     {
         __m256i acc[CHAINS][2];
-        const __m256i wa = _mm256_set1_epi32(0x01020304), ones = _mm256_set1_epi16(1);
+        const __m256i wa = _mm256_set1_epi32(0x01020304);
         const __m256i x = _mm256_set1_epi32(0x01010101 * (omp_get_thread_num() + 1));
         for (int c = 0; c < CHAINS; ++c) acc[c][0] = acc[c][1] = _mm256_set1_epi32(c - 5);
         for (int64_t r = 0; r < rounds; ++r) {
             for (int c = 0; c < CHAINS; ++c)
-                for (int h = 0; h < 2; ++h) {
-                    const __m256i pairs = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, acc[c][h]));
-                    acc[c][h] = _mm256_add_epi32(acc[c][h], _mm256_madd_epi16(pairs, ones));
-                }
+                for (int h = 0; h < 2; ++h) acc[c][h] = dot_bytes(acc[c][h], wa, x, acc[c][h]);
         }
         for (int c = 0; c < CHAINS; ++c)
             for (int h = 0; h < 2; ++h) {

@@ -63,7 +63,18 @@ static inline v16 vmax16(v16 a, v16 b) {  // a > b ? a : b lane by lane (b where
 }
 
 static inline v16 widen16(__m128i q) {  // 16 int8 values as floats (exact)
-    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+}
+
+// acc + the sums of 4 neighbouring byte products a lane: |w| (unsigned bytes) × x with w's sign, = w x. vpmaddubsw
+// multiplies unsigned by signed bytes and adds neighbours into 16 bits with saturation, which the weights' offset
+// form (w + 128, up to 255, × up to 127) would overflow; with |w| at most 128 and |x| at most 127 each pair stays
+// under 2^15, exact; vpmaddwd by ones adds the pairs into 32 bits. The int8 products' multiply-add on AVX2, as
+// vpdpbusd is VNNI's (decode.cpp's products; multiply.cpp times it).
+static inline __m256i dot_bytes(__m256i acc, __m256i w_abs, __m256i x, __m256i w) {
+    const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
 static inline v16 exp2i16(v16 n) {  // 2^n lane by lane for whole numbers n in -126 .. 127
