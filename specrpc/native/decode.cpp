@@ -171,6 +171,33 @@ static inline void panels_tt(int64_t tt, const W* w, const float* scale, const f
     }
 }
 
+struct Pass {
+    int64_t tokens;  // tokens a pass over the weights takes
+    int panels;      // panels computed at a time (R)
+};
+
+// `tiles`' pass for T tokens, by what the registers hold (TWICE: two accumulators a panel and token) and the cap
+// `most` measured at load.
+template <bool TWICE>
+static inline Pass pass_shape(int64_t T, int64_t most) {
+    if constexpr (REGS == 32) {  // AVX-512: up to 8 tokens a pass (a larger model is bound by reading the weights)
+        int64_t tokens = TWICE ? (T <= 2 ? 2 : T <= 4 ? 4 : T <= 6 ? 6 : 8) : (T <= 2 ? 2 : T <= 4 ? 4 : 8);
+        if (most > 0 && tokens > most && tokens > 2)  // the largest pass of at most `most`
+            tokens = most >= 6 && TWICE ? 6 : most >= 4 ? 4 : 2;
+        if constexpr (TWICE) return {tokens, tokens == 2 ? 6 : tokens == 4 ? 3 : tokens == 6 ? 2 : 1};
+        return {tokens, tokens == 2 ? 8 : tokens == 4 ? 6 : 3};
+    } else if constexpr (TWICE) {  // AVX2's integer products: at most 4 tokens, 2 panels for one
+        int64_t tokens = T <= 4 ? T : T <= 6 ? 3 : 4;
+        if (most > 0 && tokens > most && tokens > 2) tokens = 2;
+        return {tokens, tokens == 1 ? 2 : 1};
+    } else {
+        // AVX2's float products: passes of 3 tokens over 2 panels, but a verify of 5 to 7 tokens in one pass of one
+        // panel at a time (0.85-1.00x the time at 5 tokens, 0.79-0.85x at 7, 1.03-1.18x at 3 on a Zen 3, three rounds)
+        const int64_t tokens = T <= 2 ? T : T >= 5 && T <= 7 ? T : 3;
+        return {tokens, tokens == 1 ? 4 : tokens >= 5 ? 1 : 2};
+    }
+}
+
 // The schedule of a product over T tokens and `rows` output rows (call inside the parallel region; it ends in a
 // barrier): the panels split into one contiguous range a thread, of equal counts (± 1: groups of R, as a loop over
 // them would deal out, leave one thread up to R - 1 panels more, a fifth of o's and down's at one token), each panel
@@ -183,19 +210,9 @@ static inline void panels_tt(int64_t tt, const W* w, const float* scale, const f
 template <bool TWICE = false, typename Tile>
 static inline void tiles(int64_t T, int64_t rows, int64_t most, Tile tile) {  // TWICE: two accumulators a panel, token
     const int64_t n_panels = (rows + LANES - 1) / LANES;
-    // up to 8 tokens in one pass over the weights (a larger model is bound by reading them)
-    // (AVX2's integer products, TWICE with 16 registers of 8 lanes: at most 4 tokens, 2 panels for one)
-    // (AVX2's float products, 16 registers of 8 lanes: passes of 3 tokens over 2 panels, but a verify of 5 to 7
-    // tokens in one pass of one panel at a time: 0.85-1.00x the time at 5 tokens, 0.79-0.85x at 7, 1.03-1.18x at 3
-    // on a Zen 3, three rounds)
-    int64_t tokens = TWICE ? (REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : T <= 6 ? 6 : 8) : (T <= 4 ? T : T <= 6 ? 3 : 4))
-                           : REGS == 32 ? (T <= 2 ? 2 : T <= 4 ? 4 : 8) : (T <= 2 ? T : T >= 5 && T <= 7 ? T : 3);
-    if (most > 0 && tokens > most && (TWICE || REGS == 32) && tokens > 2)  // the largest pass of at most `most`
-        tokens = most >= 6 && TWICE ? 6 : most >= 4 ? 4 : 2;
-    const int R = TWICE ? (REGS == 32 ? (tokens == 2 ? 6 : tokens == 4 ? 3 : tokens == 6 ? 2 : 1)
-                                      : (tokens == 1 ? 2 : 1))
-                        : REGS == 32 ? (tokens == 2 ? 8 : tokens == 4 ? 6 : 3)
-                                     : (tokens == 1 ? 4 : tokens >= 5 ? 1 : 2);
+    const Pass pass = pass_shape<TWICE>(T, most);
+    const int64_t tokens = pass.tokens;
+    const int R = pass.panels;
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t end = n_panels * (me + 1) / threads;
     for (int64_t p0 = n_panels * me / threads; p0 < end; p0 += R) {
