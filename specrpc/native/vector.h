@@ -1,9 +1,9 @@
-// The 16-lane float vector the native sources share (decode.cpp, bandwidth.cpp, multiply.cpp) and the few operations
-// on it that depend on how it is held: one AVX-512 register (GCC's 64-byte vector type), or, with AVX2 and no
-// AVX-512, a pair of 8-lane registers. GCC keeps a 64-byte vector type in memory where the CPU has no 64-byte
-// registers, so every operation on it there goes through the stack (16 lanes of fused multiply-adds ran 12× below
-// the CPU's rate on an AVX2 EPYC); the pair stays in registers. Both give the same bits: every lane is computed on
-// its own, and the horizontal sums use one fixed tree.
+// The 16-lane float vector the native sources share (decode.cpp, bandwidth.cpp, multiply.cpp), the few operations
+// on it that depend on how it is held, and AVX2's byte multiply-add (`dot_bytes`). The vector is one AVX-512 register
+// (GCC's 64-byte vector type), or, with AVX2 and no AVX-512, a pair of 8-lane registers: GCC keeps a 64-byte vector
+// type in memory where the CPU has no 64-byte registers, so every operation on it there goes through the stack (16
+// lanes of fused multiply-adds ran 12× below the CPU's rate on an AVX2 EPYC); the pair stays in registers. Both give
+// the same bits: every lane is computed on its own, and the horizontal sums use one fixed tree.
 #pragma once
 
 #include <immintrin.h>
