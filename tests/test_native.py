@@ -323,9 +323,8 @@ def test_the_bandwidth_reader_reads_every_value_once_a_pass(on_threads: int) -> 
 
 
 def cpu_flags() -> set[str]:
-    """The feature flags of this CPU, as Linux lists them."""
-    with open("/proc/cpuinfo") as fh:
-        return set(next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), []))
+    """The feature flags of this CPU, as the native build's key reads them (`native._cpu_flags`)."""
+    return set(native._cpu_flags().split())
 
 
 @pytest.mark.parametrize("on_threads", [1, 3], indirect=True)
