@@ -12,6 +12,7 @@ import pytest
 
 from specrpc.bench.run import main
 from specrpc.config import ASSETS
+from specrpc.models.backends.native import prefetch_settings
 from specrpc.models.fingerprint import pair_hash
 
 SHIPPED = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="default models missing")
@@ -318,7 +319,7 @@ def test_floor_bench_reports_every_path_at_every_shape_beside_the_read_bandwidth
         names = set(m["paths"])
         assert (m["native"] == "on") == built, m
         native_paths = {n for n in names if n.startswith("native")}
-        assert len(native_paths) == (3 if built else 0), names
+        assert len(native_paths) == (len(prefetch_settings()) if built else 0), names  # each mode and distance
         for name, cells in m["paths"].items():
             assert set(cells) == ({"1"} if name == "torch, MKL one-row" else {"1", "3", "2×2"}), (m["model"], name)
             assert all(c["ms"] > 0 and c["gb_s"] > 0 and c["bytes"] > 0 for c in cells.values())

@@ -169,7 +169,7 @@ def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -
     for mode in native.PREFETCH:
         for ahead, cap in ((0, 0), (512, 6), (4096, 4), (2048, 2)):
             step.prefetch_one = step.prefetch_many = mode
-            step.model.prefetch_ahead = ahead
+            step.ahead_one = step.ahead_many = ahead
             step.passes[:] = cap
             seen.append((step.run(ids[16:17], 16, 0), step.run(ids[16:21], 16, 0, num_logits=5),
                          step.run(ids[:16], 0, 0, num_logits=16)))
@@ -251,6 +251,19 @@ def test_a_stalled_prefetch_mode_is_never_chosen(stalled: str, tmp_path: Path, m
     table = step.calibrate_prefetch()
     assert set(table) == {1, native_step.VERIFY_TOKENS}
     assert step.prefetch_one != stalled and step.prefetch_many != stalled, table
+
+
+@pytest.mark.parametrize("stalled", native_step.PREFETCH_DISTANCES)
+@pytest.mark.usefixtures("one_thread")
+def test_a_stalled_prefetch_distance_is_never_chosen(stalled: int, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever prefetch distance is slowed by an injected stall (every native call prefetching that far ahead
+    sleeps, in either prefetching mode; "none" carries the default distance, so it stalls with it) is chosen at
+    neither shape, and the table names every setting timed."""
+    step = stalled_step(tmp_path, monkeypatch, lambda step, _: step.model.prefetch_ahead == stalled)
+    table = step.calibrate_prefetch()
+    assert all(len(times) == len(native_step.prefetch_settings()) for times in table.values()), table
+    assert step.ahead_one != stalled and step.ahead_many != stalled, table
 
 
 @pytest.mark.parametrize("stalled", native_step.PASS_CAPS)

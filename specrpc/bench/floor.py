@@ -11,11 +11,10 @@ on the machine it runs on:
   that many bytes actually come from on this machine: a shared, virtualised L3 holds less than sysfs says); a buffer
   smaller than 64 MiB is read many times a call;
 - for each model of the pair at each `--weights` precision, each path the loader chooses among on this machine (the
-  native step in each prefetch mode `NativeStep.calibrate_prefetch` times, at int8 with its products on AMX tiles
-  too where the CPU has them; the torch forward, with MKL's one-row
-  product and with oneDNN's where both exist), timed at the shapes the engine runs (a one-token decode step, verifies
-  of 2 to k_max + 1 tokens, batched steps of several streams), all paths of a shape interleaved round after round,
-  the median of `--repeats`;
+  native step in each prefetch mode and distance `NativeStep.calibrate_prefetch` times, at int8 with its products on
+  AMX tiles too where the CPU has them; the torch forward, with MKL's one-row product and with oneDNN's where both
+  exist), timed at the shapes the engine runs (a one-token decode step, verifies of 2 to k_max + 1 tokens, batched
+  steps of several streams), all paths of a shape interleaved round after round, the median of `--repeats`;
 - each path's effective weight rate: the projections' bytes it reads at that precision (the head included, the
   embedding's one row per token not) ÷ its step time. The step's time also covers reading K/V and activations and
   computing, so the weights themselves are read at least this fast; a rate above the bandwidth of the level that
@@ -259,9 +258,11 @@ class Route:
         return sum(native_reads(p, self.native_int8) for p in linears)
 
 
-def native_forward(step: native.NativeStep, mode: str, amx: bool, rows: list[BatchRow]) -> None:
-    """`rows` through the native step, every forward prefetching in `mode`, its int8 products on AMX tiles or not."""
+def native_forward(step: native.NativeStep, mode: str, ahead: int, amx: bool, rows: list[BatchRow]) -> None:
+    """`rows` through the native step, every forward prefetching in `mode` `ahead` bytes ahead, its int8 products
+    on AMX tiles or not."""
     step.prefetch_one = step.prefetch_many = mode
+    step.ahead_one = step.ahead_many = ahead
     step.model.amx_from = 1 if amx else 0
     if len(rows) == 1:
         r = rows[0]
@@ -293,9 +294,10 @@ def torch_name(w: LlamaWeights) -> str:
 
 def routes(lm: LlamaLM) -> tuple[list[Route], str]:
     """The paths `lm`'s forwards can take on this machine, and whether the native step is among them ("on", else
-    why not): the native step in each prefetch mode; the torch forward, as MKL's one-row product and oneDNN's where
-    the loader chooses between them (`LlamaLM.tune_decode`: they differ at one token only). At int8 where AMX can
-    run (`native.amx_available`), the native step with its products on the tiles too, in each prefetch mode."""
+    why not): the native step in each prefetch setting (`native.prefetch_settings`); the torch forward, as MKL's
+    one-row product and oneDNN's where the loader chooses between them (`LlamaLM.tune_decode`: they differ at one
+    token only). At int8 where AMX can run (`native.amx_available`), the native step with its products on the tiles
+    too, in each prefetch setting."""
     w = lm.weights
     out: list[Route] = []
     why = native.supported(w, CPU, torch.float32)
@@ -305,9 +307,10 @@ def routes(lm: LlamaLM) -> tuple[list[Route], str]:
         dot = lib is not None and lib.specrpc_int8_group() > 1  # int8 products multiply int8 activations
         for amx in (False, True) if step.int8 and native_lib.amx_available() else (False,):
             kind = None if amx else "int8" if step.int8 and dot else "float"
-            for mode in native_lib.PREFETCH:
-                out.append(Route(f"native{' int8' if step.int8 else ''}{' AMX' if amx else ''}, prefetch {mode}",
-                                 partial(native_forward, step, mode, amx), w, step.int8, kind))
+            for mode, ahead in native.prefetch_settings():
+                out.append(Route(f"native{' int8' if step.int8 else ''}{' AMX' if amx else ''}, prefetch "
+                                 f"{native.setting_label(mode, ahead)}",
+                                 partial(native_forward, step, mode, ahead, amx), w, step.int8, kind))
     if lm.decode_tunable():
         onednn, mkl = with_packed_decode(w, True), with_packed_decode(w, False)
         out.append(Route("torch, oneDNN", partial(eager_forward, onednn, lm.cache), onednn, None, "float"))

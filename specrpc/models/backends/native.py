@@ -68,9 +68,25 @@ STREAM_BYTES = 32 << 20
 2-core AMD EPYC's last-level cache, where a target this size would evict the draft's weights on every step)."""
 
 PREFETCH_AHEAD = 2048
-"""Bytes ahead of the column a product reads that its prefetches ask for. On a 2-core Intel Xeon (one thread, the
-shipped target) 512 and 2048 timed within 7 % of each other in both prefetching modes and 8192 up to 20 % slower, while
-the mode moved a one-token step 2.5×: the mode is measured at load, the distance kept (`Model.prefetch_ahead`)."""
+"""Bytes ahead of the column a product reads that its prefetches ask for until `calibrate_prefetch` has measured the
+distances (`PREFETCH_DISTANCES`), and what the mode "none" leaves in the struct."""
+
+PREFETCH_DISTANCES = (256, PREFETCH_AHEAD, 8192)
+"""The distances `calibrate_prefetch` times with each prefetching mode. None wins everywhere: on a 2-core Intel Xeon
+(one thread, the shipped target) 8192 was up to 20 % slower than 2048; on a 2-core AMD EPYC (Zen 3) it made the int8
+target's one-token step 7 % faster and 256 the float32 one's 4-6 % (`Model.prefetch_ahead`)."""
+
+def setting_label(mode: str, ahead: int) -> str:
+    """A prefetch setting as logs and tables name it: the mode, with its distance where it prefetches."""
+    return mode if mode == "none" else f"{mode} {ahead} B ahead"
+
+
+def prefetch_settings() -> list[tuple[str, int]]:
+    """(mode, distance) of every way a forward can prefetch its weights: each `native.PREFETCH` mode, each
+    prefetching one at every distance of `PREFETCH_DISTANCES` ("none" at the default, which it ignores)."""
+    return [(mode, ahead) for mode in native.PREFETCH
+            for ahead in ((PREFETCH_AHEAD,) if mode == "none" else PREFETCH_DISTANCES)]
+
 
 VERIFY_TOKENS = 5
 """The verify shape `calibrate_prefetch` times beside a one-token step: 4 drafts and the token before them."""
@@ -144,6 +160,7 @@ class NativeStep:
         guess = "non-temporal" if sum(t.nbytes for t in projections) > STREAM_BYTES else "none"
         self.prefetch_one = guess  # the `native.PREFETCH` mode of one-token forwards (decode steps, greedy drafts)
         self.prefetch_many = guess  # and of forwards of more tokens (verifies, batches, chunks)
+        self.ahead_one = self.ahead_many = PREFETCH_AHEAD  # their prefetch distances, bytes
         capacity = cache.k.shape[3]  # [L, S, H, C, D]
         buffers = {"x": a.hidden, "h": a.hidden, "qkv": (a.heads + 2 * a.kv_heads) * a.head_dim,
                    "att": a.heads * a.head_dim, "up": 2 * a.ffn, "scores": a.heads * capacity}
@@ -170,34 +187,45 @@ class NativeStep:
         self._model_ref = ctypes.byref(self.model)
 
     def _prefetch(self, count: int) -> None:
-        """The prefetch mode for a forward of `count` tokens into the struct (a hint: results are the same bits)."""
-        self.model.prefetch = native.PREFETCH[self.prefetch_one if count == 1 else self.prefetch_many]
+        """The prefetch mode and distance for a forward of `count` tokens into the struct (a hint: results are the
+        same bits)."""
+        one = count == 1
+        self.model.prefetch = native.PREFETCH[self.prefetch_one if one else self.prefetch_many]
+        self.model.prefetch_ahead = self.ahead_one if one else self.ahead_many
+
+    def prefetch_label(self, count: int) -> str:
+        """How a forward of `count` tokens prefetches: its mode, with its distance where it prefetches."""
+        return setting_label(*((self.prefetch_one, self.ahead_one) if count == 1
+                               else (self.prefetch_many, self.ahead_many)))
 
     def calibrate_prefetch(self, slot: int = 0, context: int = 32, repeats: int = 9) -> dict[int, dict[str, float]]:
-        """Time every prefetch mode (`native.PREFETCH`) on this model at one token (a decode step) and at
-        `VERIFY_TOKENS` (a verify), interleaved (`interleaved_times`, lower quartiles), and keep the fastest at each
-        (`prefetch_one`, `prefetch_many`): whether to read the weights past the caches depends on the CPU's
-        last-level cache and the model, and no byte count knows both. Writes K/V at positions below context +
-        `VERIFY_TOKENS` of `slot`, which the caller holds empty. Returns those seconds per shape and mode (empty
-        where the cache has no room to measure, the guess kept)."""
+        """Time every prefetch mode (`native.PREFETCH`), each prefetching one at every distance of
+        `PREFETCH_DISTANCES`, on this model at one token (a decode step) and at `VERIFY_TOKENS` (a verify),
+        interleaved (`interleaved_times`, lower quartiles), and keep the fastest at each (`prefetch_one`, `ahead_one`,
+        `prefetch_many`, `ahead_many`): whether to read the weights past the caches, and how far ahead, depends on
+        the CPU's caches and prefetchers and the model, and no byte count knows them. Writes K/V at positions below
+        context + `VERIFY_TOKENS` of `slot`, which the caller holds empty. Returns those seconds per shape and
+        setting (`setting_label`; empty where the cache has no room to measure, the guess kept)."""
         context = min(context, self.model.capacity - VERIFY_TOKENS)
         if context < 1:
             return {}
         ids = (torch.arange(context + VERIFY_TOKENS) * 7919) % self.vocab  # [context + VERIFY_TOKENS]
         self.run_chunks(ids[:context], 0, slot)
-        modes = list(native.PREFETCH)
+        settings = prefetch_settings()
         table: dict[int, dict[str, float]] = {}
+        best: dict[int, tuple[str, int]] = {}
         for count in (1, VERIFY_TOKENS):
-            def step(mode: str, count: int = count) -> Callable[[], None]:
+            def step(mode: str, ahead: int, count: int = count) -> Callable[[], None]:
                 def run() -> None:
                     self.prefetch_one = self.prefetch_many = mode
+                    self.ahead_one = self.ahead_many = ahead
                     self.run(ids[context : context + count], context, slot, count)
                 return run
 
-            times = interleaved_times([step(mode) for mode in modes], repeats)
-            table[count] = dict(zip(modes, times, strict=True))
-        self.prefetch_one = min(table[1], key=table[1].__getitem__)
-        self.prefetch_many = min(table[VERIFY_TOKENS], key=table[VERIFY_TOKENS].__getitem__)
+            times = interleaved_times([step(mode, ahead) for mode, ahead in settings], repeats)
+            table[count] = {setting_label(mode, ahead): t for (mode, ahead), t in zip(settings, times, strict=True)}
+            best[count] = settings[min(range(len(settings)), key=times.__getitem__)]
+        (self.prefetch_one, self.ahead_one), (self.prefetch_many, self.ahead_many) = best[1], best[VERIFY_TOKENS]
         return table
 
     def calibrate_passes(self, slot: int = 0, context: int = 32, repeats: int = 7) -> dict[int, dict[int, float]]:

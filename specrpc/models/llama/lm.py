@@ -161,8 +161,8 @@ class LlamaLM:
         table = step.calibrate_prefetch()
         if table:
             log.info("%s: native prefetch %s at 1 token, %s at %d (ms, lower quartiles: %s)", self.name,
-                     step.prefetch_one, step.prefetch_many, native.VERIFY_TOKENS, "; ".join(
-                         f"{count}: " + ", ".join(f"{mode} {t * 1e3:.2f}" for mode, t in times.items())
+                     step.prefetch_label(1), step.prefetch_label(native.VERIFY_TOKENS), native.VERIFY_TOKENS, "; ".join(
+                         f"{count}: " + ", ".join(f"{setting} {t * 1e3:.2f}" for setting, t in times.items())
                          for count, times in table.items()))
         passes = step.calibrate_passes()
         if passes:
@@ -363,15 +363,15 @@ class LlamaLM:
         step, rows = self.native, self.native_rows
         if step is None or rows == 0:
             return [("any", torch_path)]
-        out = [("1", f"native, prefetch {step.prefetch_one}")]
+        out = [("1", f"native, prefetch {step.prefetch_label(1)}")]
         amx_from = step.model.amx_from if 1 < step.model.amx_from <= rows else 0
         if rows > 1 and amx_from:  # the int8 products of these forwards on AMX tiles (the same bits as VNNI)
             if amx_from > 2:
-                out.append((f"2-{amx_from - 1}" if amx_from > 3 else "2", f"native, prefetch {step.prefetch_many}"))
+                out.append((f"2-{amx_from - 1}" if amx_from > 3 else "2", f"native, prefetch {step.prefetch_label(2)}"))
             out.append((f"{amx_from}-{rows}" if rows > amx_from else f"{rows}",
-                        f"native, prefetch {step.prefetch_many}, AMX"))
+                        f"native, prefetch {step.prefetch_label(2)}, AMX"))
         elif rows > 1:
-            out.append((f"2-{rows}" if rows > 2 else "2", f"native, prefetch {step.prefetch_many}"))
+            out.append((f"2-{rows}" if rows > 2 else "2", f"native, prefetch {step.prefetch_label(2)}"))
         longer = ("native in chunks" + (", AMX" if 0 < step.model.amx_from <= native.MAX_TOKENS else "")
                   if self.chunks_native() else torch_path)
         out.append((f"{rows + 1}+", longer))
