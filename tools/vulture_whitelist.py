@@ -20,5 +20,6 @@ _.allow_tf32  # torch.backends
 _._layers  # keeps the native step's tensors alive while C++ holds their pointers
 _._keep  # the same
 _.prefetch  # native.Model field, read by decode.cpp
+_.prefetch_ahead  # native.Model field, read by decode.cpp
 _.bonus  # VerifyResult field
 _.pass_tokens  # a native.Model struct field, read by decode.cpp

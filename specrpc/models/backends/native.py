@@ -72,9 +72,10 @@ PREFETCH_AHEAD = 2048
 distances (`PREFETCH_DISTANCES`), and what the mode "none" leaves in the struct."""
 
 PREFETCH_DISTANCES = (256, PREFETCH_AHEAD, 8192)
-"""The distances `calibrate_prefetch` times with each prefetching mode. None wins everywhere: on a 2-core Intel Xeon
-(one thread, the shipped target) 8192 was up to 20 % slower than 2048; on a 2-core AMD EPYC (Zen 3) it made the int8
-target's one-token step 7 % faster and 256 the float32 one's 4-6 % (`Model.prefetch_ahead`)."""
+"""The distances `calibrate_prefetch` times with each prefetching mode. No distance wins everywhere: on a 2-core Intel
+Xeon (one thread, the shipped target) 8192 was up to 20 % slower than 2048; on a 2-core AMD EPYC (Zen 3) it made the
+int8 target's one-token step 7 % faster and 256 the float32 one's 4-6 % (`Model.prefetch_ahead`)."""
+
 
 def setting_label(mode: str, ahead: int) -> str:
     """A prefetch setting as logs and tables name it: the mode, with its distance where it prefetches."""
