@@ -168,8 +168,7 @@ def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -
     seen = []
     for mode in native.PREFETCH:
         for ahead, cap in ((0, 0), (512, 6), (4096, 4), (2048, 2)):
-            step.prefetch_one = step.prefetch_many = mode
-            step.ahead_one = step.ahead_many = ahead
+            step.prefetch_everywhere(mode, ahead)
             step.passes[:] = cap
             seen.append((step.run(ids[16:17], 16, 0), step.run(ids[16:21], 16, 0, num_logits=5),
                          step.run(ids[:16], 0, 0, num_logits=16)))

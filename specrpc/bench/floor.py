@@ -261,8 +261,7 @@ class Route:
 def native_forward(step: native.NativeStep, mode: str, ahead: int, amx: bool, rows: list[BatchRow]) -> None:
     """`rows` through the native step, every forward prefetching in `mode` `ahead` bytes ahead, its int8 products
     on AMX tiles or not."""
-    step.prefetch_one = step.prefetch_many = mode
-    step.ahead_one = step.ahead_many = ahead
+    step.prefetch_everywhere(mode, ahead)
     step.model.amx_from = 1 if amx else 0
     if len(rows) == 1:
         r = rows[0]

@@ -187,17 +187,25 @@ class NativeStep:
         self._keep = keep
         self._model_ref = ctypes.byref(self.model)
 
+    def _setting(self, count: int) -> tuple[str, int]:
+        """The prefetch mode and distance of a forward of `count` tokens."""
+        return (self.prefetch_one, self.ahead_one) if count == 1 else (self.prefetch_many, self.ahead_many)
+
     def _prefetch(self, count: int) -> None:
         """The prefetch mode and distance for a forward of `count` tokens into the struct (a hint: results are the
         same bits)."""
-        one = count == 1
-        self.model.prefetch = native.PREFETCH[self.prefetch_one if one else self.prefetch_many]
-        self.model.prefetch_ahead = self.ahead_one if one else self.ahead_many
+        mode, ahead = self._setting(count)
+        self.model.prefetch = native.PREFETCH[mode]
+        self.model.prefetch_ahead = ahead
 
     def prefetch_label(self, count: int) -> str:
         """How a forward of `count` tokens prefetches: its mode, with its distance where it prefetches."""
-        return setting_label(*((self.prefetch_one, self.ahead_one) if count == 1
-                               else (self.prefetch_many, self.ahead_many)))
+        return setting_label(*self._setting(count))
+
+    def prefetch_everywhere(self, mode: str, ahead: int) -> None:
+        """Every forward, whatever its tokens, prefetching in `mode` `ahead` bytes ahead (a setting being timed)."""
+        self.prefetch_one = self.prefetch_many = mode
+        self.ahead_one = self.ahead_many = ahead
 
     def calibrate_prefetch(self, slot: int = 0, context: int = 32, repeats: int = 5) -> dict[int, dict[str, float]]:
         """Time every prefetch mode (`native.PREFETCH`), each prefetching one at every distance of
@@ -219,8 +227,7 @@ class NativeStep:
         for count in (1, VERIFY_TOKENS):
             def step(mode: str, ahead: int, count: int = count) -> Callable[[], None]:
                 def run() -> None:
-                    self.prefetch_one = self.prefetch_many = mode
-                    self.ahead_one = self.ahead_many = ahead
+                    self.prefetch_everywhere(mode, ahead)
                     self.run(ids[context : context + count], context, slot, count)
                 return run
 
