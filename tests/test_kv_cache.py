@@ -121,3 +121,22 @@ def test_copy_prefix_takes_another_slots_positions_without_gaps() -> None:
         cache.copy_prefix(0, 2, 5, start=1)  # slot 2 holds nothing: a gap at 0
     with pytest.raises(ValueError, match="cannot copy"):
         cache.copy_prefix(1, 1, 2)
+
+
+def test_a_borrowed_slot_gets_back_its_positions_and_length_even_when_the_borrower_fails() -> None:
+    """Scratch writes to a borrowed slot (timing between requests) leave its first positions' K/V and its length as
+    they were, also where the work inside raises; the other slots are never touched."""
+    cache = KVCache(num_layers=2, num_slots=2, kv_heads=2, capacity=16, head_dim=4, device=torch.device("cpu"),
+                    dtype=torch.float32)
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.commit(0, 11)
+    k, v = cache.k.clone(), cache.v.clone()
+    with pytest.raises(RuntimeError, match="mid-way"), cache.borrowed(0, 8):
+        cache.truncate(0, 0)
+        cache.begin_write(0, 0, 8)
+        cache.k[:, 0, :, :8] = 0.0
+        cache.v[:, 0, :, :8] = 0.0
+        cache.commit(0, 8)
+        raise RuntimeError("mid-way")
+    assert cache.length(0) == 11 and torch.equal(cache.k, k) and torch.equal(cache.v, v)

@@ -19,7 +19,9 @@ from engine_helpers import requires_native
 from specrpc import native
 from specrpc.config import ASSETS
 from specrpc.models import load_model
+from specrpc.models.backends import eager
 from specrpc.models.backends import native as native_step
+from specrpc.models.backends.timing import Drift
 from specrpc.models.llama import LlamaLM, bf16_available, int8_available
 
 
@@ -181,10 +183,10 @@ STALL_S = 0.02
 however noisy the machine (each is measured in interleaved rounds)."""
 
 
-def stall() -> None:
-    """`STALL_S` of busy work, as a slow path spends it: a sleep would hand the CPU to a neighbour and come back with
+def stall(seconds: float = STALL_S) -> None:
+    """`seconds` of busy work, as a slow path spends it: a sleep would hand the CPU to a neighbour and come back with
     the scheduler's favour, so that the forward after it ran less often preempted than the path it is compared with."""
-    end = time.perf_counter() + STALL_S
+    end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
 
@@ -298,6 +300,98 @@ def test_a_stalled_native_step_serves_no_forward_not_even_one_token(tmp_path: Pa
     lm.forward(torch.tensor([1, 2, 3]), 0, 0)
     lm.forward(torch.tensor([4]), 3, 0)
     assert calls == [], "torch serves every forward"
+
+
+def test_drift_takes_two_checks_in_a_row_off_either_way() -> None:
+    """A one-token check off its reference by more than the tolerance, slower or faster, twice in a row, asks for the
+    paths to be measured again; one check off alone (a burst) does not, and a check back within resets the count."""
+    drift = Drift(tolerance=1.25, confirm=2)
+    assert not drift.drifted(1.0)  # the first check sets the reference
+    assert not drift.drifted(2.0) and not drift.drifted(1.1) and not drift.drifted(2.0)
+    assert drift.drifted(2.0)
+    drift.settled(2.0)
+    assert not drift.drifted(1.0) and drift.drifted(1.0)  # faster counts too: a neighbour's load went
+    drift.settled(1.0)
+    assert not drift.drifted(1.2) and not drift.drifted(0.85) and drift.strikes == 0
+
+
+def slowed_after_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[LlamaLM, Callable[[], int]]:
+    """A tiny model loaded with its native step, then whichever path serves its one-token forwards slowed by an
+    injected stall (the native step, or torch's forward where torch won at load; 4 ms a call, 10-40x a tiny
+    forward, but short: a measurement again times every setting); returns the model and a count of the tokens the
+    native step served."""
+    requires_native()
+    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=2,
+                    max_context=64, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    served = [0]
+    native_run, eager_run = native_step.NativeStep.run, eager.run
+    slow_native = lm.native_rows > 0
+
+    def run_native(self: native_step.NativeStep, *args: Any, **kwargs: Any) -> torch.Tensor:
+        served[0] += args[0].shape[0]
+        if slow_native:
+            stall(0.004)
+        return native_run(self, *args, **kwargs)
+
+    def run_eager(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if not slow_native:
+            stall(0.004)
+        return eager_run(*args, **kwargs)
+
+    monkeypatch.setattr(native_step.NativeStep, "run", run_native)
+    monkeypatch.setattr(eager, "run", run_eager)
+    return lm, lambda: served[0]
+
+
+def cached(lm: LlamaLM, slot: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """What `slot` caches: its length, its K and V."""
+    return lm.length(slot), lm.cache.k[:, slot].clone(), lm.cache.v[:, slot].clone()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_path_slowed_after_load_is_dropped_by_the_idle_checks(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path serving one-token forwards slowed after load (an injected stall): the first idle check only notes
+    it, the second measures again and hands one-token forwards to the other path; the slot the checks borrow keeps
+    the prompt it caches, bit for bit."""
+    lm, native_tokens = slowed_after_load(tmp_path, monkeypatch)
+    was_native = lm.native_rows > 0
+    lm.forward(torch.arange(3, 23), 0, 1)  # a prompt cached in the slot the checks borrow
+    before = cached(lm, 1)
+    assert not lm.recheck(1, lambda: False), "one check off is a burst"
+    assert lm.recheck(1, lambda: False)
+    assert (lm.native_rows > 0) != was_native, lm.execution()
+    after = cached(lm, 1)
+    assert after[0] == before[0] and torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])
+    served = native_tokens()
+    lm.forward(torch.tensor([5]), 20, 1)
+    assert (native_tokens() > served) != was_native, "a one-token forward takes the path that won again"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_check_stops_for_a_request_and_puts_every_setting_back(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request comes while the paths are measured again: the measurement stops within a round, every setting it was
+    timing is put back (the native step's, and the forwards it takes), and so is the borrowed slot; the next idle
+    check measures them in full."""
+    lm, _ = slowed_after_load(tmp_path, monkeypatch)
+    assert lm.native is not None
+    lm.forward(torch.arange(3, 13), 0, 0)
+    before, settings, rows = cached(lm, 0), lm.native.choices(), lm.native_rows
+    assert not lm.recheck(0, lambda: False)
+    asked = [0]
+
+    def busy() -> bool:  # a request arrives once the measurement is under way (past the 8 rounds of the check)
+        asked[0] += 1
+        return asked[0] > 12
+
+    assert not lm.recheck(0, busy)
+    assert asked[0] == 13, "stopped at the first round after the request came"
+    assert lm.native.choices() == settings and lm.native_rows == rows
+    after = cached(lm, 0)
+    assert after[0] == before[0] and torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])
+    assert lm.recheck(0, lambda: False)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -12,6 +12,7 @@ out. The engine's batching is then a loop here (correct, not faster); the lean f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -155,3 +156,7 @@ class HFCausalLM:
     def execution(self) -> list[tuple[str, str]]:
         """Every forward through transformers."""
         return [("any", "transformers")]
+
+    def recheck(self, slot: int, busy: Callable[[], bool]) -> bool:
+        """Nothing to choose between: every forward takes transformers."""
+        return False

@@ -6,7 +6,9 @@ rollback (draft tokens rejected) or a prefix reuse is only a change of the lengt
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 import torch
 
@@ -106,3 +108,19 @@ class KVCache(SlotLengths):
         self.k[:, slot, :, start:length] = self.k[:, source, :, start:length]  # [L, H, length - start, D]
         self.v[:, slot, :, start:length] = self.v[:, source, :, start:length]
         self.lengths[slot] = length
+
+    @contextlib.contextmanager
+    def borrowed(self, slot: int, positions: int) -> Iterator[None]:
+        """`slot` for scratch writes to its first `positions` positions (timing between requests): on leaving, those
+        positions' K/V and the slot's length are as they were, so a prompt cached there still serves a prefix."""
+        self._check_slot(slot)
+        n = min(positions, self.capacity)
+        length = self.lengths[slot]
+        k = self.k[:, slot, :, :n].clone()  # [L, H, n, D]
+        v = self.v[:, slot, :, :n].clone()
+        try:
+            yield
+        finally:
+            self.k[:, slot, :, :n] = k
+            self.v[:, slot, :, :n] = v
+            self.lengths[slot] = length

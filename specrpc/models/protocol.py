@@ -3,6 +3,7 @@ fallback)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -61,4 +62,10 @@ class CausalLM(Protocol):
     def execution(self) -> list[tuple[str, str]]:
         """Which path runs forwards of each length, as (tokens a forward, path) rows in length order: what the
         start-up log prints and GetModelInfo reports."""
+        ...
+
+    def recheck(self, slot: int, busy: Callable[[], bool]) -> bool:
+        """Between requests (the device idle): check that the paths chosen at load still run as fast as then, on
+        `slot` (whatever it caches is left as it was), and where they do not, choose again (stopping once `busy()`);
+        whether the choice was made again (`execution` then says what it is)."""
         ...

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 from collections.abc import Callable
 
@@ -106,6 +107,19 @@ AMX_TOKENS = (2, 3, VERIFY_TOKENS, 9, MAX_TOKENS)
 drafts, and the widest forward (a prompt chunk, a batch)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What a `NativeStep`'s calibrations chose (`NativeStep.choices`): put back (`NativeStep.choose`) where a
+    measurement stopped half way, so that no setting it was timing stays behind."""
+
+    prefetch_one: str
+    ahead_one: int
+    prefetch_many: str
+    ahead_many: int
+    passes: tuple[int, ...]
+    amx_from: int
+
+
 class NativeStep:
     """The model's weights packed in panels (`pack_panels`), its KV cache and work buffers, bound to the native
     step; `run` runs up to `MAX_TOKENS` tokens."""
@@ -206,6 +220,18 @@ class NativeStep:
         """Every forward, whatever its tokens, prefetching in `mode` `ahead` bytes ahead (a setting being timed)."""
         self.prefetch_one = self.prefetch_many = mode
         self.ahead_one = self.ahead_many = ahead
+
+    def choices(self) -> Choices:
+        """The settings the calibrations chose (or the guesses where none has run)."""
+        return Choices(self.prefetch_one, self.ahead_one, self.prefetch_many, self.ahead_many,
+                       tuple(int(n) for n in self.passes.tolist()), int(self.model.amx_from))
+
+    def choose(self, c: Choices) -> None:
+        """Put back settings `choices` returned."""
+        self.prefetch_one, self.ahead_one, self.prefetch_many, self.ahead_many = (
+            c.prefetch_one, c.ahead_one, c.prefetch_many, c.ahead_many)
+        self.passes[:] = torch.tensor(c.passes, dtype=torch.int64)
+        self.model.amx_from = c.amx_from
 
     def calibrate_prefetch(self, slot: int = 0, context: int = 32, repeats: int = 5) -> dict[int, dict[str, float]]:
         """Time every prefetch mode (`native.PREFETCH`), each prefetching one at every distance of

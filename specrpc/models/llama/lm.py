@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from specrpc.models.backends import cuda_graphs, eager, native
-from specrpc.models.backends.timing import interleaved_times
+from specrpc.models.backends.timing import Drift, Interrupted, interleaved_times, interruptible
 from specrpc.models.batch import BatchRow, check_rows
 from specrpc.models.kv_cache import KVCache
 from specrpc.models.llama.checkpoint import load_llama_weights
@@ -75,6 +75,7 @@ class LlamaLM:
         self.native: native.NativeStep | None = None  # forwards of up to `native_rows` tokens, when `use_native` can
         self.native_rows = 1
         self.deterministic = False  # every forward through the native step's per-token products (`use_native`)
+        self.drift = Drift()  # when the native step's paths are measured again (`recheck`)
         self.draft_loop: cuda_graphs.GraphedDraftLoop | None = None
         self.buckets = buckets
         t0 = time.perf_counter()
@@ -157,26 +158,9 @@ class LlamaLM:
                                  f"{self.name} here ({why})")
             log.info("%s: native decode off (%s)", self.name, why)
             return False
-        step = self.native = native.NativeStep(self.weights, self.cache)
-        table = step.calibrate_prefetch()
-        if table:
-            log.info("%s: native prefetch %s at 1 token, %s at %d (ms, lower quartiles: %s)", self.name,
-                     step.prefetch_label(1), step.prefetch_label(native.VERIFY_TOKENS), native.VERIFY_TOKENS, "; ".join(
-                         f"{count}: " + ", ".join(f"{setting} {t * 1e3:.2f}" for setting, t in times.items())
-                         for count, times in table.items()))
-        passes = step.calibrate_passes()
-        if passes:
-            caps = ", ".join(f"{count}: {int(step.passes[count]) or 'auto'}" for count in passes)
-            log.info("%s: native tokens a pass over the weights at most, by a forward's tokens: %s (ms by cap, 0 = "
-                     "auto: %s)", self.name, caps, "; ".join(
-                         f"{count}: " + ", ".join(f"{cap} {t * 1e3:.2f}" for cap, t in times.items())
-                         for count, times in passes.items()))
-        amx = step.calibrate_amx()
-        if amx:
-            log.info("%s: int8 products on AMX tiles %s (ms VNNI / AMX by tokens: %s)", self.name,
-                     f"from {step.model.amx_from} tokens" if step.model.amx_from else "never",
-                     ", ".join(f"{count} {vnni * 1e3:.2f}/{tiles * 1e3:.2f}" for count, (vnni, tiles) in amx.items()))
-        if deterministic or all(p.wt is None and p.packed is None for p in self.weights.linears()):
+        self.native = native.NativeStep(self.weights, self.cache)
+        self._measure_native(0)
+        if deterministic or self.rows_fixed():
             # --deterministic, or int8 weights alone (--weights int8): every decode and verify through the native
             # step, so greedy speculation equals greedy decoding exactly (at int8, the torch kernel rounds
             # differently)
@@ -184,25 +168,106 @@ class LlamaLM:
             self.deterministic = deterministic
             log.info("%s: native decode on, every forward (%s)", self.name,
                      "deterministic" if deterministic else "int8 weights alone")
-            return True
-        self.native_rows = 0  # the torch forward alone while its own one-token path is tuned
-        if self.decode_tunable():
-            self.tune_decode()
-        self.native_rows, ratios = self._native_rows()
-        if self.native_rows > 0:
-            self.weights = map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
-                                       else dataclasses.replace(p, wt=None, packed_rows=1))
-        log.info("%s: native decode on, up to %d tokens a forward (native/torch time by tokens: %s)", self.name,
-                 self.native_rows, ", ".join(f"{count} {r:.2f}" for count, r in ratios.items()) or "not measured")
+        else:
+            self.native_rows = 0  # the torch forward alone while its own one-token path is tuned
+            if self.decode_tunable():
+                self.tune_decode()
+            self._choose_rows(0)
+            if self.native_rows > 0:
+                self.weights = map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
+                                           else dataclasses.replace(p, wt=None, packed_rows=1))
+        self.drift.settled(self._one_token_s(0))
         return True
 
-    def _native_rows(self, context: int = 32, repeats: int = 5, one_token_repeats: int = 11
+    def rows_fixed(self) -> bool:
+        """Whether every forward the native step can take runs through it whatever torch's time: under
+        `deterministic`, and with int8 weights alone (no float copy for torch)."""
+        return self.deterministic or all(p.wt is None and p.packed is None for p in self.weights.linears())
+
+    def _measure_native(self, slot: int) -> None:
+        """The native step's settings measured on `slot` (empty, or `KVCache.borrowed`), each table logged in one
+        line: its weight prefetch (`NativeStep.calibrate_prefetch`), the tokens a pass over the weights takes
+        (`calibrate_passes`), AMX tiles (`calibrate_amx`)."""
+        step = self.native
+        assert step is not None
+        table = step.calibrate_prefetch(slot)
+        if table:
+            log.info("%s: native prefetch %s at 1 token, %s at %d (ms, lower quartiles: %s)", self.name,
+                     step.prefetch_label(1), step.prefetch_label(native.VERIFY_TOKENS), native.VERIFY_TOKENS, "; ".join(
+                         f"{count}: " + ", ".join(f"{setting} {t * 1e3:.2f}" for setting, t in times.items())
+                         for count, times in table.items()))
+        passes = step.calibrate_passes(slot)
+        if passes:
+            caps = ", ".join(f"{count}: {int(step.passes[count]) or 'auto'}" for count in passes)
+            log.info("%s: native tokens a pass over the weights at most, by a forward's tokens: %s (ms by cap, 0 = "
+                     "auto: %s)", self.name, caps, "; ".join(
+                         f"{count}: " + ", ".join(f"{cap} {t * 1e3:.2f}" for cap, t in times.items())
+                         for count, times in passes.items()))
+        amx = step.calibrate_amx(slot)
+        if amx:
+            log.info("%s: int8 products on AMX tiles %s (ms VNNI / AMX by tokens: %s)", self.name,
+                     f"from {step.model.amx_from} tokens" if step.model.amx_from else "never",
+                     ", ".join(f"{count} {vnni * 1e3:.2f}/{tiles * 1e3:.2f}" for count, (vnni, tiles) in amx.items()))
+
+    def _choose_rows(self, slot: int) -> None:
+        """`native_rows` measured on `slot` (`_native_rows`), logged."""
+        self.native_rows, ratios = self._native_rows(slot)
+        log.info("%s: native decode on, up to %d tokens a forward (native/torch time by tokens: %s)", self.name,
+                 self.native_rows, ", ".join(f"{count} {r:.2f}" for count, r in ratios.items()) or "not measured")
+
+    def _one_token_s(self, slot: int, context: int = 32, repeats: int = 7) -> float:
+        """Seconds of a one-token forward at `context` positions of `slot` (empty, or `KVCache.borrowed`) through
+        the paths chosen, the lower quartile of `repeats` (`interleaved_times`); 0 where the cache has no room.
+        Leaves the slot empty."""
+        context = min(context, self.max_context - 1)
+        if context < 1:
+            return 0.0
+        ids = (torch.arange(context + 1, device=self.device) * 7919) % self.vocab_size  # [context + 1]
+        self.forward(ids[:context], 0, slot)
+
+        def one() -> None:
+            self.truncate(slot, context)
+            self.forward(ids[context:], context, slot)
+
+        try:
+            return interleaved_times([one], repeats)[0]
+        finally:
+            self.truncate(slot, 0)
+
+    def recheck(self, slot: int, busy: Callable[[], bool]) -> bool:
+        """Between requests: time a one-token forward through the paths chosen at load, on `slot` borrowed (what it
+        caches is put back), and where it has drifted from its time right after the choice (`Drift`), measure the
+        native step's settings and the shapes it runs again (as `use_native` does at load, but for torch's own
+        one-token path: a dropped float copy is not rebuilt), the new table logged. Stops as soon as `busy()` says
+        a request waits (`interruptible`), the settings it was timing put back. Returns whether the choice was made
+        again."""
+        step = self.native
+        if step is None:
+            return False
+        before = step.choices(), self.native_rows
+        with self.cache.borrowed(slot, 32 + native.MAX_TOKENS + 1), interruptible(busy):
+            try:
+                if not self.drift.drifted(self._one_token_s(slot)):
+                    return False
+                log.info("%s: one-token forwards took %.2f ms, %.2f ms after the paths were chosen; measuring them "
+                         "again", self.name, self.drift.last_s * 1e3, self.drift.reference_s * 1e3)
+                self._measure_native(slot)
+                if not self.rows_fixed():
+                    self._choose_rows(slot)
+                self.drift.settled(self._one_token_s(slot))
+            except Interrupted:
+                step.choose(before[0])
+                self.native_rows = before[1]
+                return False
+        return True
+
+    def _native_rows(self, slot: int, context: int = 32, repeats: int = 5, one_token_repeats: int = 11
                      ) -> tuple[int, dict[int, float]]:
         """The most tokens a forward runs through the native step (a decode step, a verify, a draft's catch-up)
         before the torch forward is as fast (the native step reads each weight once for all its tokens but computes
         their products one row at a time), and the ratios measured (native / torch time by token count):
         native against torch forwards of 1, 2, … tokens up to `MAX_TOKENS`, interleaved (`interleaved_times`,
-        more rounds at one token, the shape most forwards have), on slot 0 (left empty); it stops at the first count
+        more rounds at one token, the shape most forwards have), on `slot` (left empty); it stops at the first count
         where torch is not slower twice in a row, so 0 where torch wins a one-token step. Without room in the cache
         to measure, 1 (unmeasured)."""
         most = native.MAX_TOKENS
@@ -211,13 +276,13 @@ class LlamaLM:
             return 1, {}
         ids = (torch.arange(context + most, device=self.device) * 7919) % self.vocab_size  # [context + most]
         self.native_rows = 0
-        self.forward(ids[:context], 0, 0)
+        self.forward(ids[:context], 0, slot)
 
         def forward(count: int, rows: int) -> Callable[[], object]:
             def run() -> None:
-                self.truncate(0, context)
+                self.truncate(slot, context)
                 self.native_rows = rows
-                self.forward(ids[context : context + count], context, 0, num_logits=count)
+                self.forward(ids[context : context + count], context, slot, num_logits=count)
             return run
 
         rows = 0
@@ -233,7 +298,7 @@ class LlamaLM:
                 break
             rows = count
         self.native_rows = rows
-        self.truncate(0, 0)
+        self.truncate(slot, 0)
         return rows, ratios
 
     def tune_decode(self, context: int = 32, repeats: int = 5) -> bool:
