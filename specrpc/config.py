@@ -40,6 +40,7 @@ class EngineConfig:
     threads: int = 0
     draft_int8: bool = True
     native_decode: bool = True
+    recheck_s: float = 60.0
     deterministic: bool = False
     cuda_graphs: bool = True
     fim_template: str = ""
@@ -126,6 +127,10 @@ HELP: dict[str, str] = {
     "native_decode": "on CPU at float32, run one-token steps of the lean forward as one native OpenMP step "
                      "(specrpc/native/decode.cpp, built with the machine's C++ compiler on first use and cached; "
                      "without a compiler the torch forward runs them)",
+    "recheck_s": "at most this often, once the device has been idle for a second, time a one-token forward through "
+                 "the native step's paths chosen at load; where it is over 1.25x off its time after the choice on two "
+                 "checks in a row (a neighbour's load came or went), measure them again, as at load (stopping for any "
+                 "request that comes); 0: never",
     "deterministic": "run every target forward through the native step's per-token products (CPU, float32 or int8 "
                      "weights), so a stream's tokens never depend on its draft length, its batchmates or how its "
                      "prompt was split: greedy speculation equals greedy target-only bit for bit (docs/how-it-works.md"
@@ -264,6 +269,7 @@ def validate(config: Config) -> None:
         (e.proposer in {"draft", "lookup", "combined"}, "--proposer must be draft, lookup or combined"),
         (e.prefill_chunk >= 16, "--prefill-chunk must be >= 16"),
         (e.batching in {"on", "off"}, "--batching must be on or off"),
+        (e.recheck_s >= 0, "--recheck-s must be >= 0 (0: never)"),
         (e.fim_template in ("", *template_names()),
          f"--fim-template must be one of {', '.join(template_names())} (or empty: the model's own)"),
         (e.tool_format in FORMAT_NAMES, f"--tool-format must be one of {', '.join(FORMAT_NAMES)}"),

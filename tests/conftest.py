@@ -36,8 +36,11 @@ def free_port() -> int:
 
 def test_config(**engine: object) -> Config:
     """Small slots and context so the suite stays fast on a 2-core CPU (SPECRPC_TARGET/SPECRPC_DRAFT override the
-    shipped models, as for `specrpc serve`)."""
+    shipped models, as for `specrpc serve`). No idle checks of the paths chosen at load (`--recheck-s 0`) unless
+    asked: a server lives through the whole suite, whose load is the drift they look for, and a new choice would
+    move a shape to another path (other rounding) between a test's reference run and its run."""
     base = build_config(None).engine
+    engine = {"recheck_s": 0.0, **engine}
     return Config(
         engine=replace(base, max_sessions=4, max_context=512, threads=1, **engine),  # type: ignore[arg-type]
         server=ServerConfig(host="127.0.0.1", port=0, metrics_port=free_port(), http_port=free_port(),

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from service_helpers import collect, ids_of
@@ -16,7 +17,7 @@ from specrpc.config import build_config
 from specrpc.edges.server import Running
 from specrpc.engine.generation import StepResult
 from specrpc.serving import scheduler as scheduler_module
-from specrpc.serving.scheduler import Job
+from specrpc.serving.scheduler import Job, Scheduler
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -118,3 +119,42 @@ def test_batching_setting_defaults_on_and_is_validated() -> None:
     assert build_config(None, env={"SPECRPC_BATCHING": "off"}).engine.batching == "off"
     with pytest.raises(ValueError, match="--batching must be on or off"):
         build_config(None, env={"SPECRPC_BATCHING": "maybe"})
+
+
+def test_the_idle_task_runs_once_a_spell_and_gives_way_to_work() -> None:
+    """`on_idle` runs on the device thread once the device has had nothing to do for `idle_after_s`, once per idle
+    spell however long (work makes another), its `busy()` turns true as soon as a call waits, and a failing idle task
+    leaves the device thread serving."""
+    ran: list[str] = []
+    running, saw_busy = threading.Event(), threading.Event()
+
+    def idle(busy: Callable[[], bool]) -> None:
+        ran.append(threading.current_thread().name)
+        if len(ran) == 2:  # the second spell: a call comes while it runs
+            running.set()
+            deadline = time.monotonic() + 10
+            while not busy() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if busy():
+                saw_busy.set()
+        if len(ran) == 3:
+            raise RuntimeError("an idle task that fails")
+
+    scheduler = Scheduler(engine=None, on_idle=idle, idle_after_s=0.05)  # type: ignore[arg-type]  # calls alone
+    scheduler.start()
+    try:
+        time.sleep(0.2)
+        assert ran == [], "nothing before the first work"
+        assert scheduler.call(lambda: 1).result(timeout=10) == 1
+        time.sleep(0.3)
+        assert ran == ["specrpc-device"], "once for the spell, however long"
+        scheduler.call(lambda: None).result(timeout=10)
+        assert running.wait(10)
+        assert scheduler.call(lambda: "after").result(timeout=10) == "after"
+        assert saw_busy.is_set()
+        deadline = time.monotonic() + 10
+        while len(ran) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ran) == 3 and scheduler.call(lambda: "still serving").result(timeout=10) == "still serving"
+    finally:
+        scheduler.stop()

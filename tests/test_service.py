@@ -631,6 +631,26 @@ async def test_prefill_only_warms_the_session_and_answers_with_a_summary(stub: S
     assert ids_of(chunks) == ids_of(cold)
 
 
+async def test_an_idle_check_of_the_paths_leaves_a_warmed_session_its_cache(stub: Stub, server: Running,
+                                                                          tokenizer: PreTrainedTokenizerBase) -> None:
+    """An idle check of each model's paths (`--recheck-s`, run here on the device thread as the scheduler does) on
+    the slot a warmed session holds: the session's next request still starts from its cached prompt, and gets what
+    the same request got from that cache before the check (an anonymous request then, which copied it)."""
+    session = f"check-{uuid.uuid4().hex}"
+    await collect(stub.Generate(pb.GenerateRequest(prompt=EDITOR_PROMPT, session_id=session, prefill_only=True)))
+    typed = EDITOR_PROMPT + "        self"
+    before, _ = await collect(stub.Generate(greedy(typed, 16, logprobs=True)))
+    runtime = server.runtime
+    slot = runtime.registry.sessions[session].slot.index
+    models = [m for m in (runtime.target, runtime.draft) if m is not None]
+    runtime.scheduler.call(lambda: [m.recheck(slot, lambda: False) for m in models]).result(timeout=60)
+    chunks, summary = await collect(stub.Generate(greedy(typed, 16, session_id=session, logprobs=True)))
+    assert summary.cached_prompt_tokens >= len(tokenizer(EDITOR_PROMPT).input_ids) - 1
+    assert ids_of(chunks) == ids_of(before)
+    after_lp, before_lp = ([lp.logprob for c in cs for lp in c.logprobs] for cs in (chunks, before))
+    assert after_lp == pytest.approx(before_lp, abs=1e-4)
+
+
 async def test_logprobs_stream_with_each_token_and_match_target_only(stub: Stub,
                                                                       tokenizer: PreTrainedTokenizerBase) -> None:
     request = greedy(EDITOR_PROMPT, 24, logprobs=True, top_logprobs=3)

@@ -221,14 +221,20 @@ class Scheduler:
     """Every active job one step per device step, batched or round-robin, on a dedicated thread."""
 
     def __init__(self, engine: Engine, on_step: Callable[[Job, StepResult, float], None] | None = None,
-                 batching: bool = True, stream_interval_s: float = 0.0) -> None:
+                 batching: bool = True, stream_interval_s: float = 0.0,
+                 on_idle: Callable[[Callable[[], bool]], None] | None = None, idle_after_s: float = 1.0) -> None:
         """`batching`: one batched engine step for all jobs (`--batching on`), else round-robin.
         `stream_interval_s`: a job's reader is woken at most this often (its first chunk at once), unless the job
-        brings its own (`Job.interval_s`)."""
+        brings its own (`Job.interval_s`). `on_idle(busy)`: run on the device thread once the device has had nothing
+        to do for `idle_after_s`, once per such spell (work done since makes another); it should give way as soon as
+        `busy()` says a job or a call waits."""
         self.engine = engine
         self.batching = batching
         self.stream_interval_s = stream_interval_s
         self.on_step = on_step
+        self.on_idle = on_idle
+        self.idle_after_s = idle_after_s
+        self._idle_at: float | None = None  # when `on_idle` runs if no work comes first (None: not before work)
         self._jobs: list[Job] = []
         self._incoming: list[Job] = []
         self._wakes: list[Job] = []  # device thread: jobs posted to by the last batched step, not yet woken
@@ -283,18 +289,13 @@ class Scheduler:
             if not self.batching or not self._jobs:  # no batched step comes to wake them
                 self._wake_posted()
             with self._wake:
-                while not self._stop and not self._jobs and not self._incoming and not self._calls:
-                    self._wake.wait()
-                calls, self._calls = self._calls, []
-                if self._stop:  # calls are not run once stopping (jobs still get their final events)
-                    for _, future in calls:
-                        future.cancel()
-                    calls = []
-                    if not self._jobs and not self._incoming:
-                        return
-                self._jobs.extend(self._incoming)
-                self._incoming.clear()
-                jobs = list(self._jobs)
+                work = None if self._wait() else self._take_work()
+            if work is None:  # the device idle long enough
+                self._run_idle()
+                continue
+            calls, jobs = work
+            if calls is None:
+                return
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -311,6 +312,42 @@ class Scheduler:
                 final = self._advance(job)
                 if final is not None:
                     self._finish(job, final)
+
+    def _wait(self) -> bool:
+        """(Holding `_wake`.) Wait for work; True where the device stayed idle until `on_idle` is due instead."""
+        while not self._stop and not self._jobs and not self._incoming and not self._calls:
+            if self._idle_at is None:
+                self._wake.wait()
+                continue
+            left = self._idle_at - time.monotonic()
+            if left <= 0:
+                self._idle_at = None
+                return True
+            self._wake.wait(left)
+        if self.on_idle is not None:
+            self._idle_at = time.monotonic() + self.idle_after_s
+        return False
+
+    def _run_idle(self) -> None:
+        """`on_idle`, giving way to any job or call that comes (its failure logged: the thread goes on)."""
+        assert self.on_idle is not None
+        try:
+            self.on_idle(lambda: bool(self._incoming or self._calls or self._stop))
+        except Exception:
+            log.exception("idle task failed")
+
+    def _take_work(self) -> tuple[list[tuple[Callable[[], Any], Future[Any]]] | None, list[Job]]:
+        """(Holding `_wake`.) The calls to run and the jobs to step; calls None once stopped with nothing left."""
+        calls, self._calls = self._calls, []
+        if self._stop:  # calls are not run once stopping (jobs still get their final events)
+            for _, future in calls:
+                future.cancel()
+            calls = []
+            if not self._jobs and not self._incoming:
+                return None, []
+        self._jobs.extend(self._incoming)
+        self._incoming.clear()
+        return calls, list(self._jobs)
 
     def _step_together(self, jobs: list[Job]) -> None:
         """One batched engine step for every job still running, then each one's events (cancelled jobs reaped before
