@@ -157,6 +157,6 @@ class HFCausalLM:
         """Every forward through transformers."""
         return [("any", "transformers")]
 
-    def recheck(self, slot: int, busy: Callable[[], bool]) -> bool:
+    def recheck(self, slot: int, busy: Callable[[], bool]) -> str:
         """Nothing to choose between: every forward takes transformers."""
-        return False
+        return ""

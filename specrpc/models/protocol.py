@@ -64,8 +64,8 @@ class CausalLM(Protocol):
         start-up log prints and GetModelInfo reports."""
         ...
 
-    def recheck(self, slot: int, busy: Callable[[], bool]) -> bool:
+    def recheck(self, slot: int, busy: Callable[[], bool]) -> str:
         """Between requests (the device idle): check that the paths chosen at load still run as fast as then, on
         `slot` (whatever it caches is left as it was), and where they do not, choose again (stopping once `busy()`);
-        whether the choice was made again (`execution` then says what it is)."""
+        why the choice was made again, empty where it was not (`execution` then says what it is)."""
         ...

@@ -272,9 +272,10 @@ class Runtime:
             return
         self._checked_at = now
         for name, model in (("target", self.target), ("draft", self.draft)):
-            if model is not None and not busy() and model.recheck(0, busy):
-                log.info("execution", deterministic=self.config.engine.deterministic,
-                         **{name: "; ".join(f"{tokens}: {path}" for tokens, path in model.execution())})
+            why = model.recheck(0, busy) if model is not None and not busy() else ""
+            if model is not None and why:
+                log.info("execution chosen again", model=name, why=why, execution="; ".join(
+                    f"{tokens}: {path}" for tokens, path in model.execution()))
 
     def stop(self) -> None:
         """Stop the device thread (cancels what is in flight); what loading made is collectable again."""

@@ -4,7 +4,9 @@ eager torch forward (`backends.eager`), chosen and tuned at load."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import statistics
 import time
@@ -24,6 +26,20 @@ from specrpc.models.llama.weights import LlamaWeights, map_linears, with_int8_de
 from specrpc.native import DraftTransform
 
 log = logging.getLogger(__name__)
+
+ROWS_PIECE = 4
+"""Token counts a piece of the native-against-torch comparison takes (`LlamaLM._row_phases`): under a second for the
+shipped float32 target, so that a re-measure between requests (`LlamaLM.recheck`) gets through gaps that short."""
+
+
+@dataclasses.dataclass
+class RowsFound:
+    """The native-against-torch comparison so far (`LlamaLM._compare_rows`): the most tokens the native step won
+    up to, the next count to compare (past `MAX_TOKENS` once it is over), and the ratios measured."""
+
+    rows: int = 0
+    next: int = 1
+    ratios: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 def padded_sizes(graph_tokens: int, largest: int) -> tuple[int, ...]:
@@ -76,6 +92,8 @@ class LlamaLM:
         self.native_rows = 1
         self.deterministic = False  # every forward through the native step's per-token products (`use_native`)
         self.drift = Drift()  # when the native step's paths are measured again (`recheck`)
+        self._remeasure: list[Callable[[int], None]] = []  # a re-measure's phases still to run (`recheck`)
+        self._remeasure_why = ""
         self.draft_loop: cuda_graphs.GraphedDraftLoop | None = None
         self.buckets = buckets
         t0 = time.perf_counter()
@@ -159,7 +177,8 @@ class LlamaLM:
             log.info("%s: native decode off (%s)", self.name, why)
             return False
         self.native = native.NativeStep(self.weights, self.cache)
-        self._measure_native(0)
+        for phase in self._native_phases(rows=False):
+            phase(0)
         if deterministic or self.rows_fixed():
             # --deterministic, or int8 weights alone (--weights int8): every decode and verify through the native
             # step, so greedy speculation equals greedy decoding exactly (at int8, the torch kernel rounds
@@ -172,7 +191,8 @@ class LlamaLM:
             self.native_rows = 0  # the torch forward alone while its own one-token path is tuned
             if self.decode_tunable():
                 self.tune_decode()
-            self._choose_rows(0)
+            for phase in self._row_phases():
+                phase(0)
             if self.native_rows > 0:
                 self.weights = map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
                                            else dataclasses.replace(p, wt=None, packed_rows=1))
@@ -184,36 +204,55 @@ class LlamaLM:
         `deterministic`, and with int8 weights alone (no float copy for torch)."""
         return self.deterministic or all(p.wt is None and p.packed is None for p in self.weights.linears())
 
-    def _measure_native(self, slot: int) -> None:
-        """The native step's settings measured on `slot` (empty, or `KVCache.borrowed`), each table logged in one
-        line: its weight prefetch (`NativeStep.calibrate_prefetch`), the tokens a pass over the weights takes
-        (`calibrate_passes`), AMX tiles (`calibrate_amx`)."""
+    def _native_phases(self, rows: bool) -> list[Callable[[int], None]]:
+        """The measurements that choose how the native step runs, in order, each taking the slot it may write to
+        (empty, or `KVCache.borrowed`) and logging its table in one line: its weight prefetch
+        (`NativeStep.calibrate_prefetch`), the tokens a pass over the weights takes (`calibrate_passes`), AMX tiles
+        (`calibrate_amx`), and with `rows` which forwards it takes (`_row_phases`). Each leaves the settings it
+        timed at their chosen values, so that the step serves between any two (`recheck`)."""
         step = self.native
         assert step is not None
-        table = step.calibrate_prefetch(slot)
-        if table:
-            log.info("%s: native prefetch %s at 1 token, %s at %d (ms, lower quartiles: %s)", self.name,
-                     step.prefetch_label(1), step.prefetch_label(native.VERIFY_TOKENS), native.VERIFY_TOKENS, "; ".join(
-                         f"{count}: " + ", ".join(f"{setting} {t * 1e3:.2f}" for setting, t in times.items())
-                         for count, times in table.items()))
-        passes = step.calibrate_passes(slot)
-        if passes:
-            caps = ", ".join(f"{count}: {int(step.passes[count]) or 'auto'}" for count in passes)
-            log.info("%s: native tokens a pass over the weights at most, by a forward's tokens: %s (ms by cap, 0 = "
-                     "auto: %s)", self.name, caps, "; ".join(
-                         f"{count}: " + ", ".join(f"{cap} {t * 1e3:.2f}" for cap, t in times.items())
-                         for count, times in passes.items()))
-        amx = step.calibrate_amx(slot)
-        if amx:
-            log.info("%s: int8 products on AMX tiles %s (ms VNNI / AMX by tokens: %s)", self.name,
-                     f"from {step.model.amx_from} tokens" if step.model.amx_from else "never",
-                     ", ".join(f"{count} {vnni * 1e3:.2f}/{tiles * 1e3:.2f}" for count, (vnni, tiles) in amx.items()))
 
-    def _choose_rows(self, slot: int) -> None:
-        """`native_rows` measured on `slot` (`_native_rows`), logged."""
-        self.native_rows, ratios = self._native_rows(slot)
-        log.info("%s: native decode on, up to %d tokens a forward (native/torch time by tokens: %s)", self.name,
-                 self.native_rows, ", ".join(f"{count} {r:.2f}" for count, r in ratios.items()) or "not measured")
+        def prefetch(slot: int) -> None:
+            table = step.calibrate_prefetch(slot)
+            if table:
+                log.info("%s: native prefetch %s at 1 token, %s at %d (ms, lower quartiles: %s)", self.name,
+                         step.prefetch_label(1), step.prefetch_label(native.VERIFY_TOKENS), native.VERIFY_TOKENS,
+                         "; ".join(f"{count}: " + ", ".join(f"{setting} {t * 1e3:.2f}" for setting, t in times.items())
+                                   for count, times in table.items()))
+
+        def passes(slot: int) -> None:
+            table = step.calibrate_passes(slot)
+            if table:
+                caps = ", ".join(f"{count}: {int(step.passes[count]) or 'auto'}" for count in table)
+                log.info("%s: native tokens a pass over the weights at most, by a forward's tokens: %s (ms by cap, "
+                         "0 = auto: %s)", self.name, caps, "; ".join(
+                             f"{count}: " + ", ".join(f"{cap} {t * 1e3:.2f}" for cap, t in times.items())
+                             for count, times in table.items()))
+
+        def amx(slot: int) -> None:
+            table = step.calibrate_amx(slot)
+            if table:
+                log.info("%s: int8 products on AMX tiles %s (ms VNNI / AMX by tokens: %s)", self.name,
+                         f"from {step.model.amx_from} tokens" if step.model.amx_from else "never", ", ".join(
+                             f"{count} {vnni * 1e3:.2f}/{tiles * 1e3:.2f}" for count, (vnni, tiles) in table.items()))
+
+        return [prefetch, passes, amx, *(self._row_phases() if rows else [])]
+
+    def _row_phases(self) -> list[Callable[[int], None]]:
+        """`native_rows` measured (`_compare_rows`) in pieces of `ROWS_PIECE` token counts, so that a measurement
+        between requests gets through in the gaps between them, and set (and logged) by the last piece."""
+        found = RowsFound()
+        pieces: list[Callable[[int], None]] = [
+            functools.partial(self._compare_rows, found=found, upto=upto)
+            for upto in range(ROWS_PIECE, native.MAX_TOKENS + ROWS_PIECE, ROWS_PIECE)]
+
+        def chosen(slot: int) -> None:
+            self.native_rows = found.rows
+            log.info("%s: native decode on, up to %d tokens a forward (native/torch time by tokens: %s)", self.name,
+                     found.rows, ", ".join(f"{count} {r:.2f}" for count, r in found.ratios.items()) or "not measured")
+
+        return [*pieces, chosen]
 
     def _one_token_s(self, slot: int, context: int = 32, repeats: int = 7) -> float:
         """Seconds of a one-token forward at `context` positions of `slot` (empty, or `KVCache.borrowed`) through
@@ -234,46 +273,55 @@ class LlamaLM:
         finally:
             self.truncate(slot, 0)
 
-    def recheck(self, slot: int, busy: Callable[[], bool]) -> bool:
+    def recheck(self, slot: int, busy: Callable[[], bool]) -> str:
         """Between requests: time a one-token forward through the paths chosen at load, on `slot` borrowed (what it
         caches is put back), and where it has drifted from its time right after the choice (`Drift`), measure the
-        native step's settings and the shapes it runs again (as `use_native` does at load, but for torch's own
-        one-token path: a dropped float copy is not rebuilt), the new table logged. Stops as soon as `busy()` says
-        a request waits (`interruptible`), the settings it was timing put back. Returns whether the choice was made
-        again."""
+        native step's settings and the shapes it runs again, as `use_native` does at load (but for torch's own
+        one-token path: a dropped float copy is not rebuilt). Stops as soon as `busy()` says a request waits
+        (`interruptible`), the settings the phase under way was timing put back; the next call goes on from that
+        phase, so a re-measure gets through in gaps shorter than itself. Returns why the choice was made again (the
+        drift) once it is complete, empty otherwise."""
         step = self.native
         if step is None:
-            return False
-        before = step.choices(), self.native_rows
+            return ""
         with self.cache.borrowed(slot, 32 + native.MAX_TOKENS + 1), interruptible(busy):
+            before = step.choices(), self.native_rows
             try:
-                if not self.drift.drifted(self._one_token_s(slot)):
-                    return False
-                log.info("%s: one-token forwards took %.2f ms, %.2f ms after the paths were chosen; measuring them "
-                         "again", self.name, self.drift.last_s * 1e3, self.drift.reference_s * 1e3)
-                self._measure_native(slot)
-                if not self.rows_fixed():
-                    self._choose_rows(slot)
-                self.drift.settled(self._one_token_s(slot))
+                if not self._remeasure:
+                    if not self.drift.drifted(self._one_token_s(slot)):
+                        return ""
+                    self._remeasure = self._native_phases(rows=not self.rows_fixed())
+                    self._remeasure_why = (f"one-token forwards took {self.drift.last_s * 1e3:.2f} ms, "
+                                           f"{self.drift.reference_s * 1e3:.2f} ms after the paths were chosen")
+                while self._remeasure:
+                    before = step.choices(), self.native_rows
+                    self._remeasure[0](slot)
+                    self._remeasure.pop(0)
             except Interrupted:
                 step.choose(before[0])
                 self.native_rows = before[1]
-                return False
-        return True
+                return ""
+            self.drift.settled(0.0)  # the next check's time, where a request stops this one
+            with contextlib.suppress(Interrupted):
+                self.drift.settled(self._one_token_s(slot))
+        return self._remeasure_why
 
-    def _native_rows(self, slot: int, context: int = 32, repeats: int = 5, one_token_repeats: int = 11
-                     ) -> tuple[int, dict[int, float]]:
-        """The most tokens a forward runs through the native step (a decode step, a verify, a draft's catch-up)
-        before the torch forward is as fast (the native step reads each weight once for all its tokens but computes
-        their products one row at a time), and the ratios measured (native / torch time by token count):
-        native against torch forwards of 1, 2, … tokens up to `MAX_TOKENS`, interleaved (`interleaved_times`,
-        more rounds at one token, the shape most forwards have), on `slot` (left empty); it stops at the first count
-        where torch is not slower twice in a row, so 0 where torch wins a one-token step. Without room in the cache
-        to measure, 1 (unmeasured)."""
+    def _compare_rows(self, slot: int, found: RowsFound, upto: int, context: int = 32, repeats: int = 5,
+                      one_token_repeats: int = 11) -> None:
+        """The native step against the torch forward, forwards of `found.next` … `upto` tokens, on `slot` (left
+        empty), into `found`: the most tokens a forward runs through the native step (a decode step, a verify, a
+        draft's catch-up) before torch is as fast (the native step reads each weight once for all its tokens but
+        computes their products one row at a time), and the ratios (native / torch time by token count). Each count
+        interleaved (`interleaved_times`; more rounds at one token, the shape most forwards have); the comparison
+        ends at the first count where torch is not slower twice in a row, so 0 where torch wins a one-token step.
+        Without room in the cache to measure, 1 (unmeasured). `native_rows` is left as it was."""
         most = native.MAX_TOKENS
         context = min(context, self.max_context - most - 1)
         if context < 1:
-            return 1, {}
+            found.rows, found.next = 1, most + 1
+        if found.next > min(upto, most):
+            return
+        serving = self.native_rows
         ids = (torch.arange(context + most, device=self.device) * 7919) % self.vocab_size  # [context + most]
         self.native_rows = 0
         self.forward(ids[:context], 0, slot)
@@ -285,21 +333,21 @@ class LlamaLM:
                 self.forward(ids[context : context + count], context, slot, num_logits=count)
             return run
 
-        rows = 0
-        ratios: dict[int, float] = {}
-        for count in range(1, most + 1):
-            for _ in range(2):  # torch as fast: measured again before it ends the range, as a neighbour's burst can
-                on, off = interleaved_times([forward(count, most), forward(count, 0)],
-                                              one_token_repeats if count == 1 else repeats)
-                ratios[count] = on / off
-                if on < off:
+        try:
+            for count in range(found.next, min(upto, most) + 1):
+                for _ in range(2):  # torch as fast: measured again before it ends the range, as a burst can
+                    on, off = interleaved_times([forward(count, most), forward(count, 0)],
+                                                  one_token_repeats if count == 1 else repeats)
+                    found.ratios[count] = on / off
+                    if on < off:
+                        break
+                found.next = count + 1 if on < off else most + 1
+                if on >= off:
                     break
-            if on >= off:
-                break
-            rows = count
-        self.native_rows = rows
-        self.truncate(slot, 0)
-        return rows, ratios
+                found.rows = count
+        finally:
+            self.native_rows = serving
+            self.truncate(slot, 0)
 
     def tune_decode(self, context: int = 32, repeats: int = 5) -> bool:
         """Time one-token steps through MKL's gemv and through oneDNN (alternating, after a warm-up of each) and
