@@ -233,15 +233,17 @@ class NativeStep:
         self.passes[:] = torch.tensor(c.passes, dtype=torch.int64)
         self.model.amx_from = c.amx_from
 
-    def calibrate_prefetch(self, slot: int = 0, context: int = 32, repeats: int = 5) -> dict[int, dict[str, float]]:
+    def calibrate_prefetch(self, slot: int = 0, context: int = 32, repeats: int = 5,
+                           counts: tuple[int, ...] = (1, VERIFY_TOKENS)) -> dict[int, dict[str, float]]:
         """Time every prefetch mode (`native.PREFETCH`), each prefetching one at every distance of
-        `PREFETCH_DISTANCES`, on this model at one token (a decode step) and at `VERIFY_TOKENS` (a verify),
-        interleaved (`interleaved_times`, lower quartiles), and keep the fastest at each (`prefetch_one`, `ahead_one`,
-        `prefetch_many`, `ahead_many`): whether to read the weights past the caches, and how far ahead, depends on
-        the CPU's caches and prefetchers and the model, and no byte count knows them. Writes K/V at positions below
-        context + `VERIFY_TOKENS` of `slot`, which the caller holds empty. `repeats` rounds of the 7 settings (a
-        start-up cost: 0.41-0.45 s for the shipped float32 target on a 2-core AMD EPYC). Returns those seconds per
-        shape and setting (`setting_label`; empty where the cache has no room to measure, the guess kept)."""
+        `PREFETCH_DISTANCES`, on this model at one token (a decode step) and at `VERIFY_TOKENS` (a verify), or at
+        those of `counts`, interleaved (`interleaved_times`, lower quartiles), and keep the fastest at each
+        (`prefetch_one`, `ahead_one`, `prefetch_many`, `ahead_many`): whether to read the weights past the caches,
+        and how far ahead, depends on the CPU's caches and prefetchers and the model, and no byte count knows them.
+        Writes K/V at positions below context + `VERIFY_TOKENS` of `slot`, which the caller holds empty. `repeats`
+        rounds of the 7 settings (a start-up cost: 0.41-0.45 s for the shipped float32 target on a 2-core AMD EPYC).
+        Returns those seconds per shape and setting (`setting_label`; empty where the cache has no room to measure,
+        the guess kept)."""
         context = min(context, self.model.capacity - VERIFY_TOKENS)
         if context < 1:
             return {}
@@ -249,8 +251,8 @@ class NativeStep:
         self.run_chunks(ids[:context], 0, slot)
         settings = prefetch_settings()
         table: dict[int, dict[str, float]] = {}
-        best: dict[int, tuple[str, int]] = {}
-        for count in (1, VERIFY_TOKENS):
+        best = {1: (self.prefetch_one, self.ahead_one), VERIFY_TOKENS: (self.prefetch_many, self.ahead_many)}
+        for count in counts:
             def step(mode: str, ahead: int, count: int = count) -> Callable[[], None]:
                 def run() -> None:
                     self.prefetch_everywhere(mode, ahead)
@@ -263,21 +265,22 @@ class NativeStep:
         (self.prefetch_one, self.ahead_one), (self.prefetch_many, self.ahead_many) = best[1], best[VERIFY_TOKENS]
         return table
 
-    def calibrate_passes(self, slot: int = 0, context: int = 32, repeats: int = 7) -> dict[int, dict[int, float]]:
-        """Time forwards of each of `PASS_TOKENS` tokens with each of `PASS_CAPS` tokens at most a pass over a
-        product's weights, interleaved (`interleaved_times`, lower quartiles), and keep the fastest cap for the token
-        counts each width stands for (`passes`): which is fastest depends on whether the weights or the multiplies
-        bound the product on this CPU, and the results are the same bits at any cap (each output sums over its
-        columns in order whatever the tile). Writes K/V at positions below context + `MAX_TOKENS` of `slot`, which
-        the caller holds empty. Returns the seconds by width and cap (empty where the cache has no room)."""
+    def calibrate_passes(self, slot: int = 0, context: int = 32, repeats: int = 7,
+                         widths: tuple[int, ...] = PASS_TOKENS) -> dict[int, dict[int, float]]:
+        """Time forwards of each of `PASS_TOKENS` tokens (or those of `widths`) with each of `PASS_CAPS` tokens at
+        most a pass over a product's weights, interleaved (`interleaved_times`, lower quartiles), and keep the
+        fastest cap for the token counts each width stands for (`passes`): which is fastest depends on whether the
+        weights or the multiplies bound the product on this CPU, and the results are the same bits at any cap (each
+        output sums over its columns in order whatever the tile). Writes K/V at positions below context +
+        `MAX_TOKENS` of `slot`, which the caller holds empty. Returns the seconds by width and cap (empty where the
+        cache has no room)."""
         context = min(context, self.model.capacity - MAX_TOKENS)
         if context < 1:
             return {}
         ids = (torch.arange(context + MAX_TOKENS) * 7919) % self.vocab  # [context + MAX_TOKENS]
         self.run_chunks(ids[:context], 0, slot)
         table: dict[int, dict[int, float]] = {}
-        low = 1
-        for count in PASS_TOKENS:
+        for count in widths:
             def step(cap: int, count: int = count) -> Callable[[], None]:
                 def run() -> None:
                     self.passes[count] = cap
@@ -286,8 +289,8 @@ class NativeStep:
 
             table[count] = dict(zip(PASS_CAPS, interleaved_times([step(cap) for cap in PASS_CAPS], repeats),
                                     strict=True))
+            low = max((n for n in PASS_TOKENS if n < count), default=0) + 1  # the counts this width stands for
             self.passes[low : count + 1] = min(table[count], key=table[count].__getitem__)
-            low = count + 1
         return table
 
     def calibrate_amx(self, slot: int = 0, context: int = 32, repeats: int = 9) -> dict[int, tuple[float, float]]:

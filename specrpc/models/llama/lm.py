@@ -27,9 +27,10 @@ from specrpc.native import DraftTransform
 
 log = logging.getLogger(__name__)
 
-ROWS_PIECE = 4
-"""Token counts a piece of the native-against-torch comparison takes (`LlamaLM._row_phases`): under a second for the
-shipped float32 target, so that a re-measure between requests (`LlamaLM.recheck`) gets through gaps that short."""
+ROWS_PIECE = 2
+"""Token counts a piece of the native-against-torch comparison takes (`LlamaLM._row_phases`): at most 0.5 s for the
+shipped float32 target on a 2-core AMD EPYC, so that a re-measure between requests (`LlamaLM.recheck`) gets through
+gaps that short."""
 
 
 @dataclasses.dataclass
@@ -206,29 +207,28 @@ class LlamaLM:
 
     def _native_phases(self, rows: bool) -> list[Callable[[int], None]]:
         """The measurements that choose how the native step runs, in order, each taking the slot it may write to
-        (empty, or `KVCache.borrowed`) and logging its table in one line: its weight prefetch
-        (`NativeStep.calibrate_prefetch`), the tokens a pass over the weights takes (`calibrate_passes`), AMX tiles
-        (`calibrate_amx`), and with `rows` which forwards it takes (`_row_phases`). Each leaves the settings it
-        timed at their chosen values, so that the step serves between any two (`recheck`)."""
+        (empty, or `KVCache.borrowed`) and logging its table in one line: its weight prefetch at each shape
+        (`NativeStep.calibrate_prefetch`), the tokens a pass over the weights takes at each width
+        (`calibrate_passes`), AMX tiles (`calibrate_amx`), and with `rows` which forwards it takes (`_row_phases`).
+        Each leaves the settings it timed at their chosen values, so that the step serves between any two, and
+        each takes well under a second (the float32 target's longest, on a 2-core AMD EPYC: 0.4 s), so that a
+        re-measure between requests gets through the gaps between them (`recheck`)."""
         step = self.native
         assert step is not None
 
-        def prefetch(slot: int) -> None:
-            table = step.calibrate_prefetch(slot)
+        def prefetch(slot: int, count: int) -> None:
+            table = step.calibrate_prefetch(slot, counts=(count,))
             if table:
-                log.info("%s: native prefetch %s at 1 token, %s at %d (ms, lower quartiles: %s)", self.name,
-                         step.prefetch_label(1), step.prefetch_label(native.VERIFY_TOKENS), native.VERIFY_TOKENS,
-                         "; ".join(f"{count}: " + ", ".join(f"{setting} {t * 1e3:.2f}" for setting, t in times.items())
-                                   for count, times in table.items()))
+                log.info("%s: native prefetch %s at %d tokens (ms, lower quartiles: %s)", self.name,
+                         step.prefetch_label(count), count,
+                         ", ".join(f"{setting} {t * 1e3:.2f}" for setting, t in table[count].items()))
 
-        def passes(slot: int) -> None:
-            table = step.calibrate_passes(slot)
+        def passes(slot: int, count: int) -> None:
+            table = step.calibrate_passes(slot, widths=(count,))
             if table:
-                caps = ", ".join(f"{count}: {int(step.passes[count]) or 'auto'}" for count in table)
-                log.info("%s: native tokens a pass over the weights at most, by a forward's tokens: %s (ms by cap, "
-                         "0 = auto: %s)", self.name, caps, "; ".join(
-                             f"{count}: " + ", ".join(f"{cap} {t * 1e3:.2f}" for cap, t in times.items())
-                             for count, times in table.items()))
+                log.info("%s: native tokens a pass over the weights at most at %d tokens: %s (ms by cap, 0 = auto: "
+                         "%s)", self.name, count, int(step.passes[count]) or "auto",
+                         ", ".join(f"{cap} {t * 1e3:.2f}" for cap, t in table[count].items()))
 
         def amx(slot: int) -> None:
             table = step.calibrate_amx(slot)
@@ -237,7 +237,9 @@ class LlamaLM:
                          f"from {step.model.amx_from} tokens" if step.model.amx_from else "never", ", ".join(
                              f"{count} {vnni * 1e3:.2f}/{tiles * 1e3:.2f}" for count, (vnni, tiles) in table.items()))
 
-        return [prefetch, passes, amx, *(self._row_phases() if rows else [])]
+        return [*(functools.partial(prefetch, count=count) for count in (1, native.VERIFY_TOKENS)),
+                *(functools.partial(passes, count=count) for count in native.PASS_TOKENS), amx,
+                *(self._row_phases() if rows else [])]
 
     def _row_phases(self) -> list[Callable[[int], None]]:
         """`native_rows` measured (`_compare_rows`) in pieces of `ROWS_PIECE` token counts, so that a measurement
