@@ -34,6 +34,7 @@ from specrpc.prompts.rewrite import RewriteInput, RewritePrompt
 from specrpc.prompts.rewrite import render as render_rewrite
 from specrpc.prompts.text import IncrementalDetokenizer, LineGuard, StopMatcher
 from specrpc.prompts.token_floor import TokenFloor
+from specrpc.serving.path_checks import PathChecks
 from specrpc.serving.scheduler import FINISH_CANCELLED, Done, Event, Failed, Job, Scheduler
 from specrpc.serving.sessions import LastCompletion, Lease, SessionRegistry, Superseded
 
@@ -195,10 +196,11 @@ class Runtime:
                     for name, model in (("target", self.target), ("draft", self.draft)) if model is not None})
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
+        models = {name: model for name, model in (("target", self.target), ("draft", self.draft)) if model is not None}
+        self.path_checks = PathChecks(models, ec.recheck_s)
         self.scheduler = Scheduler(self.engine, batching=ec.batching == "on",
                                    stream_interval_s=config.server.stream_interval_ms / 1e3,
-                                   on_idle=self._recheck if ec.recheck_s > 0 else None)
-        self._checked_at = 0.0  # when the models' paths were last checked (`_recheck`)
+                                   on_idle=self.path_checks if ec.recheck_s > 0 else None)
         self.suffixes = SuffixStore()  # recent outputs per draft scope (the suffix source)
         self.stop_token_ids = self._stop_token_ids()
         file_sep = [self._special_id(n) for n in FILE_SEP_NAMES]
@@ -243,7 +245,7 @@ class Runtime:
             self.scheduler.stop()
             raise
         self.warm = True
-        self._checked_at = time.monotonic()
+        self.path_checks.start()
         # What loading made (tokenizer, models, their tensors' Python objects: ~370,000 for the shipped pair) lives as
         # long as the server: a full collection would traverse it all (0.2 s here, a pause every stream sees).
         # Frozen, the collector only looks at what serving allocates; `stop` hands it back.
@@ -262,20 +264,6 @@ class Runtime:
         for slot in self.registry.slots:
             slot.policy = self.engine.new_policy()
         return costs
-
-    def _recheck(self, busy: Callable[[], bool]) -> None:
-        """On the device thread, idle: each model's paths checked (`CausalLM.recheck`), at most every `--recheck-s`,
-        on slot 0 (no request holds a slot while the device is idle, and the check puts back what it caches); a
-        new choice logged as the one at load."""
-        now = time.monotonic()
-        if not self.warm or now - self._checked_at < self.config.engine.recheck_s:
-            return
-        self._checked_at = now
-        for name, model in (("target", self.target), ("draft", self.draft)):
-            why = model.recheck(0, busy) if model is not None and not busy() else ""
-            if model is not None and why:
-                log.info("execution chosen again", model=name, why=why, execution="; ".join(
-                    f"{tokens}: {path}" for tokens, path in model.execution()))
 
     def stop(self) -> None:
         """Stop the device thread (cancels what is in flight); what loading made is collectable again."""

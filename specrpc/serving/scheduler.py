@@ -222,7 +222,7 @@ class Scheduler:
 
     def __init__(self, engine: Engine, on_step: Callable[[Job, StepResult, float], None] | None = None,
                  batching: bool = True, stream_interval_s: float = 0.0,
-                 on_idle: Callable[[Callable[[], bool]], None] | None = None, idle_after_s: float = 1.0) -> None:
+                 on_idle: Callable[[Callable[[], bool]], object] | None = None, idle_after_s: float = 1.0) -> None:
         """`batching`: one batched engine step for all jobs (`--batching on`), else round-robin.
         `stream_interval_s`: a job's reader is woken at most this often (its first chunk at once), unless the job
         brings its own (`Job.interval_s`). `on_idle(busy)`: run on the device thread once the device has had nothing
