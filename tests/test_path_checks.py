@@ -7,6 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import pytest
+
+from specrpc.config import build_config
 from specrpc.serving.path_checks import PathChecks
 
 
@@ -51,3 +54,10 @@ def test_checks_wait_for_the_interval_but_resume_at_once_after_a_request_cut_one
     assert checks(busy) == [] and target.slots == [0, 0], "then the interval again"
     checks.checked_at = time.monotonic() - 3601.0
     assert checks(busy) == [] and target.slots == [0, 0, 0] and draft.slots == [0, 0]
+
+
+def test_the_interval_defaults_to_a_minute_and_is_validated() -> None:
+    assert build_config(None, env={}).engine.recheck_s == 60.0
+    assert build_config(None, env={"SPECRPC_RECHECK_S": "0"}).engine.recheck_s == 0.0
+    with pytest.raises(ValueError, match="--recheck-s must be >= 0"):
+        build_config(None, env={"SPECRPC_RECHECK_S": "-1"})
