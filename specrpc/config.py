@@ -128,9 +128,9 @@ HELP: dict[str, str] = {
                      "(specrpc/native/decode.cpp, built with the machine's C++ compiler on first use and cached; "
                      "without a compiler the torch forward runs them)",
     "recheck_s": "at most this often, once the device has been idle for a second, time a one-token forward through "
-                 "the native step's paths chosen at load; where it is over 1.25x off its time after the choice on two "
-                 "checks in a row (a neighbour's load came or went), measure them again, as at load (stopping for any "
-                 "request that comes); 0: never",
+                 "the paths the native step chose at load; where it runs over 1.25x slower or faster than right after "
+                 "the choice on two checks in a row (a neighbour's load came or went), measure every choice again as "
+                 "at load, in the gaps between requests; 0: never",
     "deterministic": "run every target forward through the native step's per-token products (CPU, float32 or int8 "
                      "weights), so a stream's tokens never depend on its draft length, its batchmates or how its "
                      "prompt was split: greedy speculation equals greedy target-only bit for bit (docs/how-it-works.md"

@@ -17,6 +17,11 @@ from specrpc.config import Config, EngineConfig, Limits, ServerConfig
 from specrpc.models.fingerprint import pair_hash
 from specrpc.serving.runtime import Runtime
 
+NO_RECHECK = 0.0
+"""`--recheck-s` of every server a benchmark runs: no idle checks of the paths chosen at load, as they would run in
+the gaps a contender (llama.cpp, transformers, another of ours) fills, on its cores, and a re-measure made then would
+time the contender's load."""
+
 
 def one_slot_runtime(target: str, draft: str, threads: int, dtype: str, weights: str, native_decode: bool = True
                      ) -> Runtime:
@@ -27,7 +32,8 @@ def one_slot_runtime(target: str, draft: str, threads: int, dtype: str, weights:
     if threads:
         torch.set_num_threads(threads)
     config = Config(engine=EngineConfig(target=target, draft=draft, max_sessions=1, max_context=2048, threads=threads,
-                                        dtype=dtype, weights=weights, native_decode=native_decode),
+                                        dtype=dtype, weights=weights, native_decode=native_decode,
+                                        recheck_s=NO_RECHECK),
                     server=ServerConfig(port=0, log_format="console", log_level="warning"), limits=Limits())
     configure("console", "warning")
     runtime = Runtime(config)

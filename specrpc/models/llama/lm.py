@@ -28,9 +28,9 @@ from specrpc.native import DraftTransform
 log = logging.getLogger(__name__)
 
 ROWS_PIECE = 2
-"""Token counts a piece of the native-against-torch comparison takes (`LlamaLM._row_phases`): at most 0.5 s for the
-shipped float32 target on a 2-core AMD EPYC, so that a re-measure between requests (`LlamaLM.recheck`) gets through
-gaps that short."""
+"""Token counts a piece of the native-against-torch comparison takes (`LlamaLM._row_phases`): up to 0.53 s for the
+shipped float32 target on a 2-core AMD EPYC Zen 3 (15 and 16 tokens), so that a re-measure between requests
+(`LlamaLM.recheck`) gets through gaps that short."""
 
 
 @dataclasses.dataclass
@@ -211,8 +211,9 @@ class LlamaLM:
         (`NativeStep.calibrate_prefetch`), the tokens a pass over the weights takes at each width
         (`calibrate_passes`), AMX tiles (`calibrate_amx`), and with `rows` which forwards it takes (`_row_phases`).
         Each leaves the settings it timed at their chosen values, so that the step serves between any two, and
-        each takes well under a second (the float32 target's longest, on a 2-core AMD EPYC: 0.4 s), so that a
-        re-measure between requests gets through the gaps between them (`recheck`)."""
+        each takes about half a second at most (the shipped float32 target's longest, on a 2-core AMD EPYC Zen 3:
+        0.53 s, `tools/recheck_cost.py`), so that a re-measure between requests gets through the gaps between them
+        (`recheck`)."""
         step = self.native
         assert step is not None
 
