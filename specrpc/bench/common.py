@@ -23,6 +23,12 @@ the gaps a contender (llama.cpp, transformers, another of ours) fills, on its co
 time the contender's load."""
 
 
+def server_env() -> dict[str, str]:
+    """The environment of a `specrpc serve` a benchmark starts: this one, with `NO_RECHECK` (through the environment,
+    which a checkout without the setting ignores, where a flag would stop its server: `--against`)."""
+    return {**os.environ, "SPECRPC_RECHECK_S": str(NO_RECHECK)}
+
+
 def one_slot_runtime(target: str, draft: str, threads: int, dtype: str, weights: str, native_decode: bool = True
                      ) -> Runtime:
     """A calibrated runtime with one slot of 2,048 positions, for the in-process rows (`given`, `controls`); logs at

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specrpc.bench.common import NO_RECHECK, free_port, pair_line, percentile
+from specrpc.bench.common import free_port, pair_line, percentile, server_env
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -217,11 +216,10 @@ def serve(target: str, draft: str, threads: int, port: int) -> subprocess.Popen[
     """`specrpc serve` in another process."""
     command = [sys.executable, "-m", "specrpc.cli", "serve", "--target", target, "--draft", draft, "--host",
                "127.0.0.1", "--port", str(port), "--max-context", "2048", "--max-sessions", "4", "--metrics-port",
-               "0", "--log-format", "console", "--log-level", "warning", "--grace-s", "1", "--recheck-s",
-               str(NO_RECHECK)]
+               "0", "--log-format", "console", "--log-level", "warning", "--grace-s", "1"]
     if threads:
         command += ["--threads", str(threads)]
-    return subprocess.Popen(command, env=os.environ.copy())
+    return subprocess.Popen(command, env=server_env())
 
 
 async def wait_serving(channel: grpc.aio.Channel, process: subprocess.Popen[bytes], timeout_s: float = 300) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from specrpc.bench.common import NO_RECHECK, free_port, pair_line
+from specrpc.bench.common import free_port, pair_line, server_env
 from specrpc.bench.contenders import Runner
 from specrpc.bench.contenders import decode_rate as run_decode_rate
 from specrpc.bench.keystrokes import wait_serving
@@ -51,7 +51,7 @@ def serve_command(target: str, draft: str, port: int, threads: int, dtype: str, 
     command = [sys.executable, "-m", "specrpc.cli", "serve", "--target", target, "--draft", draft, "--host",
                "127.0.0.1", "--port", str(port), "--max-context", "2048", "--max-sessions", "2", "--metrics-port",
                "0", "--log-format", "console", "--log-level", "warning", "--grace-s", "1", "--dtype", dtype,
-               "--weights", weights, "--recheck-s", str(NO_RECHECK)]
+               "--weights", weights]
     return command + (["--threads", str(threads)] if threads else [])
 
 
@@ -149,7 +149,7 @@ def start_once(cases: list[Case], command: list[str], port: int, cwd: str | None
                intervals: tuple[int, ...] = ()) -> dict[str, Any]:
     """One server start (from `cwd`: its checkout's code), every case through each mode (at each of `intervals` too,
     and through each of `peers`); stopped after."""
-    process = subprocess.Popen(command, env=os.environ.copy(), cwd=cwd)
+    process = subprocess.Popen(command, env=server_env(), cwd=cwd)
     try:
         return asyncio.run(one_start(port, process, cases, peers, prompts, intervals))
     finally:
