@@ -220,15 +220,15 @@ class LlamaLM:
         def prefetch(slot: int, count: int) -> None:
             table = step.calibrate_prefetch(slot, counts=(count,))
             if table:
-                log.info("%s: native prefetch %s at %d tokens (ms, lower quartiles: %s)", self.name,
-                         step.prefetch_label(count), count,
+                log.info("%s: native prefetch for a forward of %d: %s (ms, lower quartiles: %s)", self.name,
+                         count, step.prefetch_label(count),
                          ", ".join(f"{setting} {t * 1e3:.2f}" for setting, t in table[count].items()))
 
         def passes(slot: int, count: int) -> None:
             table = step.calibrate_passes(slot, widths=(count,))
             if table:
-                log.info("%s: native tokens a pass over the weights at most at %d tokens: %s (ms by cap, 0 = auto: "
-                         "%s)", self.name, count, int(step.passes[count]) or "auto",
+                log.info("%s: native tokens a pass over the weights takes at most, for a forward of %d: %s (ms by "
+                         "cap, 0 = auto: %s)", self.name, count, int(step.passes[count]) or "auto",
                          ", ".join(f"{cap} {t * 1e3:.2f}" for cap, t in table[count].items()))
 
         def amx(slot: int) -> None:
