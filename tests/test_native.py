@@ -369,6 +369,30 @@ def test_a_path_slowed_after_load_is_dropped_by_the_idle_checks(tmp_path: Path,
     assert (native_tokens() > served) != was_native, "a one-token forward takes the path that won again"
 
 
+def test_model_info_during_a_re_measure_names_the_settings_served_not_the_ones_timed(tmp_path: Path) -> None:
+    """GetModelInfo asks `execution` from another thread while a re-measure times settings on the device thread: it
+    names the settings forwards are served with, not the one being timed."""
+    requires_native()
+    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
+                    max_context=64, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    step, served = lm.native, lm.execution()
+    chosen = step.choices()
+    timed = next(s for s in native_step.prefetch_settings() if s != (chosen.prefetch_one, chosen.ahead_one))
+    seen: list[tuple[list[tuple[str, str]], list[tuple[str, str]]]] = []
+
+    def phase(slot: int) -> None:  # times another prefetch setting, then keeps the one chosen
+        step.prefetch_everywhere(*timed)
+        seen.append((lm.execution(), lm._execution()))
+        step.choose(chosen)
+
+    lm._native_phases = lambda rows: [phase]  # type: ignore[method-assign]
+    lm.drift.settled(1e-9)  # the next two checks read as drifted
+    assert not lm.recheck(0, lambda: False) and lm.recheck(0, lambda: False)
+    assert len(seen) == 1 and seen[0][1] != served, "the phase timed another setting"
+    assert seen[0][0] == served and lm.execution() == served
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_a_check_stops_for_a_request_and_puts_every_setting_back(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:

@@ -95,6 +95,7 @@ class LlamaLM:
         self.drift = Drift()  # when the native step's paths are measured again (`recheck`)
         self._remeasure: list[Callable[[int], None]] = []  # a re-measure's phases still to run (`recheck`)
         self._remeasure_why = ""
+        self._serving: list[tuple[str, str]] | None = None  # what `execution` says while `recheck` times settings
         self.draft_loop: cuda_graphs.GraphedDraftLoop | None = None
         self.buckets = buckets
         t0 = time.perf_counter()
@@ -290,6 +291,7 @@ class LlamaLM:
         with self.cache.borrowed(slot, 32 + native.MAX_TOKENS + 1), interruptible(busy):
             before = step.choices(), self.native_rows
             try:
+                self._serving = self._execution()
                 if not self._remeasure:
                     if not self.drift.drifted(self._one_token_s(slot)):
                         return ""
@@ -300,10 +302,13 @@ class LlamaLM:
                     before = step.choices(), self.native_rows
                     self._remeasure[0](slot)
                     self._remeasure.pop(0)
+                    self._serving = self._execution()
             except Interrupted:
                 step.choose(before[0])
                 self.native_rows = before[1]
                 return ""
+            finally:
+                self._serving = None
             self.drift.settled(0.0)  # the next check's time, where a request stops this one
             with contextlib.suppress(Interrupted):
                 self.drift.settled(self._one_token_s(slot))
@@ -470,7 +475,13 @@ class LlamaLM:
         return self.cache.nbytes()
 
     def execution(self) -> list[tuple[str, str]]:
-        """Which path runs forwards of each length (as `forward` chooses), as (tokens a forward, path) rows."""
+        """Which path runs forwards of each length (as `forward` chooses), as (tokens a forward, path) rows; while a
+        check between requests times other settings (`recheck`, on the device thread), the ones it will serve with
+        (GetModelInfo asks from another thread)."""
+        return self._serving if self._serving is not None else self._execution()
+
+    def _execution(self) -> list[tuple[str, str]]:
+        """`execution` from the settings in force now."""
         head = self.weights.head
         torch_path = "torch" + (" int8" if head.q8 is not None and head.wt is None and head.packed is None
                                 else " bf16" if head.bf16_only else "")
