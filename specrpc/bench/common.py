@@ -18,9 +18,9 @@ from specrpc.models.fingerprint import pair_hash
 from specrpc.serving.runtime import Runtime
 
 NO_RECHECK = 0.0
-"""`--recheck-s` of every server a benchmark runs: no idle checks of the paths chosen at load, as they would run in
-the gaps a contender (llama.cpp, transformers, another of ours) fills, on its cores, and a re-measure made then would
-time the contender's load."""
+"""`--recheck-s` of the servers a benchmark runs beside contenders: no idle checks of the paths chosen at load, as they
+would run in the gaps a contender (llama.cpp, transformers, another of ours) fills, on its cores, and a re-measure
+made then would time the contender's load (`--keystrokes`, with no contender, keeps them)."""
 
 
 def server_env() -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -24,7 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specrpc.bench.common import free_port, pair_line, percentile, server_env
+from specrpc.bench.common import free_port, pair_line, percentile
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -213,13 +214,14 @@ def summarize(strokes: list[list[Keystroke]], interval_s: float) -> dict[str, fl
 
 
 def serve(target: str, draft: str, threads: int, port: int) -> subprocess.Popen[bytes]:
-    """`specrpc serve` in another process."""
+    """`specrpc serve` in another process, at its defaults: no contender shares its cores here, so its idle checks of
+    the paths chosen at load (`--recheck-s`) run as they do for an editor, and a keystroke may meet one."""
     command = [sys.executable, "-m", "specrpc.cli", "serve", "--target", target, "--draft", draft, "--host",
                "127.0.0.1", "--port", str(port), "--max-context", "2048", "--max-sessions", "4", "--metrics-port",
                "0", "--log-format", "console", "--log-level", "warning", "--grace-s", "1"]
     if threads:
         command += ["--threads", str(threads)]
-    return subprocess.Popen(command, env=server_env())
+    return subprocess.Popen(command, env=os.environ.copy())
 
 
 async def wait_serving(channel: grpc.aio.Channel, process: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
