@@ -3,6 +3,6 @@
 from specrpc.models.batch import BatchRow
 from specrpc.models.llama import padded_sizes
 from specrpc.models.loader import load_model, load_tokenizer
-from specrpc.models.protocol import CausalLM
+from specrpc.models.protocol import CausalLM, execution_line
 
-__all__ = ["BatchRow", "CausalLM", "load_model", "load_tokenizer", "padded_sizes"]
+__all__ = ["BatchRow", "CausalLM", "execution_line", "load_model", "load_tokenizer", "padded_sizes"]

@@ -69,3 +69,8 @@ class CausalLM(Protocol):
         `slot` (whatever it caches is left as it was), and where they do not, choose again (stopping once `busy()`);
         why the choice was made again, empty where it was not (`execution` then says what it is)."""
         ...
+
+
+def execution_line(model: CausalLM) -> str:
+    """`model.execution()` in one line, as the logs give it ("1: native, prefetch none; 2-16: …")."""
+    return "; ".join(f"{tokens}: {path}" for tokens, path in model.execution())

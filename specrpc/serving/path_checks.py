@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import structlog
 
-from specrpc.models import CausalLM
+from specrpc.models import CausalLM, execution_line
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +42,6 @@ class PathChecks:
             why = model.recheck(0, busy)
             if why:
                 chosen.append((name, why))
-                log.info("execution chosen again", model=name, why=why,
-                         execution="; ".join(f"{tokens}: {path}" for tokens, path in model.execution()))
+                log.info("execution chosen again", model=name, why=why, execution=execution_line(model))
         self.cut = busy()
         return chosen

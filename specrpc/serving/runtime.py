@@ -26,7 +26,7 @@ from specrpc.engine.prediction import PredictionProposer
 from specrpc.engine.proposers import SuggestionProposer
 from specrpc.engine.sampling import SamplingParams
 from specrpc.engine.suffix import SuffixProposer, SuffixStore
-from specrpc.models import CausalLM, load_model, load_tokenizer, padded_sizes
+from specrpc.models import CausalLM, execution_line, load_model, load_tokenizer, padded_sizes
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.openmp import release_workers
 from specrpc.prompts.fim import FimFormat, InfillInput, InfillPrompt, NoInfillSupport, load_format
@@ -191,12 +191,11 @@ class Runtime:
         self.target_info = checkpoint_info(ec.target, self.target, self.dtype, ec.weights)
         self.draft_info = (checkpoint_info(ec.draft, self.draft, self.dtype, ec.weights) if self.draft is not None
                            else None)
+        models = {name: model for name, model in (("target", self.target), ("draft", self.draft)) if model is not None}
         log.info("execution", deterministic=ec.deterministic,
-                 **{name: "; ".join(f"{tokens}: {path}" for tokens, path in model.execution())
-                    for name, model in (("target", self.target), ("draft", self.draft)) if model is not None})
+                 **{name: execution_line(model) for name, model in models.items()})
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
-        models = {name: model for name, model in (("target", self.target), ("draft", self.draft)) if model is not None}
         self.path_checks = PathChecks(models, ec.recheck_s)
         self.scheduler = Scheduler(self.engine, batching=ec.batching == "on",
                                    stream_interval_s=config.server.stream_interval_ms / 1e3,
