@@ -38,8 +38,7 @@ def one_slot_runtime(target: str, draft: str, threads: int, dtype: str, weights:
     if threads:
         torch.set_num_threads(threads)
     config = Config(engine=EngineConfig(target=target, draft=draft, max_sessions=1, max_context=2048, threads=threads,
-                                        dtype=dtype, weights=weights, native_decode=native_decode,
-                                        recheck_s=NO_RECHECK),
+                                        dtype=dtype, weights=weights, native_decode=native_decode),
                     server=ServerConfig(port=0, log_format="console", log_level="warning"), limits=Limits())
     configure("console", "warning")
     runtime = Runtime(config)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from specrpc.bench.common import NO_RECHECK, machine_line, pair_line, write_results
+from specrpc.bench.common import machine_line, pair_line, write_results
 from specrpc.bench.contenders import Run, decode_rate, measure
 from specrpc.bench.run import prompt_ids, summarize
 from specrpc.bench.workloads import WORKLOADS, Case, build_cases
@@ -57,8 +57,7 @@ class Divergence:
 def load(args: argparse.Namespace, deterministic: bool) -> Runtime:
     """One mode's runtime on the pair, its one-stream and batched step costs measured (the policy starts there)."""
     config = Config(engine=EngineConfig(target=args.target, draft=args.draft, max_sessions=max(1, args.streams),
-                                        max_context=1024, threads=args.threads, deterministic=deterministic,
-                                        recheck_s=NO_RECHECK),
+                                        max_context=1024, threads=args.threads, deterministic=deterministic),
                     server=ServerConfig(port=0, log_format="console", log_level="warning"), limits=Limits())
     runtime = Runtime(config)
     runtime.engine.calibrate(budget_s=args.calibration_s)
