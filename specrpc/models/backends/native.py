@@ -64,6 +64,13 @@ def pack_int8_groups(weight: torch.Tensor, group: int, block: int) -> torch.Tens
 MAX_TOKENS = 16
 """Tokens one native forward takes at most (its work buffers' rows): a verify of up to 15 drafts."""
 
+CONTEXT = 32
+"""Positions of a slot a timing fills before the forwards it times (the calibrations here, `LlamaLM`'s at load and
+between requests): few, so that attention weighs little beside the products compared."""
+
+SCRATCH_POSITIONS = CONTEXT + MAX_TOKENS
+"""The most positions of a slot a timing writes: what a check between requests borrows (`KVCache.borrowed`)."""
+
 STREAM_BYTES = 32 << 20
 """Weights above this size stream past the CPU's caches until `calibrate_prefetch` has measured the modes (about a
 2-core AMD EPYC's last-level cache, where a target this size would evict the draft's weights on every step)."""
@@ -233,7 +240,7 @@ class NativeStep:
         self.passes[:] = torch.tensor(c.passes, dtype=torch.int64)
         self.model.amx_from = c.amx_from
 
-    def calibrate_prefetch(self, slot: int = 0, context: int = 32, repeats: int = 5,
+    def calibrate_prefetch(self, slot: int = 0, context: int = CONTEXT, repeats: int = 5,
                            counts: tuple[int, ...] = (1, VERIFY_TOKENS)) -> dict[int, dict[str, float]]:
         """Time every prefetch mode (`native.PREFETCH`), each prefetching one at every distance of
         `PREFETCH_DISTANCES`, on this model at one token (a decode step) and at `VERIFY_TOKENS` (a verify), or at
@@ -265,7 +272,7 @@ class NativeStep:
         (self.prefetch_one, self.ahead_one), (self.prefetch_many, self.ahead_many) = best[1], best[VERIFY_TOKENS]
         return table
 
-    def calibrate_passes(self, slot: int = 0, context: int = 32, repeats: int = 7,
+    def calibrate_passes(self, slot: int = 0, context: int = CONTEXT, repeats: int = 7,
                          widths: tuple[int, ...] = PASS_TOKENS) -> dict[int, dict[int, float]]:
         """Time forwards of each of `PASS_TOKENS` tokens (or those of `widths`) with each of `PASS_CAPS` tokens at
         most a pass over a product's weights, interleaved (`interleaved_times`, lower quartiles), and keep the
@@ -293,7 +300,7 @@ class NativeStep:
             self.passes[low : count + 1] = min(table[count], key=table[count].__getitem__)
         return table
 
-    def calibrate_amx(self, slot: int = 0, context: int = 32, repeats: int = 9) -> dict[int, tuple[float, float]]:
+    def calibrate_amx(self, slot: int = 0, context: int = CONTEXT, repeats: int = 9) -> dict[int, tuple[float, float]]:
         """Where int8 products may run on AMX tiles (`native.amx_available`: same bits as VNNI, a speed choice only),
         time forwards of each of `AMX_TOKENS` tokens with them on VNNI and on the tiles, interleaved
         (`interleaved_times`, lower quartiles), and run on the tiles from the fewest tokens where they win at that

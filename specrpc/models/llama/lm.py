@@ -258,7 +258,7 @@ class LlamaLM:
 
         return [*pieces, chosen]
 
-    def _one_token_s(self, slot: int, context: int = 32, repeats: int = 7) -> float:
+    def _one_token_s(self, slot: int, context: int = native.CONTEXT, repeats: int = 7) -> float:
         """Seconds of a one-token forward at `context` positions of `slot` (empty, or `KVCache.borrowed`) through
         the paths chosen, the lower quartile of `repeats` (`interleaved_times`); 0 where the cache has no room.
         Leaves the slot empty."""
@@ -288,7 +288,7 @@ class LlamaLM:
         step = self.native
         if step is None:
             return ""
-        with self.cache.borrowed(slot, 32 + native.MAX_TOKENS + 1), interruptible(busy):
+        with self.cache.borrowed(slot, native.SCRATCH_POSITIONS), interruptible(busy):
             before = step.choices(), self.native_rows
             try:
                 self._serving = self._execution()
@@ -314,7 +314,7 @@ class LlamaLM:
                 self.drift.settled(self._one_token_s(slot))
         return self._remeasure_why
 
-    def _compare_rows(self, slot: int, found: RowsFound, upto: int, context: int = 32, repeats: int = 5,
+    def _compare_rows(self, slot: int, found: RowsFound, upto: int, context: int = native.CONTEXT, repeats: int = 5,
                       one_token_repeats: int = 11) -> None:
         """The native step against the torch forward, forwards of `found.next` … `upto` tokens, on `slot` (left
         empty), into `found`: the most tokens a forward runs through the native step (a decode step, a verify, a
@@ -357,7 +357,7 @@ class LlamaLM:
             self.native_rows = serving
             self.truncate(slot, 0)
 
-    def tune_decode(self, context: int = 32, repeats: int = 5) -> bool:
+    def tune_decode(self, context: int = native.CONTEXT, repeats: int = 5) -> bool:
         """Time one-token steps through MKL's gemv and through oneDNN (alternating, after a warm-up of each) and
         keep the faster (when oneDNN wins, the plain copy is dropped); returns whether oneDNN won. Uses slot 0, which
         is left empty. Call once, at load."""
