@@ -349,6 +349,11 @@ def cached(lm: LlamaLM, slot: int) -> tuple[int, torch.Tensor, torch.Tensor]:
     return lm.length(slot), lm.cache.k[:, slot].clone(), lm.cache.v[:, slot].clone()
 
 
+def same_cache(a: tuple[int, torch.Tensor, torch.Tensor], b: tuple[int, torch.Tensor, torch.Tensor]) -> bool:
+    """Whether two `cached` states are the same length and bits."""
+    return a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_a_path_slowed_after_load_is_dropped_by_the_idle_checks(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -362,8 +367,7 @@ def test_a_path_slowed_after_load_is_dropped_by_the_idle_checks(tmp_path: Path,
     assert not lm.recheck(1, lambda: False), "one check off is a burst"
     assert "one-token forwards took" in lm.recheck(1, lambda: False)
     assert (lm.native_rows > 0) != was_native, lm.execution()
-    after = cached(lm, 1)
-    assert after[0] == before[0] and torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])
+    assert same_cache(cached(lm, 1), before)
     served = native_tokens()
     lm.forward(torch.tensor([5]), 20, 1)
     assert (native_tokens() > served) != was_native, "a one-token forward takes the path that won again"
@@ -413,8 +417,7 @@ def test_a_check_stops_for_a_request_and_puts_every_setting_back(tmp_path: Path,
     assert not lm.recheck(0, busy)
     assert asked[0] == 13, "stopped at the first round after the request came"
     assert lm.native.choices() == settings and lm.native_rows == rows
-    after = cached(lm, 0)
-    assert after[0] == before[0] and torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])
+    assert same_cache(cached(lm, 0), before)
     checked = lm.drift.last_s
     assert "one-token forwards took" in lm.recheck(0, lambda: False) and lm.drift.last_s == checked
 
@@ -423,8 +426,6 @@ def test_a_check_stops_for_a_request_and_puts_every_setting_back(tmp_path: Path,
 def test_a_stalled_torch_forward_is_chosen_at_no_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch forward slowed by an injected stall: the native step serves every count it can take, 1 to
     MAX_TOKENS."""
-    from specrpc.models.backends import eager
-
     requires_native()
     fast_run = eager.run
 
