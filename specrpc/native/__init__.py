@@ -63,6 +63,13 @@ def _flags() -> tuple[str, ...]:
     return flags + (("-DSPECRPC_AMX_EMULATE",) if os.environ.get("SPECRPC_AMX_EMULATE") == "1" else ())
 
 
+def build_key(cxx: str) -> str:
+    """What a built library is of: its sources, the compiler, the flags and the CPU (a hash)."""
+    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
+    parts = [*texts, cxx, *_flags(), _cpu_flags(), platform.machine()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
 def build(compiler: str | None = None) -> Path | None:
     """The shared library for these sources, compiler, flags and CPU, built now unless cached; None without a
     compiler or when the build fails (logged). Where the toolchain does not know AMX's tile instructions, built
@@ -71,10 +78,8 @@ def build(compiler: str | None = None) -> Path | None:
     if cxx is None:
         log.warning("native decode: no C++ compiler found; the torch forward serves every step")
         return None
-    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     flags = _flags()
-    key = hashlib.sha256("\0".join([*texts, cxx, *flags, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"decode-{key}.so"
+    target = cache_dir() / f"decode-{build_key(cxx)}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -153,12 +158,19 @@ one-token step 5× faster with it); "none" leaves it to the hardware. Which wins
 
 
 @functools.cache
+def library_path() -> Path | None:
+    """The library's file (built if needed; its name carries `build_key`), or None where it cannot be built or
+    $SPECRPC_NATIVE is 0."""
+    if os.environ.get("SPECRPC_NATIVE", "1") == "0":
+        return None
+    return build()
+
+
+@functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded library (built if needed), or None where it cannot be built. torch is imported first, so the
     library's OpenMP symbols bind to torch's runtime (one thread pool, not two)."""
-    if os.environ.get("SPECRPC_NATIVE", "1") == "0":
-        return None
-    path = build()
+    path = library_path()
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
