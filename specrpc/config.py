@@ -41,6 +41,7 @@ class EngineConfig:
     draft_int8: bool = True
     native_decode: bool = True
     recheck_s: float = 60.0
+    remember_execution: bool = True
     deterministic: bool = False
     cuda_graphs: bool = True
     fim_template: str = ""
@@ -131,6 +132,10 @@ HELP: dict[str, str] = {
                  "the paths the native step chose at load; where it runs over 1.25x slower or faster than right after "
                  "the choice on two checks in a row (a neighbour's load came or went), measure every choice again as "
                  "at load, in the gaps between requests; 0: never",
+    "remember_execution": "keep what the native step chose at load on this machine (under its build cache) and take it "
+                          "at the next start of the same models, settings, CPU and sources, once a one-token forward "
+                          "through it takes within 1.25x of its time then (else measure again): a restart takes about "
+                          "a second instead of a few; off: measure at every start",
     "deterministic": "run every target forward through the native step's per-token products (CPU, float32 or int8 "
                      "weights), so a stream's tokens never depend on its draft length, its batchmates or how its "
                      "prompt was split: greedy speculation equals greedy target-only bit for bit (docs/how-it-works.md"

@@ -3,6 +3,7 @@ is no library and the torch forward serves every step."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -19,7 +20,7 @@ from engine_helpers import requires_native
 from specrpc import native
 from specrpc.config import ASSETS
 from specrpc.models import load_model
-from specrpc.models.backends import eager
+from specrpc.models.backends import eager, memo
 from specrpc.models.backends import native as native_step
 from specrpc.models.backends.timing import Drift
 from specrpc.models.llama import LlamaLM, bf16_available, int8_available
@@ -300,6 +301,86 @@ def test_a_stalled_native_step_serves_no_forward_not_even_one_token(tmp_path: Pa
     lm.forward(torch.tensor([1, 2, 3]), 0, 0)
     lm.forward(torch.tensor([4]), 3, 0)
     assert calls == [], "torch serves every forward"
+
+
+def remembered_model(path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], LlamaLM]:
+    """Loads of the tiny model at `path` that remember their choice (`Memo`), in a memo directory of the test's."""
+    requires_native()
+    monkeypatch.setattr(memo, "directory", lambda: path.parent / "memos")
+
+    def load() -> LlamaLM:
+        lm = load_model(path, device=torch.device("cpu"), dtype=torch.float32, num_slots=1, max_context=64,
+                        native_decode=True, remember=True)
+        assert isinstance(lm, LlamaLM) and lm.native is not None and lm.memo is not None
+        return lm
+    return load
+
+
+def counting_calibrations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at every prefetch calibration (the first measurement of a choice at load)."""
+    calls: list[int] = []
+    calibrate = native_step.NativeStep.calibrate_prefetch
+
+    def counted(self: native_step.NativeStep, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return calibrate(self, *args, **kwargs)
+
+    monkeypatch.setattr(native_step.NativeStep, "calibrate_prefetch", counted)
+    return calls
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_restart_takes_the_choice_it_remembers_and_computes_the_same(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second load of a model, loaded the same way on the same machine, takes the first one's choice without
+    measuring (no calibration runs), and its forwards are the same bits; another setting is another memo."""
+    load = remembered_model(tiny_llama(tmp_path / "tiny"), monkeypatch)
+    calls = counting_calibrations(monkeypatch)
+    first = load()
+    assert calls and first.memo is not None and first.memo.recall() is not None
+    calls.clear()
+    second = load()
+    assert calls == [], "the remembered choice is taken, not measured again"
+    assert second.native is not None and first.native is not None
+    assert second.native.choices() == first.native.choices() and second.native_rows == first.native_rows
+    ids = torch.tensor([5, 17, 3, 99, 42])
+    assert torch.equal(first.forward(ids, 0, 0, num_logits=5), second.forward(ids, 0, 0, num_logits=5))
+    other = load_model(tmp_path / "tiny", device=torch.device("cpu"), dtype=torch.float32, num_slots=2,
+                       max_context=64, native_decode=True, remember=True)
+    assert isinstance(other, LlamaLM) and other.memo is not None and other.memo.file != first.memo.file
+    assert calls, "other slots: measured, not taken from the first load's memo"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_remembered_choice_that_no_longer_times_as_then_is_measured_again(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A memo whose one-token forward took a tenth of today's time, and one that does not parse: measured again, and
+    the memo rewritten with today's choice and time; the native step stalled since the memo was made: torch serves
+    every forward, the choice the memo held not kept."""
+    load = remembered_model(tiny_llama(tmp_path / "tiny"), monkeypatch)
+    calls = counting_calibrations(monkeypatch)
+    lm = load()
+    assert lm.memo is not None
+    entry = lm.memo.recall()
+    assert entry is not None and lm.native_rows > 0
+    lm.memo.file.write_text(json.dumps({**entry, "one_token_s": entry["one_token_s"] / 10}))
+    calls.clear()
+    load()
+    assert calls, "a forward ten times slower than the memo's: measured again"
+    rewritten = lm.memo.recall()
+    assert rewritten is not None and rewritten["one_token_s"] > entry["one_token_s"] / 5
+    lm.memo.file.write_text("{not json")
+    calls.clear()
+    load()
+    assert calls and lm.memo.recall() is not None, "an unreadable memo: measured and written again"
+    fast_run = native_step.NativeStep.run
+
+    def stalled(self: native_step.NativeStep, *args: Any, **kwargs: Any) -> torch.Tensor:
+        stall()
+        return fast_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(native_step.NativeStep, "run", stalled)
+    assert load().native_rows == 0, "the native step stalled since: torch serves, whatever the memo held"
 
 
 def test_drift_takes_two_checks_in_a_row_off_either_way() -> None:

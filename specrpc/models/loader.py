@@ -32,6 +32,7 @@ def load_model(
     bf16_weights: bool = False,
     native_decode: bool = False,
     deterministic: bool = False,
+    remember: bool = False,
 ) -> CausalLM:
     """Load `path` with `num_slots` KV slots of `max_context` positions each (include the verify reserve:
     max_context + k_max + 1). Llama / Mistral / Qwen2 / Qwen3 / StarCoder2 take the lean forward unless `lean` is
@@ -47,6 +48,8 @@ def load_model(
     `native_decode` (lean path, float32 on a CPU with a C++ compiler): one-token forwards through the native step
     (specrpc/native). `deterministic` (lean path, where the native step runs; ValueError elsewhere): every forward
     through the native step, so the logits of a position never depend on the forward it shares (`LlamaLM.use_native`).
+    `remember` (with `native_decode`): the native step's choice kept for the next start on this machine, and taken
+    from the last one once it checks out (`Memo`).
     """
     path = Path(path)
     if int8_weights and not (lean and int8_available(device)):
@@ -65,7 +68,7 @@ def load_model(
                                 int8_decode=int8_decode and int8_available(device), graph_tokens=graph_tokens,
                                 buckets=buckets, draft_loop_steps=draft_loop_steps, int8_weights=int8_weights,
                                 bf16_weights=bf16_weights, native_decode=native_decode,
-                                deterministic=deterministic)
+                                deterministic=deterministic, remember=remember)
         except UnsupportedModelError as e:
             if int8_weights or bf16_weights or deterministic:
                 raise ValueError(f"{path.name}: --weights int8 / bf16 and --deterministic need the lean forward, "

@@ -178,7 +178,8 @@ class Runtime:
         self.target: CausalLM = load_model(ec.target, device=self.device, dtype=self.dtype, num_slots=ec.max_sessions,
                                            max_context=capacity, lean=ec.lean, graph_tokens=graph_tokens,
                                            buckets=buckets, int8_weights=int8, bf16_weights=bf16,
-                                           native_decode=ec.native_decode, deterministic=ec.deterministic)
+                                           native_decode=ec.native_decode, deterministic=ec.deterministic,
+                                           remember=ec.remember_execution)
         self.draft: CausalLM | None = None
         if ec.draft and ec.draft.lower() != "none":
             check_tokenizers_match(self.tokenizer, load_tokenizer(ec.draft), self.target.vocab_size,
@@ -187,7 +188,8 @@ class Runtime:
                                     max_context=capacity, lean=ec.lean, int8_decode=ec.draft_int8,
                                     graph_tokens=graph_tokens, buckets=buckets,
                                     draft_loop_steps=ec.max_draft_tokens - 1 if graphed else 0, int8_weights=int8,
-                                    bf16_weights=bf16, native_decode=ec.native_decode)
+                                    bf16_weights=bf16, native_decode=ec.native_decode,
+                                    remember=ec.remember_execution)
         self.target_info = checkpoint_info(ec.target, self.target, self.dtype, ec.weights)
         self.draft_info = (checkpoint_info(ec.draft, self.draft, self.dtype, ec.weights) if self.draft is not None
                            else None)

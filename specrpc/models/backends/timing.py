@@ -76,9 +76,12 @@ class Drift:
         if self.reference_s <= 0.0:
             self.settled(seconds)
             return False
-        ratio = seconds / self.reference_s
-        self.strikes = 0 if 1.0 / self.tolerance <= ratio <= self.tolerance else self.strikes + 1
+        self.strikes = 0 if self.within(seconds, self.reference_s) else self.strikes + 1
         return self.strikes >= self.confirm
+
+    def within(self, seconds: float, reference_s: float) -> bool:
+        """Whether `seconds` is within `tolerance` of `reference_s`, either way."""
+        return 1.0 / self.tolerance <= seconds / reference_s <= self.tolerance
 
     def settled(self, seconds: float) -> None:
         """The paths were (re)chosen, and a one-token forward through them takes `seconds`."""

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from specrpc.models.backends import cuda_graphs, eager, native
+from specrpc.models.backends.memo import Memo
 from specrpc.models.backends.timing import Drift, Interrupted, interleaved_times, interruptible
 from specrpc.models.batch import BatchRow, check_rows
 from specrpc.models.kv_cache import KVCache
@@ -31,6 +32,9 @@ ROWS_PIECE = 2
 """Token counts a piece of the native-against-torch comparison takes (`LlamaLM._row_phases`): up to 0.53 s for the
 shipped float32 target on a 2-core AMD EPYC Zen 3 (15 and 16 tokens), so that a re-measure between requests
 (`LlamaLM.recheck`) gets through gaps that short."""
+RECALL_CHECKS = 3
+"""One-token checks a remembered choice gets at load (`LlamaLM._recall`): the first forwards after the weights are
+packed took 50 ms instead of 4 on a 2-core AMD EPYC Zen 3 (six of them), and a neighbour's burst only adds time."""
 
 
 @dataclasses.dataclass
@@ -96,6 +100,8 @@ class LlamaLM:
         self._remeasure: list[Callable[[int], None]] = []  # a re-measure's phases still to run (`recheck`)
         self._remeasure_why = ""
         self._serving: list[tuple[str, str]] | None = None  # what `execution` says while `recheck` times settings
+        self.memo: Memo | None = None  # where `use_native` finds and keeps its choice for the next start
+        self._packed_decode: bool | None = None  # what `tune_decode` chose in `use_native` (None: not run)
         self.draft_loop: cuda_graphs.GraphedDraftLoop | None = None
         self.buckets = buckets
         t0 = time.perf_counter()
@@ -132,13 +138,16 @@ class LlamaLM:
         bf16_weights: bool = False,
         native_decode: bool = False,
         deterministic: bool = False,
+        remember: bool = False,
     ) -> LlamaLM:
         """Build from a checkpoint directory and its parsed config.json; each slot holds `max_context` positions.
         `int8_decode`: decode-sized products through int8 weight copies (CPU; for a draft, not a target).
         `int8_weights`, `bf16_weights`: every projection and the head as int8 / bf16 alone, no float copy (CPU).
         `graph_tokens`, `buckets`, `draft_loop_steps`: see `__init__` (0 / empty: off). `native_decode`: forwards of
         a few tokens through the native step where it can run them (`use_native`). `deterministic`: every forward
-        through the native step, whatever its length or batchmates (ValueError where the native step cannot run)."""
+        through the native step, whatever its length or batchmates (ValueError where the native step cannot run).
+        `remember`: the native step's choice kept on this machine for the next start of the same model loaded the same
+        way, and taken from the last one after a check (`Memo`)."""
         args = LlamaArgs.from_config(cfg)
         weights = load_llama_weights(path, args, capacity=max_context, device=device, dtype=dtype, int8=int8_weights,
                                      bf16=bf16_weights)
@@ -146,6 +155,11 @@ class LlamaLM:
             weights = with_int8_decode(weights)
         lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
                  graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
+        if remember and native_decode:
+            lm.memo = Memo.for_model(path, {
+                "device": str(device), "dtype": str(dtype), "slots": num_slots, "context": max_context,
+                "int8_decode": int8_decode, "int8_weights": int8_weights, "bf16_weights": bf16_weights,
+                "deterministic": deterministic})
         if deterministic:
             lm.use_native(deterministic=True)
             return lm
@@ -179,6 +193,8 @@ class LlamaLM:
             log.info("%s: native decode off (%s)", self.name, why)
             return False
         self.native = native.NativeStep(self.weights, self.cache)
+        if self._recall(deterministic):
+            return True
         for phase in self._native_phases(rows=False):
             phase(0)
         if deterministic or self.rows_fixed():
@@ -192,13 +208,65 @@ class LlamaLM:
         else:
             self.native_rows = 0  # the torch forward alone while its own one-token path is tuned
             if self.decode_tunable():
-                self.tune_decode()
+                self._packed_decode = self.tune_decode()
             for phase in self._row_phases():
                 phase(0)
             if self.native_rows > 0:
-                self.weights = map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
-                                           else dataclasses.replace(p, wt=None, packed_rows=1))
+                self._drop_float_copy()
         self.drift.settled(self._one_token_s(0))
+        self._keep()
+        return True
+
+    def _drop_float_copy(self) -> None:
+        """Where the native step takes forwards, the float [K, N] copy serves none: freed (oneDNN's stays)."""
+        self.weights = map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
+                                   else dataclasses.replace(p, wt=None, packed_rows=1))
+
+    def _keep(self) -> None:
+        """The native step's choice and the one-token forward's time through it, kept for the next start (`memo`)."""
+        if self.memo is not None and self.native is not None:
+            self.memo.keep({"choices": dataclasses.asdict(self.native.choices()), "native_rows": self.native_rows,
+                            "packed_decode": self._packed_decode, "one_token_s": self.drift.reference_s})
+
+    def _recall(self, deterministic: bool) -> bool:
+        """Take the choice an earlier start kept (`memo`) where a one-token forward through it takes what it took
+        then (within `Drift`'s tolerance, on one of `RECALL_CHECKS` checks); False, nothing changed, where there is
+        none or it is off (measure)."""
+        entry = self.memo.recall() if self.memo is not None else None
+        step = self.native
+        if entry is None or step is None:
+            return False
+        try:
+            choices = native.Choices(**{**entry["choices"], "passes": tuple(entry["choices"]["passes"])})
+            rows, packed, then = int(entry["native_rows"]), entry["packed_decode"], float(entry["one_token_s"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        if len(choices.passes) != len(step.passes) or then <= 0.0:
+            return False
+        weights, before = self.weights, step.choices()
+        step.choose(choices)
+        self.native_rows, self.deterministic = rows, deterministic
+        if packed is not None and self.decode_tunable():
+            self.weights = with_packed_decode(self.weights, bool(packed))
+        for _ in range(RECALL_CHECKS):  # a burst, or the first forwards after packing (page faults: 50 ms, not 2)
+            now = self._one_token_s(0)  # only add time: a slower check is tried again, a faster one is news
+            if self.drift.within(now, then) or now < then:
+                break
+        if not self.drift.within(now, then):
+            log.info("%s: the paths an earlier start chose take %.2f ms a one-token forward, %.2f ms then: measured "
+                     "again", self.name, now * 1e3, then * 1e3)
+            self.weights, self.native_rows, self.deterministic = weights, 1, False
+            step.choose(before)
+            return False
+        if packed and self.decode_tunable():  # as `tune_decode` leaves it
+            self.weights = map_linears(self.weights, lambda p: dataclasses.replace(p, wt=None))
+        if rows > 0 and not self.rows_fixed():
+            self._drop_float_copy()
+        self._packed_decode = packed
+        self.drift.settled(now)
+        log.info("%s: the paths an earlier start chose (%s; a one-token forward %.2f ms, %.2f ms then)", self.name,
+                 "every forward native" if self.rows_fixed() else f"native up to {rows} tokens", now * 1e3,
+                 then * 1e3)
         return True
 
     def rows_fixed(self) -> bool:
@@ -312,6 +380,7 @@ class LlamaLM:
             self.drift.settled(0.0)  # the next check's time, where a request stops this one
             with contextlib.suppress(Interrupted):
                 self.drift.settled(self._one_token_s(slot))
+                self._keep()
         return self._remeasure_why
 
     def _compare_rows(self, slot: int, found: RowsFound, upto: int, context: int = native.CONTEXT, repeats: int = 5,
