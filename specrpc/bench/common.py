@@ -24,9 +24,10 @@ made then would time the contender's load (`--keystrokes`, with no contender, ke
 
 
 def server_env() -> dict[str, str]:
-    """The environment of a `specrpc serve` a benchmark starts: this one, with `NO_RECHECK` (through the environment,
-    which a checkout without the setting ignores, where a flag would stop its server: `--against`)."""
-    return {**os.environ, "SPECRPC_RECHECK_S": str(NO_RECHECK)}
+    """The environment of a `specrpc serve` a benchmark starts: this one, with `NO_RECHECK`, and each start measuring
+    its paths afresh (no `--remember-execution`: a fresh start's choice is part of what `--starts` samples), through
+    the environment, which a checkout without a setting ignores, where a flag would stop its server (`--against`)."""
+    return {**os.environ, "SPECRPC_RECHECK_S": str(NO_RECHECK), "SPECRPC_REMEMBER_EXECUTION": "0"}
 
 
 def one_slot_runtime(target: str, draft: str, threads: int, dtype: str, weights: str, native_decode: bool = True
@@ -38,7 +39,8 @@ def one_slot_runtime(target: str, draft: str, threads: int, dtype: str, weights:
     if threads:
         torch.set_num_threads(threads)
     config = Config(engine=EngineConfig(target=target, draft=draft, max_sessions=1, max_context=2048, threads=threads,
-                                        dtype=dtype, weights=weights, native_decode=native_decode),
+                                        dtype=dtype, weights=weights, native_decode=native_decode,
+                                        remember_execution=False),
                     server=ServerConfig(port=0, log_format="console", log_level="warning"), limits=Limits())
     configure("console", "warning")
     runtime = Runtime(config)

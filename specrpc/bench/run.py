@@ -664,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     widest = max([int(c) for c in args.concurrency.split(",") if c] or [1])
     engine_config = EngineConfig(target=args.target, draft=args.draft, max_sessions=max(8, widest), max_context=1024,
                                  max_draft_tokens=max([*ks, 8]), threads=args.threads, dtype=args.dtype,
-                                 weights=args.weights, recheck_s=NO_RECHECK)
+                                 weights=args.weights, recheck_s=NO_RECHECK, remember_execution=False)
     config = Config(engine=engine_config, server=ServerConfig(port=0, log_format="console", log_level="warning"),
                     limits=Limits())
     from specrpc.logs import configure

@@ -57,7 +57,8 @@ class Divergence:
 def load(args: argparse.Namespace, deterministic: bool) -> Runtime:
     """One mode's runtime on the pair, its one-stream and batched step costs measured (the policy starts there)."""
     config = Config(engine=EngineConfig(target=args.target, draft=args.draft, max_sessions=max(1, args.streams),
-                                        max_context=1024, threads=args.threads, deterministic=deterministic),
+                                        max_context=1024, threads=args.threads, deterministic=deterministic,
+                                        remember_execution=False),
                     server=ServerConfig(port=0, log_format="console", log_level="warning"), limits=Limits())
     runtime = Runtime(config)
     runtime.engine.calibrate(budget_s=args.calibration_s)
