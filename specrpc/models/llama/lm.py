@@ -184,7 +184,9 @@ class LlamaLM:
         logged). `deterministic`: every forward through the native step (ValueError where it cannot run): each token
         goes through the same products whatever shares its forward, so a stream's logits never depend on its draft
         length, its batchmates or how its prompt was split (batch-invariant, at the native step's speed for every
-        shape); only the logits of more than `MAX_TOKENS` prompt positions at once still take the torch forward."""
+        shape); only the logits of more than `MAX_TOKENS` prompt positions at once still take the torch forward.
+        Where `memo` holds an earlier start's choice that checks out (`_recall`), that is taken instead of measuring;
+        a choice measured here is kept there (`_keep`)."""
         why = native.supported(self.weights, self.device, self.dtype)
         if why is not None:
             if deterministic:
@@ -248,8 +250,8 @@ class LlamaLM:
         self.native_rows, self.deterministic = rows, deterministic
         if packed is not None and self.decode_tunable():
             self.weights = with_packed_decode(self.weights, bool(packed))
-        for _ in range(RECALL_CHECKS):  # a burst, or the first forwards after packing (page faults: 50 ms, not 2)
-            now = self._one_token_s(0)  # only add time: a slower check is tried again, a faster one is news
+        for _ in range(RECALL_CHECKS):  # a burst, or the first forwards after packing, only adds time: a slower
+            now = self._one_token_s(0)  # check is tried again, a faster one is news
             if self.drift.within(now, then) or now < then:
                 break
         if not self.drift.within(now, then):
