@@ -341,6 +341,7 @@ def test_a_restart_takes_the_choice_it_remembers_and_computes_the_same(tmp_path:
     calls.clear()
     second = load()
     assert calls == [], "the remembered choice is taken, not measured again"
+    assert first.chosen == "measured" and second.chosen.startswith("remembered from an earlier start"), second.chosen
     assert second.native is not None and first.native is not None
     assert second.native.choices() == first.native.choices() and second.native_rows == first.native_rows
     ids = torch.tensor([5, 17, 3, 99, 42])
@@ -365,7 +366,7 @@ def test_a_remembered_choice_that_no_longer_times_as_then_is_measured_again(tmp_
     assert entry is not None and lm.native_rows > 0
     lm.memo.file.write_text(json.dumps({**entry, "one_token_s": entry["one_token_s"] / 10}))
     calls.clear()
-    load()
+    assert load().chosen.startswith("measured: the paths an earlier start chose took")
     assert calls, "a forward ten times slower than the memo's: measured again"
     rewritten = lm.memo.recall()
     assert rewritten is not None and rewritten["one_token_s"] > entry["one_token_s"] / 5

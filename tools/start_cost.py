@@ -14,16 +14,19 @@ import subprocess
 import sys
 
 CHILD = """
-import logging, time
+import time
 t0 = time.perf_counter()
 from specrpc.config import build_config
 from specrpc.logs import configure
 from specrpc.serving.runtime import Runtime
 configure("console", "warning")
-logging.getLogger("specrpc.models.llama.lm").setLevel(logging.INFO)
 imported = time.perf_counter()
-Runtime(build_config(None))
-print(imported - t0, time.perf_counter() - imported)
+runtime = Runtime(build_config(None))
+loaded = time.perf_counter()
+for model in (runtime.target, runtime.draft):
+    if model is not None and model.chosen:
+        print(f"{model.name}: {model.chosen}")
+print(imported - t0, loaded - imported)
 """
 
 
@@ -35,9 +38,9 @@ def start(remember: bool, threads: int) -> tuple[float, float]:
         env["SPECRPC_THREADS"] = str(threads)
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True)
     imported, loaded = (float(v) for v in done.stdout.split()[-2:])
-    for line in (done.stdout + done.stderr).splitlines():
-        if "earlier start" in line:
-            print(f"  {loaded:.2f} s: {line[line.index('earlier start') - 40:].strip()}")
+    for line in done.stdout.splitlines()[:-1]:
+        if remember:
+            print(f"  {loaded:.2f} s: {line}")
     return imported, loaded
 
 

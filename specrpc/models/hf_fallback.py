@@ -82,6 +82,7 @@ class HFCausalLM:
     """CausalLM over a transformers model; every slot is allocated at construction."""
 
     lean_forward = False
+    chosen = ""
 
     def __init__(self, name: str, model: PreTrainedModel, *, num_slots: int, max_context: int) -> None:
         self.name = name

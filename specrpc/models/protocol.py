@@ -23,6 +23,7 @@ class CausalLM(Protocol):
     device: torch.device
     dtype: torch.dtype
     lean_forward: bool  # specrpc's own forward (CUDA graphs possible), not the transformers fallback
+    chosen: str  # how its paths were chosen at load (measured, or remembered from an earlier start); "": no choice
 
     @property
     def cache(self) -> SlotLengths:

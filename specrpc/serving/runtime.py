@@ -195,7 +195,8 @@ class Runtime:
                            else None)
         models = {name: model for name, model in (("target", self.target), ("draft", self.draft)) if model is not None}
         log.info("execution", deterministic=ec.deterministic,
-                 **{name: execution_line(model) for name, model in models.items()})
+                 **{name: execution_line(model) for name, model in models.items()},
+                 chosen={name: model.chosen for name, model in models.items() if model.chosen})
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
         self.path_checks = PathChecks(models, ec.recheck_s)

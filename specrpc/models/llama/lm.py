@@ -101,6 +101,7 @@ class LlamaLM:
         self._remeasure_why = ""
         self._serving: list[tuple[str, str]] | None = None  # what `execution` says while `recheck` times settings
         self.memo: Memo | None = None  # where `use_native` finds and keeps its choice for the next start
+        self.chosen = ""  # how `use_native` chose: measured, or remembered (`_recall`)
         self._packed_decode: bool | None = None  # what `tune_decode` chose in `use_native` (None: not run)
         self.draft_loop: cuda_graphs.GraphedDraftLoop | None = None
         self.buckets = buckets
@@ -217,6 +218,7 @@ class LlamaLM:
                 self._drop_float_copy()
         self.drift.settled(self._one_token_s(0))
         self._keep()
+        self.chosen = self.chosen or "measured"
         return True
 
     def _drop_float_copy(self) -> None:
@@ -255,8 +257,8 @@ class LlamaLM:
             if self.drift.within(now, then) or now < then:
                 break
         if not self.drift.within(now, then):
-            log.info("%s: the paths an earlier start chose take %.2f ms a one-token forward, %.2f ms then: measured "
-                     "again", self.name, now * 1e3, then * 1e3)
+            self.chosen = (f"measured: the paths an earlier start chose took {now * 1e3:.2f} ms a one-token forward, "
+                           f"{then * 1e3:.2f} ms then")
             self.weights, self.native_rows, self.deterministic = weights, 1, False
             step.choose(before)
             return False
@@ -266,9 +268,8 @@ class LlamaLM:
             self._drop_float_copy()
         self._packed_decode = packed
         self.drift.settled(now)
-        log.info("%s: the paths an earlier start chose (%s; a one-token forward %.2f ms, %.2f ms then)", self.name,
-                 "every forward native" if self.rows_fixed() else f"native up to {rows} tokens", now * 1e3,
-                 then * 1e3)
+        self.chosen = (f"remembered from an earlier start: a one-token forward {now * 1e3:.2f} ms, {then * 1e3:.2f} ms "
+                       f"then")
         return True
 
     def rows_fixed(self) -> bool:
