@@ -156,7 +156,7 @@ class LlamaLM:
             weights = with_int8_decode(weights)
         lm = cls(path.name, weights, num_slots=num_slots, max_context=max_context, device=device, dtype=dtype,
                  graph_tokens=graph_tokens, buckets=buckets, draft_loop_steps=draft_loop_steps)
-        if remember and native_decode:
+        if remember and (native_decode or deterministic) and native.supported(weights, device, dtype) is None:
             lm.memo = Memo.for_model(path, {
                 "device": str(device), "dtype": str(dtype), "slots": num_slots, "context": max_context,
                 "int8_decode": int8_decode, "int8_weights": int8_weights, "bf16_weights": bf16_weights,
