@@ -49,6 +49,8 @@ def main() -> int:
     parser.add_argument("--starts", type=int, default=4, help="starts of each kind, taking turns")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: its default)")
     args = parser.parse_args()
+    if args.starts < 1:
+        parser.error("--starts must be at least 1")
     start(True, args.threads)  # keeps a choice for the remembered starts
     loads: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.starts):
