@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from specrpc import native
 from specrpc.config import Config, EngineConfig, Limits, ServerConfig
 from specrpc.models.fingerprint import pair_hash
 from specrpc.serving.runtime import Runtime
@@ -55,19 +56,9 @@ ISA_FLAGS = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_vnni", "VNNI"), 
 
 def cpu_name() -> str:
     """The CPU's model name and its vector extensions (`ISA_FLAGS`) from /proc/cpuinfo, else what `platform` says."""
-    name, flags = "", set[str]()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and not name:
-                    name = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
+    flags = set(native.cpu_field("flags").split())
     isa = [label for flag, label in ISA_FLAGS if flag in flags]
-    base = name or platform.processor() or "unknown CPU"
+    base = native.cpu_field("model name") or platform.processor() or "unknown CPU"
     return f"{base} ({', '.join(isa)})" if isa else base
 
 

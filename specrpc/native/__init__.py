@@ -42,16 +42,22 @@ def cache_dir() -> Path:
     return Path(base) / "specrpc" / "native"
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (what -march=native compiles for)."""
+def cpu_field(name: str) -> str:
+    """The first CPU's `name` line of /proc/cpuinfo ("model name", "flags"), or "" where there is none."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
-    return platform.processor()
+    return ""
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    return cpu_field("flags") or platform.processor()
 
 
 def _flags() -> tuple[str, ...]:

@@ -26,18 +26,6 @@ from specrpc import native
 log = logging.getLogger(__name__)
 
 
-def cpu_name() -> str:
-    """The CPU's model name as the kernel reports it (or the platform's processor string)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def directory() -> Path:
     """Where memos are kept: beside the native libraries they were measured with (`native.cache_dir`)."""
     return native.cache_dir() / "execution"
@@ -62,8 +50,9 @@ class Memo:
         library = native.library_path()
         if library is None:
             return None
+        cpu = native.cpu_field("model name") or platform.processor()
         parts = [str(path.resolve()), *checkpoint_identity(path), json.dumps(dict(settings), sort_keys=True),
-                 library.name, cpu_name(), torch.__version__, str(torch.get_num_threads())]
+                 library.name, cpu, torch.__version__, str(torch.get_num_threads())]
         key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
         return cls(directory() / f"{path.name}-{key}.json")
 
