@@ -33,8 +33,8 @@ def directory() -> Path:
 
 def checkpoint_identity(path: Path) -> list[str]:
     """The checkpoint directory's files by name, size and modification time: a new export is a new key."""
-    files = sorted(p for p in path.iterdir() if p.is_file())
-    return [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    stats = sorted((p.name, p.stat()) for p in path.iterdir() if p.is_file())
+    return [f"{name}:{stat.st_size}:{stat.st_mtime_ns}" for name, stat in stats]
 
 
 class Memo:

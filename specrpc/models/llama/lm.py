@@ -221,6 +221,11 @@ class LlamaLM:
         self.chosen = self.chosen or "measured"
         return True
 
+    def _drop_plain_copy(self) -> None:
+        """Where oneDNN's copy serves one-token products too, the plain copy would serve nothing: freed (half the
+        weight memory)."""
+        self.weights = map_linears(self.weights, lambda p: dataclasses.replace(p, wt=None))
+
     def _drop_float_copy(self) -> None:
         """Where the native step takes forwards, the float [K, N] copy serves none: freed (oneDNN's stays)."""
         self.weights = map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
@@ -263,7 +268,7 @@ class LlamaLM:
             step.choose(before)
             return False
         if packed and self.decode_tunable():  # as `tune_decode` leaves it
-            self.weights = map_linears(self.weights, lambda p: dataclasses.replace(p, wt=None))
+            self._drop_plain_copy()
         if rows > 0 and not self.rows_fixed():
             self._drop_float_copy()
         self._packed_decode = packed
@@ -449,8 +454,8 @@ class LlamaLM:
                 times[i % 2].append(time.perf_counter() - t0)
         packed = statistics.median(times[1]) < statistics.median(times[0])
         self.weights = variants[int(packed)]
-        if packed:  # the plain copy would serve nothing: free it (half the weight memory)
-            self.weights = map_linears(self.weights, lambda p: dataclasses.replace(p, wt=None))
+        if packed:
+            self._drop_plain_copy()
         self.truncate(0, 0)
         return packed
 
