@@ -3,6 +3,7 @@ is no library and the torch forward serves every step."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from specrpc.models.backends import eager, memo
 from specrpc.models.backends import native as native_step
 from specrpc.models.backends.timing import Drift
 from specrpc.models.llama import LlamaLM, bf16_available, int8_available
+from specrpc.models.llama import lm as llama_lm
 
 
 def test_build_is_cached_per_compiler_and_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -335,6 +337,10 @@ def test_a_restart_takes_the_choice_it_remembers_and_computes_the_same(tmp_path:
     """The second load of a model, loaded the same way on the same machine, takes the first one's choice without
     measuring (no calibration runs), and its forwards are the same bits; another setting is another memo."""
     load = remembered_model(tiny_llama(tmp_path / "tiny"), monkeypatch)
+    # What the memo restores is this test's subject; the check that turns a memo down is the next test's (10x off).
+    # The suite's other worker shares the cores, and a tiny model's forward of a few hundred microseconds can time
+    # 1.3x apart in two loads a second apart there: the check's tolerance is widened to what no such burst reaches.
+    monkeypatch.setattr(llama_lm, "Drift", functools.partial(Drift, tolerance=4.0))
     calls = counting_calibrations(monkeypatch)
     first = load()
     assert calls and first.memo is not None and first.memo.recall() is not None
