@@ -107,6 +107,24 @@ def test_a_requests_figures_rate_its_decode_and_nothing_without_two_tokens() -> 
     assert request_figures(Run([7], ttft_s=0.1, total_s=0.3))["tokens_per_s"] == 0.0
 
 
+def test_the_concurrency_bound_counts_each_prompts_prefill_riding_along_the_other_streams() -> None:
+    """The sweep's bound (`bound_tokens_per_s`) for a point's work: every token after a request's first at `streams`
+    a forward of `streams` tokens, and each prompt's uncached tokens in chunks, a chunk costing what it adds to the
+    other streams' forward (at one stream, the whole forward); a prompt found cached costs nothing."""
+    from specrpc.bench.contenders import Run
+    from specrpc.bench.run import bound_tokens_per_s
+    from specrpc.engine.policy import BatchCosts
+
+    costs = BatchCosts(target_s={1: 0.002, 3: 0.0028, 4: 0.003, 36: 0.005, 39: 0.0052, 64: 0.0075, 67: 0.0078})
+    runs = [Run([1] * 11, ttft_s=0.1, total_s=0.5, prefilled=100) for _ in range(4)]  # chunks of 64 and 36
+    along = (0.0078 - 0.0028) + (0.0052 - 0.0028)  # each chunk beside the other three streams' tokens
+    assert bound_tokens_per_s(runs, 4, costs, 64) == pytest.approx(44 / (40 / 4 * 0.003 + 4 * along))
+    assert bound_tokens_per_s(runs[:1], 1, costs, 64) == pytest.approx(11 / (10 * 0.002 + 0.0075 + 0.005))
+    cached = [Run([1] * 11, ttft_s=0.1, total_s=0.5) for _ in range(4)]
+    assert bound_tokens_per_s(cached, 4, costs, 64) == pytest.approx(44 / (40 / 4 * 0.003))
+    assert bound_tokens_per_s(cached, 4, BatchCosts(), 64) == 0.0
+
+
 def test_simulated_verifier_accepts_until_the_first_rejection() -> None:
     import torch
 

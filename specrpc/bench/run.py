@@ -24,7 +24,7 @@ from specrpc.bench.llama_server import SKIP_LINE, LlamaServer, specs, sweep
 from specrpc.bench.workloads import Case, build_cases
 from specrpc.config import MAX_STREAM_INTERVAL_MS, Config, EngineConfig, Limits, ServerConfig
 from specrpc.engine.generation import StepResult
-from specrpc.engine.policy import expected_tokens
+from specrpc.engine.policy import BatchCosts, expected_tokens
 from specrpc.engine.sampling import SamplingParams
 from specrpc.openmp import release_workers
 from specrpc.prompts.fim import InfillInput
@@ -137,6 +137,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                 messages = 0
                 proposed = accepted = steps = 0
                 server_ttft = 0.0
+                prefilled = 0
                 async for response in call:
                     messages += 1
                     if response.HasField("chunk") and response.chunk.token_ids:
@@ -147,8 +148,9 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                         sp = response.summary.speculation
                         proposed, accepted, steps = sp.draft_tokens_proposed, sp.draft_tokens_accepted, sp.verify_steps
                         server_ttft = response.summary.timing.ttft_ms / 1e3
+                        prefilled = response.summary.prompt_tokens - response.summary.cached_prompt_tokens
                 return Run(tokens, times[0], times[-1], times, sizes, proposed, accepted, steps,
-                           server_ttft_s=server_ttft), messages
+                           server_ttft_s=server_ttft, prefilled=prefilled), messages
 
             for name, k in (("grpc adaptive", None), ("grpc target-only", 0)):
                 runs = []
@@ -333,9 +335,9 @@ async def sweep_point(one: Callable[[Case, int | None, int], Awaitable[tuple[Run
     """`streams` clients at once, each running every case one after the other, ceil(span / streams) times over
     (client i starting at case i, so that the clients carry equal work and stay in flight together: a prompt that
     stops early would otherwise leave its client idle and the batch narrower than `streams`), with k (None:
-    adaptive): aggregate and per-stream tokens/s, ITL p50/p99, mean k, and the bound plain batched decoding has from
-    the measured batch costs (`streams` tokens per target forward of that many tokens, nothing else: no prompt's
-    prefill, which the aggregate counts), and the median full step (every stream decoding) against it."""
+    adaptive): aggregate and per-stream tokens/s, ITL p50/p99, mean k, the bound plain batched decoding has from
+    the measured batch costs for the same work (`bound_tokens_per_s`), and the median full step (every stream
+    decoding) against the bound's forward of `streams` tokens."""
     t0 = time.perf_counter()
     repeats = -(-span // streams)
     batches = [[cases[(i + j) % len(cases)] for j in range(len(cases) * repeats)] for i in range(streams)]
@@ -389,8 +391,26 @@ def point_figures(results: list[list[Run]], wall: float, streams: int, runtime: 
         "itl_p50_ms": s["itl_p50_ms"], "itl_p99_ms": s["itl_p99_ms"],
         "ttft_p99_ms": percentile([r.ttft_s for r in runs], 99) * 1e3,
         "mean_k": sum(r.proposed for r in runs) / steps if steps else 0.0,
-        "bound_tokens_per_s": streams / costs.target(streams) if costs.target_s else 0.0,
+        "bound_tokens_per_s": bound_tokens_per_s(runs, streams, costs, runtime.config.engine.prefill_chunk),
     }
+
+
+def bound_tokens_per_s(runs: list[Run], streams: int, costs: BatchCosts, chunk: int) -> float:
+    """The aggregate tokens/s plain batched decoding would give `runs`' work at `streams` streams, from the measured
+    batch costs: every token after a request's first at `streams` tokens a forward of `streams` tokens, and each
+    prompt's prefill (the tokens the server did not find cached, in chunks of `chunk`) riding along the other
+    streams' decoding, a chunk of c tokens costing what it adds to their forward, target(streams - 1 + c) -
+    target(streams - 1); its last forward gives the request's first token. The aggregate counts the time to each
+    first token, so a bound without the prefill would not bound it. 0.0 before anything was measured."""
+    if not costs.target_s:
+        return 0.0
+    others = streams - 1
+    base = costs.target(others) if others else 0.0
+    prefill = sum(costs.target(others + min(chunk, r.prefilled - at)) - base
+                  for r in runs for at in range(0, r.prefilled, chunk))
+    decode = sum(max(0, len(r.tokens) - 1) for r in runs) / streams * costs.target(streams)
+    seconds = prefill + decode
+    return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -429,10 +449,10 @@ def markdown(results: dict[str, Any]) -> str:
                   f"Concurrency sweep, each row the median of {rounds} rounds, contenders alternating:",
                   "",
                   "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | adaptive ÷ target-only "
-                  "| target-only × one stream | bound (batched target-only, measured batch costs) | bound × one "
-                  "stream's | reached of the bound's × | the bound's forward ÷ target-only's full step | adaptive ITL "
-                  "p50 / p99 ms | target-only ITL p99 ms | mean k |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| target-only × one stream | bound (batched target-only with each prompt's prefill, measured batch "
+                  "costs) | bound × one stream's | reached of the bound's × | adaptive ÷ bound | the bound's forward ÷ "
+                  "target-only's full step | adaptive ITL p50 / p99 ms | target-only ITL p99 ms | mean k |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         one = {mode: sweep.get(f"1:{mode}:target-only", {}).get("aggregate_tokens_per_s")
                for mode in ("batched", "round-robin")}
         one_bound = sweep.get("1:batched:target-only", {}).get("bound_tokens_per_s")
@@ -446,10 +466,12 @@ def markdown(results: dict[str, Any]) -> str:
                 scale = t["aggregate_tokens_per_s"] / base if (base := one[mode]) else 0.0
                 bound_scale = t["bound_tokens_per_s"] / one_bound if one_bound else 0.0
                 reached = f"{scale / bound_scale:.2f}" if scale and bound_scale else ""
+                of_bound = f"{a['aggregate_tokens_per_s'] / b:.2f}" if (b := t["bound_tokens_per_s"]) else ""
                 lines.append(f"| {streams} | {mode} | {a['aggregate_tokens_per_s']:.1f} | "
                              f"{a['per_stream_tokens_per_s']:.1f} | {t['aggregate_tokens_per_s']:.1f} | "
                              f"{ratio:.2f}× | {f'{scale:.2f}×' if scale else ''} | {t['bound_tokens_per_s']:.1f} | "
                              f"{f'{bound_scale:.2f}×' if bound_scale else ''} | {reached} | "
+                             f"{of_bound} | "
                              f"{f'{share:.2f}' if (share := t.get('full_step_share')) else ''} | "
                              f"{a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} | "
                              f"{a['mean_k']:.2f} |")
