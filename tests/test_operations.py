@@ -4,7 +4,9 @@ and a graceful SIGTERM drain of `specrpc serve` run as a process."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx2
@@ -28,7 +31,11 @@ from service_helpers import GREEDY_K0, collect, first_tokens, ids_of, read_rest,
 
 from specrpc.config import Config
 from specrpc.edges.server import Running, start_server
+from specrpc.engine import engine as engine_module
 from specrpc.engine.policy import CostModel
+from specrpc.models import Drift
+from specrpc.models.backends import memo
+from specrpc.models.llama import lm as llama_lm
 from specrpc.serving.runtime import Runtime
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
@@ -134,6 +141,47 @@ def test_what_loading_made_is_frozen_while_serving() -> None:
     finally:
         runtime.stop()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_restart_takes_the_step_costs_it_kept_over_the_paths_it_kept(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start whose models took their paths from an earlier start's memo takes that start's step costs too, after a
+    warm-up whose one-token step times as then, without calibrating; a memo whose step took a tenth of today's is
+    measured again and rewritten, and a start with other settings keeps costs of its own."""
+    monkeypatch.setattr(memo, "directory", lambda: tmp_path / "memos")
+    # What is kept and taken back is this test's subject, not the checks' tolerance: the suite's other worker shares
+    # the cores, so each check's tolerance is widened past its bursts; a tenth is still off.
+    monkeypatch.setattr(llama_lm, "Drift", functools.partial(Drift, tolerance=4.0))
+    monkeypatch.setattr(engine_module, "Drift", functools.partial(Drift, tolerance=4.0))
+    calibrations: list[int] = []
+    calibrate = engine_module.Engine.calibrate
+
+    def counted(self: engine_module.Engine, *args: Any, **kwargs: Any) -> CostModel:
+        calibrations.append(1)
+        return calibrate(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module.Engine, "calibrate", counted)
+    config = make_config()
+    config = replace(config, engine=replace(config.engine, max_sessions=1, max_context=128, remember_execution=True))
+
+    def started(config: Config) -> Runtime:
+        runtime = Runtime(config)
+        runtime.start()
+        runtime.stop()
+        return runtime
+
+    first = started(config)
+    assert calibrations == [1] and first.costs_chosen == "measured"
+    (kept,) = (tmp_path / "memos").glob("*-costs-*.json")
+    second = started(config)
+    assert calibrations == [1] and second.costs_chosen == "remembered"
+    assert second.engine.costs.entry() == first.engine.costs.entry() == json.loads(kept.read_text())
+    entry = json.loads(kept.read_text())
+    kept.write_text(json.dumps({**entry, "target_step_s": entry["target_step_s"] / 10}))
+    assert started(config).costs_chosen == "measured" and calibrations == [1, 1]
+    assert json.loads(kept.read_text())["target_step_s"] > entry["target_step_s"] / 5, "rewritten with today's"
+    other = replace(config, engine=replace(config.engine, max_draft_tokens=4))
+    assert started(other).costs_chosen == "measured" and len(list((tmp_path / "memos").glob("*-costs-*.json"))) == 2
 
 
 async def test_health_not_serving_until_warm_and_while_draining(server: Running,

@@ -8,13 +8,14 @@ proposer's fused fast path and its own policy judges its steps, where the batch 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from specrpc.config import EngineConfig
-from specrpc.engine.calibration import calibrate, calibrate_batches
+from specrpc.engine.calibration import calibrate, calibrate_batches, warm_up
 from specrpc.engine.generation import FINISH_LENGTH, Generation, GenerationRequest, Slot, StepResult
 from specrpc.engine.plan import Drafting, Plan, draft_lag, plan, plan_batch
 from specrpc.engine.policy import AdaptivePolicy, BatchCosts, BatchGuard, CostModel, SharedRates, host_kind
@@ -29,7 +30,7 @@ from specrpc.engine.proposers import (
 )
 from specrpc.engine.sampling import SamplingParams
 from specrpc.engine.verify import VerifyResult, accept_greedy, verify
-from specrpc.models import BatchRow, CausalLM
+from specrpc.models import BatchRow, CausalLM, Drift
 
 Verifier = Callable[
     [torch.Tensor, torch.Tensor | None, torch.Tensor, SamplingParams, torch.Generator | None], VerifyResult
@@ -128,6 +129,24 @@ class Engine:
                                                         self.capacity, slot, context, repeats, budget_s, max_repeats,
                                                         settle)
         return self.costs
+
+    def recall_costs(self, entry: Mapping[str, Any], slot: int = 0, context: int = 256) -> CostModel | None:
+        """Take the step costs an earlier start measured (`CostModel.entry`) where, after a warm-up of every shape
+        `calibrate` measures, the one-token step times within `Drift`'s tolerance of its time then (`warm_up`, as
+        `calibrate` times it); None, nothing taken, otherwise (then `calibrate`)."""
+        try:
+            costs = CostModel.from_entry(entry)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        then, drift = costs.target_step_s, Drift()
+        if then <= 0.0 or any(width not in costs.verify_s for width in range(1, self.max_k + 2)):
+            return None
+        now = warm_up(self.target, self.draft, self.max_k, self.config.prefill_chunk, self.capacity,
+                      lambda seconds: drift.within(seconds, then) or seconds < then, slot, context)
+        if not drift.within(now, then):
+            return None
+        self.costs, self.calibration_rounds = costs, 0
+        return costs
 
     def calibrate_batches(self, slots: list[int], context: int = 64, repeats: int = 3) -> BatchCosts:
         """Measure batched forwards by width over `slots` (`calibration.calibrate_batches`)."""

@@ -83,6 +83,7 @@ class HFCausalLM:
 
     lean_forward = False
     chosen = ""
+    remembered: bool | None = None
 
     def __init__(self, name: str, model: PreTrainedModel, *, num_slots: int, max_context: int) -> None:
         self.name = name

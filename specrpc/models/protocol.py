@@ -24,6 +24,7 @@ class CausalLM(Protocol):
     dtype: torch.dtype
     lean_forward: bool  # specrpc's own forward (CUDA graphs possible), not the transformers fallback
     chosen: str  # how its paths were chosen at load (measured, or remembered from an earlier start); "": no choice
+    remembered: bool | None  # paths taken from an earlier start's (True), measured and kept (False), not kept (None)
 
     @property
     def cache(self) -> SlotLengths:

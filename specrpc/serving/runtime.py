@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import math
@@ -26,7 +27,7 @@ from specrpc.engine.prediction import PredictionProposer
 from specrpc.engine.proposers import SuggestionProposer
 from specrpc.engine.sampling import SamplingParams
 from specrpc.engine.suffix import SuffixProposer, SuffixStore
-from specrpc.models import CausalLM, execution_line, load_model, load_tokenizer, padded_sizes
+from specrpc.models import CausalLM, Memo, checkpoint_identity, execution_line, load_model, load_tokenizer, padded_sizes
 from specrpc.models.tokenizer_check import check_tokenizers_match
 from specrpc.openmp import release_workers
 from specrpc.prompts.fim import FimFormat, InfillInput, InfillPrompt, NoInfillSupport, load_format
@@ -218,6 +219,7 @@ class Runtime:
         self._token_texts: dict[int, str] = {}
         self._grammars: GrammarCompiler | None = None
         self.warm = False
+        self.costs_chosen = ""  # how the step costs were had at start: measured, or remembered (`_calibrate`)
         release_workers()  # loading ran torch on this thread: leave the device thread the only OpenMP team
 
     def _vocab_rows(self, path: str) -> int:
@@ -256,16 +258,39 @@ class Runtime:
         log.info("warm", seconds=round(time.perf_counter() - t0, 2), target_step_ms=round(costs.target_step_s * 1e3, 3),
                  d={k: round(costs.d(k), 3) for k in sorted(costs.draft_s)},
                  v={k - 1: round(costs.v(k - 1), 3) for k in sorted(costs.verify_s)},
-                 calibration_rounds=self.engine.calibration_rounds)
+                 calibration_rounds=self.engine.calibration_rounds, costs=self.costs_chosen)
 
     def _calibrate(self) -> CostModel:
-        """On the device thread: measure the step costs, and seed every slot's policy from them."""
-        costs = self.engine.calibrate()
+        """On the device thread: the step costs, an earlier start's where every model took its paths from that start
+        and the costs check out (`Engine.recall_costs`), else measured (`Engine.calibrate`) and kept for the next
+        start; every slot's policy seeded from them."""
+        memo = self._costs_memo()
+        entry = memo.recall() if memo is not None else None
+        models = [m for m in (self.target, self.draft) if m is not None]
+        costs = (self.engine.recall_costs(entry) if entry is not None and all(m.remembered for m in models)
+                 else None)
+        self.costs_chosen = "remembered" if costs is not None else "measured"
+        if costs is None:
+            costs = self.engine.calibrate()
+            if memo is not None:
+                memo.keep(costs.entry())
         if self.scheduler.batching:
             self.engine.calibrate_batches([slot.index for slot in self.registry.slots])
         for slot in self.registry.slots:
             slot.policy = self.engine.new_policy()
         return costs
+
+    def _costs_memo(self) -> Memo | None:
+        """Where this start's step costs are kept for the next start of the same pair with the same settings on this
+        machine (`Memo`), where every model keeps its paths' choice (`CausalLM.remembered` not None): costs are taken
+        back only over paths taken back. None where nothing is kept (`--no-remember-execution`, no native step)."""
+        ec = self.config.engine
+        models = [m for m in (self.target, self.draft) if m is not None]
+        if not ec.remember_execution or any(m.remembered is None for m in models):
+            return None
+        draft = checkpoint_identity(Path(ec.draft)) if self.draft is not None else []
+        return Memo.for_model(Path(ec.target), {"engine": dataclasses.asdict(ec), "draft": draft},
+                              f"{Path(ec.target).name}-costs")
 
     def stop(self) -> None:
         """Stop the device thread (cancels what is in flight); what loading made is collectable again."""

@@ -16,7 +16,9 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def host_kind(source: str) -> str:
@@ -73,6 +75,20 @@ class CostModel(Refined):
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A draft caught up on `tokens` tokens in `seconds`."""
         self.draft_prefill_s = self._refine("catch_up", self.draft_prefill_s, seconds / max(1, tokens))
+
+    def entry(self) -> dict[str, Any]:
+        """The measured costs as JSON (`from_entry` reads them back): what a start keeps for the next one."""
+        return {"target_step_s": self.target_step_s, "draft_step_s": self.draft_step_s,
+                "draft_prefill_s": self.draft_prefill_s, "verify_s": {str(n): s for n, s in self.verify_s.items()},
+                "draft_s": {str(k): s for k, s in self.draft_s.items()}}
+
+    @classmethod
+    def from_entry(cls, entry: Mapping[str, Any]) -> CostModel:
+        """The costs `entry()` gave (KeyError, TypeError or ValueError where `entry` holds no such figures)."""
+        return cls(target_step_s=float(entry["target_step_s"]), draft_step_s=float(entry["draft_step_s"]),
+                   draft_prefill_s=float(entry["draft_prefill_s"]),
+                   verify_s={int(n): float(s) for n, s in entry["verify_s"].items()},
+                   draft_s={int(k): float(s) for k, s in entry["draft_s"].items()})
 
     def d(self, k: int) -> float:
         """Drafting k tokens ÷ target step cost: measured, else scaled from the nearest k measured (the larger of

@@ -1,5 +1,6 @@
 """What a model's start-up measurements chose (`LlamaLM.use_native`: the native step's settings, the forwards it
-takes, torch's one-token path), kept on this machine for its next start. A start with the same key (the checkpoint's
+takes, torch's one-token path), and the step costs the engine measured over them (`Runtime`), kept on this machine
+for its next start. A start with the same key (the checkpoint's
 files, the load settings, the native library's sources, flags and CPU, the CPU's name, torch's version and threads)
 takes the remembered choice after one check, a one-token forward within `Drift`'s tolerance of its time when the
 choice was made, instead of measuring every shape again (loading the shipped pair: 0.61 s instead of 7.62, median
@@ -44,9 +45,10 @@ class Memo:
         self.file = file
 
     @classmethod
-    def for_model(cls, path: Path, settings: Mapping[str, object]) -> Memo | None:
+    def for_model(cls, path: Path, settings: Mapping[str, object], name: str = "") -> Memo | None:
         """The memo of the checkpoint at `path` loaded with `settings` (what changes the paths' times: dtype, weight
-        formats, slots and context, deterministic), or None without a native library (nothing to remember)."""
+        formats, slots and context, deterministic), or None without a native library (nothing to remember); its
+        file named `name` (the checkpoint directory's name) and the key."""
         library = native.library_path()
         if library is None:
             return None
@@ -54,7 +56,7 @@ class Memo:
         parts = [str(path.resolve()), *checkpoint_identity(path), json.dumps(dict(settings), sort_keys=True),
                  library.name, cpu, torch.__version__, str(torch.get_num_threads())]
         key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-        return cls(directory() / f"{path.name}-{key}.json")
+        return cls(directory() / f"{name or path.name}-{key}.json")
 
     def recall(self) -> dict[str, Any] | None:
         """The choice kept for this key, or None (none kept, or a file that does not parse)."""

@@ -102,6 +102,7 @@ class LlamaLM:
         self._serving: list[tuple[str, str]] | None = None  # what `execution` says while `recheck` times settings
         self.memo: Memo | None = None  # where `use_native` finds and keeps its choice for the next start
         self.chosen = ""  # how `use_native` chose: measured, or remembered (`_recall`)
+        self.remembered: bool | None = None  # whether `use_native` took an earlier start's choice (None: no memo)
         self._packed_decode: bool | None = None  # what `tune_decode` chose in `use_native` (None: not run)
         self.draft_loop: cuda_graphs.GraphedDraftLoop | None = None
         self.buckets = buckets
@@ -161,6 +162,7 @@ class LlamaLM:
                 "device": str(device), "dtype": str(dtype), "slots": num_slots, "context": max_context,
                 "int8_decode": int8_decode, "int8_weights": int8_weights, "bf16_weights": bf16_weights,
                 "deterministic": deterministic})
+            lm.remembered = False
         if deterministic:
             lm.use_native(deterministic=True)
             return lm
@@ -273,6 +275,7 @@ class LlamaLM:
             self._drop_float_copy()
         self._packed_decode = packed
         self.drift.settled(now)
+        self.remembered = True
         self.chosen = (f"remembered from an earlier start: a one-token forward {now * 1e3:.2f} ms, {then * 1e3:.2f} ms "
                        f"then")
         return True
