@@ -108,167 +108,142 @@ def rss_bytes() -> int:
 
 async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params: SamplingParams,
                      concurrency: list[int], overhead_rounds: int = 2, sweep_rounds: int = 3) -> dict[str, Any]:
-    """End to end through a real server on loopback: per-request figures and the concurrency sweep (each point the
-    median of `sweep_rounds`)."""
-    import grpc
-
+    """End to end through a real server on loopback, its clients in a process of their own (`RemoteClients`):
+    per-request figures and the concurrency sweep (each point the median of `sweep_rounds`)."""
+    from specrpc.bench.grpc_client import RemoteClients
     from specrpc.edges.server import start_server
-    from specrpc.v1 import generator_pb2 as pb
-    from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
     running = await start_server(config, runtime=runtime)
     out: dict[str, Any] = {}
+    started: list[RemoteClients] = []
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-            stub = pb_grpc.GeneratorStub(channel)
+        clients = await RemoteClients.start(running.port, params.temperature, params.top_p, params.top_k)
+        started.append(clients)
 
-            async def one(case: Case, k: int | None, seed: int) -> tuple[Run, int]:
-                spec = pb.SpeculationParams() if k is None else pb.SpeculationParams(num_draft_tokens=k)
-                sampling = pb.SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                                             top_k=params.top_k, seed=seed)
-                common: dict[str, Any] = {"max_new_tokens": case.max_new_tokens, "sampling": sampling,
-                                          "speculation": spec}
-                call: Any = (stub.Generate(pb.GenerateRequest(prompt=case.prompt, **common)) if case.suffix is None
-                             else stub.Infill(pb.InfillRequest(prefix=case.prompt, suffix=case.suffix, **common)))
-                t0 = time.perf_counter()
-                tokens: list[int] = []
-                times: list[float] = []
-                sizes: list[int] = []
-                messages = 0
-                proposed = accepted = steps = 0
-                server_ttft = 0.0
-                prefilled = 0
-                async for response in call:
-                    messages += 1
-                    if response.HasField("chunk") and response.chunk.token_ids:
-                        tokens += list(response.chunk.token_ids)
-                        times.append(time.perf_counter() - t0)
-                        sizes.append(len(response.chunk.token_ids))
-                    elif response.HasField("summary"):
-                        sp = response.summary.speculation
-                        proposed, accepted, steps = sp.draft_tokens_proposed, sp.draft_tokens_accepted, sp.verify_steps
-                        server_ttft = response.summary.timing.ttft_ms / 1e3
-                        prefilled = response.summary.prompt_tokens - response.summary.cached_prompt_tokens
-                return Run(tokens, times[0], times[-1], times, sizes, proposed, accepted, steps,
-                           server_ttft_s=server_ttft, prefilled=prefilled), messages
+        async def one(case: Case, k: int | None, seed: int) -> tuple[Run, int]:
+            """One request through gRPC from the client process (`RemoteClients`)."""
+            reply = await clients.one(case.prompt, case.suffix, case.max_new_tokens, k, seed)
+            return Run(**reply["run"]), int(reply["messages"])
 
-            for name, k in (("grpc adaptive", None), ("grpc target-only", 0)):
-                runs = []
-                messages = 0
-                for i, case in enumerate(cases):
-                    run, m = await one(case, k, i)
-                    runs.append(run)
-                    messages += m
-                out[name] = {"summary": summarize(runs), "messages": messages, "total_s": sum(r.total_s for r in runs)}
+        for name, k in (("grpc adaptive", None), ("grpc target-only", 0)):
+            runs = []
+            messages = 0
+            for i, case in enumerate(cases):
+                run, m = await one(case, k, i)
+                runs.append(run)
+                messages += m
+            out[name] = {"summary": summarize(runs), "messages": messages, "total_s": sum(r.total_s for r in runs)}
 
-            # The overhead: target-only (deterministic, one token per message) in process and through gRPC,
-            # alternating case by case so that machine noise hits both alike. An in-process run leases a slot from
-            # the server's registry (so no request uses it meanwhile), empties it, runs on the device thread (as the
-            # server's requests do: one OpenMP team) and empties it again, so that no request later reuses a
-            # prefix the registry believes the slot holds.
-            runners: dict[int, Runner] = {}  # per slot: target-only, stopping where the server does
-            loop = asyncio.get_running_loop()
+        # The overhead: target-only (deterministic, one token per message) in process and through gRPC,
+        # alternating case by case so that machine noise hits both alike. An in-process run leases a slot from
+        # the server's registry (so no request uses it meanwhile), empties it, runs on the device thread (as the
+        # server's requests do: one OpenMP team) and empties it again, so that no request later reuses a
+        # prefix the registry believes the slot holds.
+        runners: dict[int, Runner] = {}  # per slot: target-only, stopping where the server does
+        loop = asyncio.get_running_loop()
 
-            async def here_run(case: Case) -> Run:
-                ids = prompt_ids(runtime, case)
-                lease = await runtime.registry.acquire("", ids)
-                index = lease.slot.index
-                if index not in runners:
-                    runners[index] = engine_runner(runtime.engine, 0, "draft", runtime.stop_token_ids, index)
+        async def here_run(case: Case) -> Run:
+            ids = prompt_ids(runtime, case)
+            lease = await runtime.registry.acquire("", ids)
+            index = lease.slot.index
+            if index not in runners:
+                runners[index] = engine_runner(runtime.engine, 0, "draft", runtime.stop_token_ids, index)
 
-                def run_and_empty() -> Run:
-                    try:
-                        return runners[index](ids, case.max_new_tokens, params)
-                    finally:
-                        runtime.engine.reset_slot(lease.slot)
-
+            def run_and_empty() -> Run:
                 try:
-                    future = runtime.scheduler.call(run_and_empty)
-                except BaseException:
-                    runtime.registry.release(lease)
-                    raise
-                # the slot goes back once the device thread is done with it, even if this task is cancelled first
-                future.add_done_callback(lambda _: loop.call_soon_threadsafe(runtime.registry.release, lease))
-                return await asyncio.wrap_future(future)
+                    return runners[index](ids, case.max_new_tokens, params)
+                finally:
+                    runtime.engine.reset_slot(lease.slot)
 
-            def empty_slots() -> None:  # so that the request through gRPC prefills its whole prompt too
-                for slot in runtime.registry.slots:
-                    if slot.index not in runtime.registry.busy:
-                        runtime.engine.reset_slot(slot)
+            try:
+                future = runtime.scheduler.call(run_and_empty)
+            except BaseException:
+                runtime.registry.release(lease)
+                raise
+            # the slot goes back once the device thread is done with it, even if this task is cancelled first
+            future.add_done_callback(lambda _: loop.call_soon_threadsafe(runtime.registry.release, lease))
+            return await asyncio.wrap_future(future)
 
-            pairs: list[tuple[Run, Run, int]] = []
-            for r in range(overhead_rounds):
-                for i, case in enumerate(cases):
-                    await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
-                    if (r + i) % 2:  # alternate which side goes first: the second run of a prompt finds warmer caches
-                        there, m = await one(case, 0, i)
-                        here = await here_run(case)
-                    else:
-                        here = await here_run(case)
-                        there, m = await one(case, 0, i)
-                    pairs.append((here, there, m))
-            out["overhead"] = {
-                "ttft_delta_ms": statistics.median((b.ttft_s - a.ttft_s) * 1e3 for a, b, _ in pairs),
-                # the same without prefill's run-to-run spread: what the client waits beyond the server's own TTFT
-                # (call set-up, validation, tokenizing, hand-offs and the first message's way out)
-                "edge_ttft_ms": statistics.median([(b.ttft_s - b.server_ttft_s) * 1e3 for _, b, _ in pairs
-                                                   if b.server_ttft_s > 0] or [float("nan")]),
-                "per_message_us": sum(b.total_s - a.total_s for a, b, _ in pairs) / sum(m for *_, m in pairs) * 1e6,
-                "requests": len(pairs), "messages": sum(m for *_, m in pairs),
-                "identical": sum(a.tokens == b.tokens for a, b, _ in pairs) / len(pairs),
-            }
+        def empty_slots() -> None:  # so that the request through gRPC prefills its whole prompt too
+            for slot in runtime.registry.slots:
+                if slot.index not in runtime.registry.busy:
+                    runtime.engine.reset_slot(slot)
 
-            sweep: dict[str, dict[str, Any]] = {}
-            contenders = (("adaptive", None), ("target-only", 0))
-            modes = ("batched", "round-robin")
+        pairs: list[tuple[Run, Run, int]] = []
+        for r in range(overhead_rounds):
+            for i, case in enumerate(cases):
+                await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
+                if (r + i) % 2:  # alternate which side goes first: the second run of a prompt finds warmer caches
+                    there, m = await one(case, 0, i)
+                    here = await here_run(case)
+                else:
+                    here = await here_run(case)
+                    there, m = await one(case, 0, i)
+                pairs.append((here, there, m))
+        out["overhead"] = {
+            "ttft_delta_ms": statistics.median((b.ttft_s - a.ttft_s) * 1e3 for a, b, _ in pairs),
+            # the same without prefill's run-to-run spread: what the client waits beyond the server's own TTFT
+            # (call set-up, validation, tokenizing, hand-offs and the first message's way out)
+            "edge_ttft_ms": statistics.median([(b.ttft_s - b.server_ttft_s) * 1e3 for _, b, _ in pairs
+                                               if b.server_ttft_s > 0] or [float("nan")]),
+            "per_message_us": sum(b.total_s - a.total_s for a, b, _ in pairs) / sum(m for *_, m in pairs) * 1e6,
+            "requests": len(pairs), "messages": sum(m for *_, m in pairs),
+            "identical": sum(a.tokens == b.tokens for a, b, _ in pairs) / len(pairs),
+        }
 
-            async def mode(name: str) -> None:
-                await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, name)))
+        sweep: dict[str, dict[str, Any]] = {}
+        contenders = (("adaptive", None), ("target-only", 0))
+        modes = ("batched", "round-robin")
 
-            # A warm-up pass of each contender in each mode at each width first (its prompts cached as a session's
-            # next request finds them, target and draft alike); then rounds, each over every width in turn, that
-            # alternate the modes and, within a mode, which contender goes first: each point the median over the
-            # rounds. A point is under a second at the mercy of this machine's drift, so batched and round-robin
-            # are measured round by round, not one after the other, and so are the widths that "× one stream"
-            # compares (one width's rounds after another's put minutes of drift between them). The rounds go up
-            # and down the widths in turn (warm-ups downwards, so the first round starts where they ended): a point
-            # measured right after the widest one met its aftermath, and one mode went first there more often.
-            # One stream's two modes go request by request in turn (the path is the same: only drift tells them
-            # apart).
-            await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
-            for streams in concurrency[::-1]:
-                for batching in modes:
+        async def mode(name: str) -> None:
+            await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, name)))
+
+        # A warm-up pass of each contender in each mode at each width first (its prompts cached as a session's
+        # next request finds them, target and draft alike); then rounds, each over every width in turn, that
+        # alternate the modes and, within a mode, which contender goes first: each point the median over the
+        # rounds. A point is under a second at the mercy of this machine's drift, so batched and round-robin
+        # are measured round by round, not one after the other, and so are the widths that "× one stream"
+        # compares (one width's rounds after another's put minutes of drift between them). The rounds go up
+        # and down the widths in turn (warm-ups downwards, so the first round starts where they ended): a point
+        # measured right after the widest one met its aftermath, and one mode went first there more often.
+        # One stream's two modes go request by request in turn (the path is the same: only drift tells them
+        # apart).
+        await asyncio.wrap_future(runtime.scheduler.call(empty_slots))
+        for streams in concurrency[::-1]:
+            for batching in modes:
+                await mode(batching)
+                for _, k in contenders:
+                    await sweep_point(one, cases, streams, k, runtime)
+        points: dict[tuple[int, str, str], list[dict[str, float]]] = {
+            (streams, b, name): [] for streams in concurrency for b in modes for name, _ in contenders}
+        for r in range(sweep_rounds):
+            for streams in concurrency if r % 2 == 0 else concurrency[::-1]:
+                if streams == 1:  # both modes at once, request by request (`one_stream_points`)
+                    for name, k in (contenders if r % 2 else contenders[::-1]):
+                        both = await one_stream_points(one, cases, k, runtime, modes if r % 2 == 0 else modes[::-1],
+                                                       mode, POINT_STREAMS)
+                        for batching, figures in both.items():
+                            points[(1, batching, name)].append(figures)
+                    continue
+                for batching in modes if r % 2 == 0 else modes[::-1]:
                     await mode(batching)
-                    for _, k in contenders:
-                        await sweep_point(one, cases, streams, k, runtime)
-            points: dict[tuple[int, str, str], list[dict[str, float]]] = {
-                (streams, b, name): [] for streams in concurrency for b in modes for name, _ in contenders}
-            for r in range(sweep_rounds):
-                for streams in concurrency if r % 2 == 0 else concurrency[::-1]:
-                    if streams == 1:  # both modes at once, request by request (`one_stream_points`)
-                        for name, k in (contenders if r % 2 else contenders[::-1]):
-                            both = await one_stream_points(one, cases, k, runtime, modes if r % 2 == 0 else modes[::-1],
-                                                           mode, POINT_STREAMS)
-                            for batching, figures in both.items():
-                                points[(1, batching, name)].append(figures)
-                        continue
-                    for batching in modes if r % 2 == 0 else modes[::-1]:
-                        await mode(batching)
-                        for name, k in (contenders if r % 2 else contenders[::-1]):
-                            points[(streams, batching, name)].append(
-                                await sweep_point(one, cases, streams, k, runtime, POINT_STREAMS))
-            for (streams, batching, name), measured in points.items():
-                key = f"{streams}:{batching}:{name}"
-                sweep[key] = {field: statistics.median(p[field] for p in measured) for field in measured[0]}
-                sweep[key]["streams"] = streams
-                sweep[key]["rounds"] = sweep_rounds
-                sweep[key].update(paired_ratios(points, streams, batching, name))
-            await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, "batched")))
-            for key, value in list(sweep.items()):  # the batched figures also under their former names
-                if ":batched:" in key:
-                    sweep[key.replace(":batched:", ":")] = value
-            out["concurrency"] = sweep
+                    for name, k in (contenders if r % 2 else contenders[::-1]):
+                        points[(streams, batching, name)].append(
+                            await sweep_point(one, cases, streams, k, runtime, POINT_STREAMS))
+        for (streams, batching, name), measured in points.items():
+            key = f"{streams}:{batching}:{name}"
+            sweep[key] = {field: statistics.median(p[field] for p in measured) for field in measured[0]}
+            sweep[key]["streams"] = streams
+            sweep[key]["rounds"] = sweep_rounds
+            sweep[key].update(paired_ratios(points, streams, batching, name))
+        await asyncio.wrap_future(runtime.scheduler.call(functools.partial(set_batching, runtime, "batched")))
+        for key, value in list(sweep.items()):  # the batched figures also under their former names
+            if ":batched:" in key:
+                sweep[key.replace(":batched:", ":")] = value
+        out["concurrency"] = sweep
     finally:
+        for clients in started:
+            await clients.close()
         await running.server.stop(0)
         running.janitor.cancel()
     return out
