@@ -356,6 +356,13 @@ def test_a_restart_takes_the_choice_it_remembers_and_computes_the_same(tmp_path:
                        max_context=64, native_decode=True, remember=True)
     assert isinstance(other, LlamaLM) and other.memo is not None and other.memo.file != first.memo.file
     assert calls, "other slots: measured, not taken from the first load's memo"
+    kept = second.memo.file.stat().st_ino
+    assert second.recheck(0, lambda: True) == "" and second.memo.file.stat().st_ino == kept, "a request waits: later"
+    calls.clear()
+    assert "remembered" in second.recheck(0, lambda: False) and calls, "the first idle check measures it as a whole"
+    assert second.memo.file.stat().st_ino != kept, "and keeps what it found for the next start"
+    calls.clear()
+    assert second.recheck(0, lambda: False) == "" and calls == [], "once: later checks look for drift"
 
 
 @pytest.mark.usefixtures("one_thread")

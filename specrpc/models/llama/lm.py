@@ -241,8 +241,8 @@ class LlamaLM:
 
     def _recall(self, deterministic: bool) -> bool:
         """Take the choice an earlier start kept (`memo`) where a one-token forward through it takes what it took
-        then (within `Drift`'s tolerance, on one of `RECALL_CHECKS` checks); False, nothing changed, where there is
-        none or it is off (measure)."""
+        then (within `Drift`'s tolerance, on one of `RECALL_CHECKS` checks), with a whole re-measure left for the
+        first idle checks (`recheck`); False, nothing changed, where there is none or it is off (measure)."""
         entry = self.memo.recall() if self.memo is not None else None
         step = self.native
         if entry is None or step is None:
@@ -276,6 +276,10 @@ class LlamaLM:
         self._packed_decode = packed
         self.drift.settled(now)
         self.remembered = True
+        # The one-token check cannot see another width a noisy start chose badly: the whole choice is measured again
+        # in the first idle checks (`recheck`: in phases a request stops) and the memo rewritten with it.
+        self._remeasure = self._native_phases(rows=not self.rows_fixed())
+        self._remeasure_why = "the choice remembered from an earlier start, measured again as a whole"
         self.chosen = (f"remembered from an earlier start: a one-token forward {now * 1e3:.2f} ms, {then * 1e3:.2f} ms "
                        f"then")
         return True
@@ -358,8 +362,9 @@ class LlamaLM:
 
     def recheck(self, slot: int, busy: Callable[[], bool]) -> str:
         """Between requests: time a one-token forward through the paths chosen at load, on `slot` borrowed (what it
-        caches is put back), and where it has drifted from its time right after the choice (`Drift`), measure the
-        native step's settings and the shapes it runs again, as `use_native` does at load (but for torch's own
+        caches is put back), and where it has drifted from its time right after the choice (`Drift`), or the choice
+        was remembered from an earlier start (`_recall`), measure the native step's settings and the shapes it runs
+        again, as `use_native` does at load (but for torch's own
         one-token path: a dropped float copy is not rebuilt). Stops as soon as `busy()` says a request waits
         (`interruptible`), the settings the phase under way was timing put back; the next call goes on from that
         phase, so a re-measure gets through in gaps shorter than itself. Returns why the choice was made again (the
