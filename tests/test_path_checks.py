@@ -61,3 +61,15 @@ def test_the_interval_defaults_to_a_minute_and_is_validated() -> None:
     assert build_config(None, env={"SPECRPC_RECHECK_S": "0"}).engine.recheck_s == 0.0
     with pytest.raises(ValueError, match="--recheck-s must be >= 0"):
         build_config(None, env={"SPECRPC_RECHECK_S": "-1"})
+
+
+def test_an_idle_server_is_checked_again_when_the_interval_is_up() -> None:
+    """As the scheduler's `on_idle`, the checks ask to run again when the next is due (so a server idle for long is
+    checked every interval); before the server is warm, nothing checked and the interval asked."""
+    model = Model(["", ""], [False, False])
+    checks = PathChecks({"target": model}, every_s=30.0)  # type: ignore[dict-item]
+    assert checks.idle(lambda: False) == 30.0 and model.slots == []
+    checks.start()
+    assert 29.0 < checks.idle(lambda: False) <= 30.0 and model.slots == [], "not due yet: when it is"
+    checks.checked_at = time.monotonic() - 31.0
+    assert 29.0 < checks.idle(lambda: False) <= 30.0 and model.slots == [0], "checked, the next in 30 s"

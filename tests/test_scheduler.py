@@ -5,6 +5,7 @@ while others decode included, and a stream's prefill does not hold the others ba
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections import Counter
@@ -156,5 +157,28 @@ def test_the_idle_task_runs_once_a_spell_and_gives_way_to_work() -> None:
         while len(ran) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(ran) == 3 and scheduler.call(lambda: "still serving").result(timeout=10) == "still serving"
+    finally:
+        scheduler.stop()
+
+
+def test_an_idle_task_that_asks_again_runs_again_in_the_same_spell() -> None:
+    """An `on_idle` that returns seconds runs again after them while the device stays idle (a long-idle server still
+    checks its paths); one that returns None waits for the next spell."""
+    ran: list[float] = []
+
+    def idle(busy: Callable[[], bool]) -> float | None:
+        ran.append(time.monotonic())
+        return 0.05 if len(ran) < 3 else None
+
+    scheduler = Scheduler(engine=None, on_idle=idle, idle_after_s=0.05)  # type: ignore[arg-type]  # calls alone
+    scheduler.start()
+    try:
+        scheduler.call(lambda: None).result(timeout=10)
+        deadline = time.monotonic() + 10
+        while len(ran) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert len(ran) == 3, "twice more in the spell, then not before work"
+        assert all(b - a >= 0.04 for a, b in itertools.pairwise(ran)), "each after the seconds it asked"
     finally:
         scheduler.stop()

@@ -45,3 +45,15 @@ class PathChecks:
                 log.info("execution chosen again", model=name, why=why, execution=execution_line(model))
         self.cut = busy()
         return chosen
+
+    def idle(self, busy: Callable[[], bool]) -> float:
+        """The scheduler's `on_idle`: the checks due (`__call__`), then the seconds until the next is due, so that a
+        server idle for long checks every `every_s` too (a remembered choice is confirmed without waiting for
+        traffic). Before the server is warm (the spell right after the warm-up's call can come first), the
+        interval: the first check is due one interval after warm; after a check, an interval from its end (a
+        re-measure can take longer than the interval)."""
+        before = self.checked_at
+        self(busy)
+        if self.checked_at is None or self.checked_at != before:
+            return self.every_s
+        return self.every_s - (time.monotonic() - self.checked_at)

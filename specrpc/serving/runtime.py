@@ -203,7 +203,7 @@ class Runtime:
         self.path_checks = PathChecks(models, ec.recheck_s)
         self.scheduler = Scheduler(self.engine, batching=ec.batching == "on",
                                    stream_interval_s=config.server.stream_interval_ms / 1e3,
-                                   on_idle=self.path_checks if ec.recheck_s > 0 else None)
+                                   on_idle=self.path_checks.idle if ec.recheck_s > 0 else None)
         self.suffixes = SuffixStore()  # recent outputs per draft scope (the suffix source)
         self.stop_token_ids = self._stop_token_ids()
         file_sep = [self._special_id(n) for n in FILE_SEP_NAMES]

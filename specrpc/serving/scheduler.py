@@ -222,12 +222,14 @@ class Scheduler:
 
     def __init__(self, engine: Engine, on_step: Callable[[Job, StepResult, float], None] | None = None,
                  batching: bool = True, stream_interval_s: float = 0.0,
-                 on_idle: Callable[[Callable[[], bool]], object] | None = None, idle_after_s: float = 1.0) -> None:
+                 on_idle: Callable[[Callable[[], bool]], float | None] | None = None,
+                 idle_after_s: float = 1.0) -> None:
         """`batching`: one batched engine step for all jobs (`--batching on`), else round-robin.
         `stream_interval_s`: a job's reader is woken at most this often (its first chunk at once), unless the job
         brings its own (`Job.interval_s`). `on_idle(busy)`: run on the device thread once the device has had nothing
-        to do for `idle_after_s`, once per such spell (work done since makes another); it should give way as soon as
-        `busy()` says a job or a call waits."""
+        to do for `idle_after_s`, once per such spell (work done since makes another) unless it returns the seconds
+        after which it wants to run again in the same spell; it should give way as soon as `busy()` says a job or a
+        call waits."""
         self.engine = engine
         self.batching = batching
         self.stream_interval_s = stream_interval_s
@@ -332,9 +334,12 @@ class Scheduler:
         """`on_idle`, giving way to any job or call that comes (its failure logged: the thread goes on)."""
         assert self.on_idle is not None
         try:
-            self.on_idle(lambda: bool(self._incoming or self._calls or self._stop))
+            again = self.on_idle(lambda: bool(self._incoming or self._calls or self._stop))
         except Exception:
             log.exception("idle task failed")
+            return
+        if again is not None:  # a later call in this spell (work coming first sets its own time)
+            self._idle_at = time.monotonic() + max(0.0, again)
 
     def _take_work(self) -> tuple[list[tuple[Callable[[], Any], Future[Any]]] | None, list[Job]]:
         """(Holding `_wake`.) The calls to run and the jobs to step; calls None once stopped with nothing left."""
