@@ -194,13 +194,14 @@ class Runtime:
         self.target_info = checkpoint_info(ec.target, self.target, self.dtype, ec.weights)
         self.draft_info = (checkpoint_info(ec.draft, self.draft, self.dtype, ec.weights) if self.draft is not None
                            else None)
-        models = {name: model for name, model in (("target", self.target), ("draft", self.draft)) if model is not None}
+        self.models = {name: model for name, model in (("target", self.target), ("draft", self.draft))
+                       if model is not None}  # those loaded, by role
         log.info("execution", deterministic=ec.deterministic,
-                 **{name: execution_line(model) for name, model in models.items()},
-                 chosen={name: model.chosen for name, model in models.items() if model.chosen})
+                 **{name: execution_line(model) for name, model in self.models.items()},
+                 chosen={name: model.chosen for name, model in self.models.items() if model.chosen})
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
-        self.path_checks = PathChecks(models, ec.recheck_s)
+        self.path_checks = PathChecks(self.models, ec.recheck_s)
         self.scheduler = Scheduler(self.engine, batching=ec.batching == "on",
                                    stream_interval_s=config.server.stream_interval_ms / 1e3,
                                    on_idle=self.path_checks.idle if ec.recheck_s > 0 else None)
@@ -266,9 +267,8 @@ class Runtime:
         start; every slot's policy seeded from them."""
         memo = self._costs_memo()
         entry = memo.recall() if memo is not None else None
-        models = [m for m in (self.target, self.draft) if m is not None]
-        costs = (self.engine.recall_costs(entry) if entry is not None and all(m.remembered for m in models)
-                 else None)
+        remembered = all(m.remembered for m in self.models.values())
+        costs = self.engine.recall_costs(entry) if entry is not None and remembered else None
         self.costs_chosen = "remembered" if costs is not None else "measured"
         if costs is None:
             costs = self.engine.calibrate()
@@ -285,8 +285,7 @@ class Runtime:
         machine (`Memo`), where every model keeps its paths' choice (`CausalLM.remembered` not None): costs are taken
         back only over paths taken back. None where nothing is kept (`--no-remember-execution`, no native step)."""
         ec = self.config.engine
-        models = [m for m in (self.target, self.draft) if m is not None]
-        if not ec.remember_execution or any(m.remembered is None for m in models):
+        if not ec.remember_execution or any(m.remembered is None for m in self.models.values()):
             return None
         draft = checkpoint_identity(Path(ec.draft)) if self.draft is not None else []
         return Memo.for_model(Path(ec.target), {"engine": dataclasses.asdict(ec), "draft": draft},

@@ -84,7 +84,8 @@ class CostModel(Refined):
 
     @classmethod
     def from_entry(cls, entry: Mapping[str, Any]) -> CostModel:
-        """The costs `entry()` gave (KeyError, TypeError or ValueError where `entry` holds no such figures)."""
+        """The costs `entry()` gave (KeyError, TypeError, ValueError or AttributeError where `entry` holds no such
+        figures)."""
         return cls(target_step_s=float(entry["target_step_s"]), draft_step_s=float(entry["draft_step_s"]),
                    draft_prefill_s=float(entry["draft_prefill_s"]),
                    verify_s={int(n): float(s) for n, s in entry["verify_s"].items()},

@@ -162,7 +162,7 @@ class LlamaLM:
                 "device": str(device), "dtype": str(dtype), "slots": num_slots, "context": max_context,
                 "int8_decode": int8_decode, "int8_weights": int8_weights, "bf16_weights": bf16_weights,
                 "deterministic": deterministic})
-            lm.remembered = False
+            lm.remembered = None if lm.memo is None else False
         if deterministic:
             lm.use_native(deterministic=True)
             return lm
