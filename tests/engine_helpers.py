@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from specrpc.engine.engine import Engine
@@ -45,3 +47,16 @@ def requires_native(wanted: bool = True) -> None:
 
     if wanted and native.library() is None:
         pytest.skip("the native decode step could not be built here (no C++ compiler)")
+
+
+def counted_calls(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list[int]:
+    """A list that grows by one at every call of the method `owner.name` (patched for the test, still run)."""
+    calls: list[int] = []
+    method = getattr(owner, name)
+
+    def counted(self: object, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return method(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls

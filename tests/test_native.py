@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import requires_native
+from engine_helpers import counted_calls, requires_native
 
 from specrpc import native
 from specrpc.config import ASSETS
@@ -320,15 +320,7 @@ def remembered_model(path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[]
 
 def counting_calibrations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one at every prefetch calibration (the first measurement of a choice at load)."""
-    calls: list[int] = []
-    calibrate = native_step.NativeStep.calibrate_prefetch
-
-    def counted(self: native_step.NativeStep, *args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return calibrate(self, *args, **kwargs)
-
-    monkeypatch.setattr(native_step.NativeStep, "calibrate_prefetch", counted)
-    return calls
+    return counted_calls(monkeypatch, native_step.NativeStep, "calibrate_prefetch")
 
 
 @pytest.mark.usefixtures("one_thread")

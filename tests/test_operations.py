@@ -17,13 +17,13 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import grpc
 import httpx2
 import pytest
 from conftest import free_port
 from conftest import test_config as make_config
+from engine_helpers import counted_calls
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -153,14 +153,7 @@ def test_a_restart_takes_the_step_costs_it_kept_over_the_paths_it_kept(tmp_path:
     # the cores, so each check's tolerance is widened past its bursts; a tenth is still off.
     monkeypatch.setattr(llama_lm, "Drift", functools.partial(Drift, tolerance=4.0))
     monkeypatch.setattr(engine_module, "Drift", functools.partial(Drift, tolerance=4.0))
-    calibrations: list[int] = []
-    calibrate = engine_module.Engine.calibrate
-
-    def counted(self: engine_module.Engine, *args: Any, **kwargs: Any) -> CostModel:
-        calibrations.append(1)
-        return calibrate(self, *args, **kwargs)
-
-    monkeypatch.setattr(engine_module.Engine, "calibrate", counted)
+    calibrations = counted_calls(monkeypatch, engine_module.Engine, "calibrate")
     config = make_config()
     config = replace(config, engine=replace(config.engine, max_sessions=1, max_context=128, remember_execution=True))
 
