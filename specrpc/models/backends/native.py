@@ -79,10 +79,13 @@ PREFETCH_AHEAD = 2048
 """Bytes ahead of the column a product reads that its prefetches ask for until `calibrate_prefetch` has measured the
 distances (`PREFETCH_DISTANCES`), and what the mode "none" leaves in the struct."""
 
-PREFETCH_DISTANCES = (256, PREFETCH_AHEAD, 8192)
+PREFETCH_DISTANCES = (256, PREFETCH_AHEAD, 8192, 32768)
 """The distances `calibrate_prefetch` times with each prefetching mode. No distance wins everywhere: on a 2-core Intel
 Xeon (one thread, the shipped target) 8192 was up to 20 % slower than 2048; on a 2-core AMD EPYC (Zen 3) it made the
-int8 target's one-token step 7 % faster and 256 the float32 one's 4-6 % (`Model.prefetch_ahead`)."""
+int8 target's one-token step 7 % faster and 256 the float32 one's 4-6 %; on a Zen 4, whose virtualised L3 holds less
+than the int8 target's 25 MB, a verify of 5 tokens (two panels a pass, few streams to keep in flight) took 0.77 ms
+at 32768 against 0.81-0.95 at the others and 0.47 at one token, and calibration chose it in 3 of 3 starts
+(`Model.prefetch_ahead`)."""
 
 
 def setting_label(mode: str, ahead: int) -> str:
@@ -248,7 +251,8 @@ class NativeStep:
         (`prefetch_one`, `ahead_one`, `prefetch_many`, `ahead_many`): whether to read the weights past the caches,
         and how far ahead, depends on the CPU's caches and prefetchers and the model, and no byte count knows them.
         Writes K/V at positions below context + `VERIFY_TOKENS` of `slot`, which the caller holds empty. `repeats`
-        rounds of the 7 settings (a start-up cost: 0.41-0.45 s for the shipped float32 target on a 2-core AMD EPYC).
+        rounds of the 9 settings (a start-up cost on a 2-core AMD EPYC, Zen 4: 0.73-0.78 s for the shipped float32
+        target, 0.14-0.15 s at int8).
         Returns those seconds per shape and setting (`setting_label`; empty where the cache has no room to measure,
         the guess kept)."""
         context = min(context, self.model.capacity - VERIFY_TOKENS)
