@@ -736,12 +736,15 @@ static inline void norm_input(const Model* m, const float* x, const float* __res
     if (quantizes(product)) quantize_cols(m, h, m->d, t, 0, m->d);
 }
 
-// rope(x) at one position, in place, for one head of dh values.
+// rope(x) at one position, in place, for one head of dh values: x[i] c[i] + x[partner] s[i], the partner half a head
+// away, rounded as one fused multiply-add of the product with s. Two loops (first half, second half) without a
+// division, so both vectorise.
 static inline void rope(float* __restrict x, const float* __restrict c, const float* __restrict s, int64_t dh) {
     const int64_t half = dh / 2;
     float tmp[1024];
     for (int64_t i = 0; i < dh; ++i) tmp[i] = x[i];
-    for (int64_t i = 0; i < dh; ++i) x[i] = tmp[i] * c[i] + tmp[(i + half) % dh] * s[i];
+    for (int64_t i = 0; i < half; ++i) x[i] = std::fma(tmp[i], c[i], tmp[i + half] * s[i]);
+    for (int64_t i = half; i < dh; ++i) x[i] = std::fma(tmp[i], c[i], tmp[i - half] * s[i]);
 }
 
 // exp(x) lane by lane for x <= 0 (a softmax's shifted scores), within 2 ulp: x = n ln 2 + r, |r| <= ln 2 / 2,
