@@ -737,8 +737,8 @@ static inline void norm_input(const Model* m, const float* x, const float* __res
 }
 
 // rope(x) at one position, in place, for one head of dh values: x[i] c[i] + x[partner] s[i], the partner half a head
-// away, rounded as one fused multiply-add of the product with s. Two loops (first half, second half) without a
-// division, so both vectorise.
+// away; the product with s rounded first, then one fused multiply-add. Two loops (first half, second half) with no
+// division in them, so both vectorise.
 static inline void rope(float* __restrict x, const float* __restrict c, const float* __restrict s, int64_t dh) {
     const int64_t half = dh / 2;
     float tmp[1024];
