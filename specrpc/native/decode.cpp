@@ -838,6 +838,35 @@ static inline v16 dots16(const float* __restrict q, const float* __restrict k, i
     return reduce16(a);
 }
 
+// `dots16<true, DC>` for two queries at once: each key chunk loaded once for both, every score summed in the same
+// order as there (each lane's chain over the DC chunks from zero, then `reduce16`), so the same bits.
+template <int DC>
+static inline void dots16_pair(const float* __restrict q0, const float* __restrict q1, const float* __restrict k,
+                               v16& e0, v16& e1) {
+    constexpr int KEYS = REGS == 32 ? 8 : 2;  // key rows a pass: 2 KEYS sums, two query chunks and a key chunk
+    v16 a0[16], a1[16];
+#pragma GCC unroll 2
+    for (int i0 = 0; i0 < 16; i0 += KEYS) {
+        v16 g0[KEYS], g1[KEYS];
+#pragma GCC unroll 8
+        for (int i = 0; i < KEYS; ++i) g0[i] = g1[i] = v16{};
+#pragma GCC unroll 8
+        for (int c = 0; c < DC; ++c) {
+            const v16 qa = load16(q0 + 16 * c), qb = load16(q1 + 16 * c);
+#pragma GCC unroll 8
+            for (int i = 0; i < KEYS; ++i) {
+                const v16 kr = load16(k + (i0 + i) * DC * 16 + 16 * c);
+                g0[i] = fma16(qa, kr, g0[i]);
+                g1[i] = fma16(qb, kr, g1[i]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < KEYS; ++i) a0[i0 + i] = g0[i], a1[i0 + i] = g1[i];
+    }
+    e0 = reduce16(a0);
+    e1 = reduce16(a1);
+}
+
 // Whether the 16 positions from p0 all lie in [lo, hi).
 static inline bool full_block(int64_t p0, int64_t lo, int64_t hi) { return p0 >= lo && p0 + 16 <= hi; }
 
@@ -991,7 +1020,17 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
     for (int64_t p0 = lo_all / 16 * 16; p0 < hi_all; p0 += 16) {  // scores, 16 key rows at a time for all queries
         // (the block read from memory by the first query, from L1 by the rest)
         const int64_t first = lo_all - p0 > 0 ? lo_all - p0 : 0, count = hi_all - p0 < 16 ? hi_all - p0 : 16;
-        for (int64_t j = 0; j < n; ++j) {
+        int64_t j = 0;
+        if (first == 0 && count == 16 && (dh == 64 || dh == 128))  // pairs of queries that attend the whole block
+            for (; j + 1 < n && full_block(p0, lo[j], hi[j]) && full_block(p0, lo[j + 1], hi[j + 1]); j += 2) {
+                v16 e0, e1;
+                if (dh == 64) dots16_pair<4>(q[j], q[j + 1], kh + p0 * dh, e0, e1);
+                else dots16_pair<8>(q[j], q[j + 1], kh + p0 * dh, e0, e1);
+                e0 = e0 * splat(scale), e1 = e1 * splat(scale);
+                std::memcpy(sc[j] + p0, &e0, sizeof e0);
+                std::memcpy(sc[j + 1] + p0, &e1, sizeof e1);
+            }
+        for (; j < n; ++j) {
             if (p0 + 16 <= lo[j] || p0 >= hi[j]) continue;
             const v16 e = (first != 0 || count != 16 ? dots16<false>(q[j], kh + p0 * dh, dh, first, count)
                            : dh == 64                ? dots16<true, 4>(q[j], kh + p0 * dh, dh, 0, 16)
