@@ -790,32 +790,55 @@ static inline void silu_gate(float* row, int64_t ffn, int64_t i0, int64_t n) {
     std::memcpy(row + i0, &y, n * sizeof(float));
 }
 
+// The scores of NQ queries q[0 .. NQ - 1] against a whole block of 16 key rows at `k`, dh = 16 DC known when compiled
+// (64 and 128, the common head sizes: each key row is one base address plus a constant, where 16 row addresses of a
+// run-time stride spilled the general-purpose registers in the inner loop), into e[0 .. NQ - 1]: each key chunk
+// loaded once for the NQ queries, each score the 16-lane products over the DC chunks in order from zero, summed by
+// `reduce16`, so a query's scores are the same bits whatever else shares the call.
+template <int NQ, int DC>
+static inline void dots16_full(const float* const* q, const float* __restrict k, v16* e) {
+    constexpr int KEYS = (REGS == 32 ? 16 : 4) / NQ;  // key rows whose NQ sums the registers hold at once
+    v16 a[NQ][16];
+#pragma GCC unroll 4
+    for (int i0 = 0; i0 < 16; i0 += KEYS) {
+        v16 g[NQ][KEYS];
+#pragma GCC unroll 2
+        for (int n = 0; n < NQ; ++n)
+#pragma GCC unroll 16
+            for (int i = 0; i < KEYS; ++i) g[n][i] = v16{};
+#pragma GCC unroll 8
+        for (int c = 0; c < DC; ++c) {
+            v16 qd[NQ];
+#pragma GCC unroll 2
+            for (int n = 0; n < NQ; ++n) qd[n] = load16(q[n] + 16 * c);
+#pragma GCC unroll 16
+            for (int i = 0; i < KEYS; ++i) {
+                const v16 kr = load16(k + (i0 + i) * DC * 16 + 16 * c);
+#pragma GCC unroll 2
+                for (int n = 0; n < NQ; ++n) g[n][i] = fma16(qd[n], kr, g[n][i]);
+            }
+        }
+#pragma GCC unroll 2
+        for (int n = 0; n < NQ; ++n)
+#pragma GCC unroll 16
+            for (int i = 0; i < KEYS; ++i) a[n][i0 + i] = g[n][i];
+    }
+#pragma GCC unroll 2
+    for (int n = 0; n < NQ; ++n) e[n] = reduce16(a[n]);
+}
+
 // q . k[i] for the key rows i in [first, count) of a block of 16 at `k` (stride dh; the other lanes are 0): each the
 // 16-lane products over dh in 16-column chunks in order (the last chunk zero-padded), summed by `reduce16`. A row's
-// score is the same bits whichever rows share its block. FULL: first = 0 and count = 16 (unrolled, in registers).
-// DC > 0: dh = 16 DC, known when compiled, so each key row is one base address plus a constant (64 and 128, the common
-// head sizes: 16 row addresses of a run-time stride spilled the general-purpose registers in the inner loop).
+// score is the same bits whichever rows share its block. FULL: first = 0 and count = 16 (unrolled, in registers);
+// with DC > 0 (dh = 16 DC), `dots16_full` for this query alone.
 template <bool FULL, int DC = 0>
 static inline v16 dots16(const float* __restrict q, const float* __restrict k, int64_t dh, int64_t first,
                          int64_t count) {
     if constexpr (FULL && DC > 0) {
-        constexpr int KEYS = REGS == 32 ? 16 : 4;  // key rows whose sums the registers hold at once (AVX2: 4 of 16)
-        v16 a[16];
-#pragma GCC unroll 4
-        for (int i0 = 0; i0 < 16; i0 += KEYS) {
-            v16 g[KEYS];
-#pragma GCC unroll 16
-            for (int i = 0; i < KEYS; ++i) g[i] = v16{};
-#pragma GCC unroll 8
-            for (int c = 0; c < DC; ++c) {
-                const v16 qd = load16(q + 16 * c);
-#pragma GCC unroll 16
-                for (int i = 0; i < KEYS; ++i) g[i] = fma16(qd, load16(k + (i0 + i) * DC * 16 + 16 * c), g[i]);
-            }
-#pragma GCC unroll 16
-            for (int i = 0; i < KEYS; ++i) a[i0 + i] = g[i];
-        }
-        return reduce16(a);
+        const float* const one[1] = {q};
+        v16 e;
+        dots16_full<1, DC>(one, k, &e);
+        return e;
     }
     if (FULL) first = 0, count = 16;
     v16 a[16];
@@ -836,35 +859,6 @@ static inline v16 dots16(const float* __restrict q, const float* __restrict k, i
         }
     }
     return reduce16(a);
-}
-
-// `dots16<true, DC>` for two queries at once: each key chunk loaded once for both, every score summed in the same
-// order as there (each lane's chain over the DC chunks from zero, then `reduce16`), so the same bits.
-template <int DC>
-static inline void dots16_pair(const float* __restrict q0, const float* __restrict q1, const float* __restrict k,
-                               v16& e0, v16& e1) {
-    constexpr int KEYS = REGS == 32 ? 8 : 2;  // key rows a pass: 2 KEYS sums, two query chunks and a key chunk
-    v16 a0[16], a1[16];
-#pragma GCC unroll 2
-    for (int i0 = 0; i0 < 16; i0 += KEYS) {
-        v16 g0[KEYS], g1[KEYS];
-#pragma GCC unroll 8
-        for (int i = 0; i < KEYS; ++i) g0[i] = g1[i] = v16{};
-#pragma GCC unroll 8
-        for (int c = 0; c < DC; ++c) {
-            const v16 qa = load16(q0 + 16 * c), qb = load16(q1 + 16 * c);
-#pragma GCC unroll 8
-            for (int i = 0; i < KEYS; ++i) {
-                const v16 kr = load16(k + (i0 + i) * DC * 16 + 16 * c);
-                g0[i] = fma16(qa, kr, g0[i]);
-                g1[i] = fma16(qb, kr, g1[i]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < KEYS; ++i) a0[i0 + i] = g0[i], a1[i0 + i] = g1[i];
-    }
-    e0 = reduce16(a0);
-    e1 = reduce16(a1);
 }
 
 // Whether the 16 positions from p0 all lie in [lo, hi).
@@ -1023,12 +1017,13 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
         int64_t j = 0;
         if (first == 0 && count == 16 && (dh == 64 || dh == 128))  // pairs of queries that attend the whole block
             for (; j + 1 < n && full_block(p0, lo[j], hi[j]) && full_block(p0, lo[j + 1], hi[j + 1]); j += 2) {
-                v16 e0, e1;
-                if (dh == 64) dots16_pair<4>(q[j], q[j + 1], kh + p0 * dh, e0, e1);
-                else dots16_pair<8>(q[j], q[j + 1], kh + p0 * dh, e0, e1);
-                e0 = e0 * splat(scale), e1 = e1 * splat(scale);
-                std::memcpy(sc[j] + p0, &e0, sizeof e0);
-                std::memcpy(sc[j + 1] + p0, &e1, sizeof e1);
+                v16 e[2];
+                if (dh == 64) dots16_full<2, 4>(q + j, kh + p0 * dh, e);
+                else dots16_full<2, 8>(q + j, kh + p0 * dh, e);
+                for (int i = 0; i < 2; ++i) {
+                    e[i] = e[i] * splat(scale);
+                    std::memcpy(sc[j + i] + p0, &e[i], sizeof e[i]);
+                }
             }
         for (; j < n; ++j) {
             if (p0 + 16 <= lo[j] || p0 >= hi[j]) continue;
