@@ -1,12 +1,12 @@
-"""What a model's start-up measurements chose (`LlamaLM.use_native`: the native step's settings, the forwards it
-takes, torch's one-token path), and the step costs the engine measured over them (`Runtime`), kept on this machine
-for its next start. A start with the same key (the checkpoint's
-files, the load settings, the native library's sources, flags and CPU, the CPU's name, torch's version and threads)
-takes the remembered choice after one check, a one-token forward within `Drift`'s tolerance of its time when the
-choice was made, instead of measuring every shape again (loading the shipped pair: 0.61 s instead of 7.62, median
-of five starts each on a 2-core AMD EPYC Zen 3 at two threads, `tools/start_cost.py`). A check that is off, a
-changed key or an unreadable file: measured as at a first start, and the new choice kept. One JSON file a key under
-the native library's cache directory, written whole (`os.replace`), so concurrent starts never read half a file."""
+"""What a model's start-up measurements chose (`LlamaLM.use_native`: the native step's settings, the forwards it takes,
+torch's one-token path), and the step costs the engine measured over them (`Runtime`), kept on this machine for its
+next start. A start with the same key (the checkpoint's files, the load settings, the native library's sources, flags
+and CPU, the CPU's name, torch's version and threads) takes the remembered choice after one check, a one-token
+forward within `Drift`'s tolerance of its time when the choice was made, instead of measuring every shape again
+(loading the shipped pair: 0.61 s instead of 7.62, median of five starts each on a 2-core AMD EPYC Zen 3 at two
+threads, `tools/start_cost.py`). A check that is off, a changed key or an unreadable file: measured as at a first
+start, and the new choice kept. One JSON file a key under the native library's cache directory, written whole
+(`os.replace`), so concurrent starts never read half a file."""
 
 from __future__ import annotations
 

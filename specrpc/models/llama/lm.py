@@ -364,8 +364,8 @@ class LlamaLM:
         """Between requests: time a one-token forward through the paths chosen at load, on `slot` borrowed (what it
         caches is put back), and where it has drifted from its time right after the choice (`Drift`), or the choice
         was remembered from an earlier start (`_recall`), measure the native step's settings and the shapes it runs
-        again, as `use_native` does at load (but for torch's own
-        one-token path: a dropped float copy is not rebuilt). Stops as soon as `busy()` says a request waits
+        again, as `use_native` does at load (but for torch's own one-token path: a dropped float copy is not
+        rebuilt). Stops as soon as `busy()` says a request waits
         (`interruptible`), the settings the phase under way was timing put back; the next call goes on from that
         phase, so a re-measure gets through in gaps shorter than itself. Returns why the choice was made again (the
         drift) once it is complete, empty otherwise."""
