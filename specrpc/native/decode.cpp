@@ -571,13 +571,13 @@ static int amx_permitted() {
 
 static bool amx_ready = false;  // set by specrpc_amx_enable
 
-// y = x W^T for int8 W through AMX, T <= 16 tokens (their activations quantized in the model's xq / xs / xsum, as for
-// `gemm_dot`): the panels split across the threads as `tiles` splits them, AMX_PANELS at a time, all T tokens at
-// once; per block of 32 columns one TDPBSUD a panel, its int32 sums [T, 16] then scaled and accumulated in float as
-// `panels_q` accumulates them. Call inside the parallel region; it ends in a barrier.
+// y = x W^T for int8 W through AMX, for tokens t0 .. t0 + T - 1, T <= 16 (their activations quantized in the model's
+// xq / xs / xsum, as for `gemm_dot`): the panels split across the threads as `tiles` splits them, AMX_PANELS at a
+// time, all T tokens at once; per block of 32 columns one TDPBSUD a panel, its int32 sums [T, 16] then scaled and
+// accumulated in float as `panels_q` accumulates them. Call inside the parallel region; it ends in a barrier.
 template <int PF>
 SPECRPC_AMX_TARGET static void gemm_amx(const Model* m, Weight w, const float* __restrict b, float* __restrict y,
-                                        int64_t T, int64_t rows, int64_t cols, bool add) {
+                                        int64_t t0, int64_t T, int64_t rows, int64_t cols, bool add) {
     const int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, groups = kq / INT8_GROUP, nb = kq / QBLOCK;
     constexpr int64_t per_block = QBLOCK / INT8_GROUP;  // a block's groups: B's rows
     constexpr int64_t panel_block = per_block * LANES * INT8_GROUP;  // a block's bytes of one panel (512)
@@ -604,7 +604,7 @@ SPECRPC_AMX_TARGET static void gemm_amx(const Model* m, Weight w, const float* _
                 for (int r = 0; r < here; ++r)
                     for (int64_t i = 0; i < panel_block; i += 64)
                         prefetch<PF>(panel + r * panel_bytes + blk * panel_block + i + ahead);
-            tile_load<AMX_PANELS>(m->xq + blk * QBLOCK, kq);  // A: the tokens' int8 activations of the block
+            tile_load<AMX_PANELS>(m->xq + t0 * kq + blk * QBLOCK, kq);  // A: the tokens' int8 activations of the block
             tile_zero<0>();
             tile_load<AMX_PANELS + 1>(panel + blk * panel_block, LANES * INT8_GROUP);
             tile_dpbsud<0, AMX_PANELS, AMX_PANELS + 1>();
@@ -622,8 +622,8 @@ SPECRPC_AMX_TARGET static void gemm_amx(const Model* m, Weight w, const float* _
             if (here > 1) tile_store<1>(sums[1], LANES * 4);
             if (here > 2) tile_store<2>(sums[2], LANES * 4);
             for (int64_t t = 0; t < T; ++t) {
-                const __m512i offset = _mm512_set1_epi32(-128 * m->xsum[t * nb + blk]);
-                const __m512 sx = _mm512_set1_ps(m->xs[t * nb + blk]);
+                const __m512i offset = _mm512_set1_epi32(-128 * m->xsum[(t0 + t) * nb + blk]);
+                const __m512 sx = _mm512_set1_ps(m->xs[(t0 + t) * nb + blk]);
                 for (int r = 0; r < here; ++r) {
                     const __m512i acc = _mm512_add_epi32(_mm512_load_si512(sums[r][t]), offset);
                     facc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sx, facc[r][t]);
@@ -635,7 +635,7 @@ SPECRPC_AMX_TARGET static void gemm_amx(const Model* m, Weight w, const float* _
             for (int64_t t = 0; t < T; ++t) {
                 float v[LANES];
                 _mm512_storeu_ps(v, facc[r][t]);
-                float* out = y + t * rows + n;
+                float* out = y + (t0 + t) * rows + n;
                 for (int64_t j = 0; j < valid; ++j) {
                     const float value = v[j] * w.scale[n + j] + (b ? b[n + j] : 0.0f);
                     out[j] = add ? out[j] + value : value;
@@ -653,8 +653,10 @@ template <int PF>
 static inline void gemm_q(const Model* m, Weight w, const float* __restrict b, float* __restrict y, int64_t T,
                           int64_t rows, int64_t cols, bool add) {
 #if SPECRPC_AMX
-    if (amx_ready && m->amx_from > 0 && T >= m->amx_from && T <= 16)
-        return gemm_amx<PF>(m, w, b, y, T, rows, cols, add);
+    if (amx_ready && m->amx_from > 0 && T >= m->amx_from) {  // the tiles take 16 tokens at a time
+        for (int64_t t0 = 0; t0 < T; t0 += 16) gemm_amx<PF>(m, w, b, y, t0, T - t0 < 16 ? T - t0 : 16, rows, cols, add);
+        return;
+    }
 #endif
     gemm_dot<PF>(m, w, b, y, T, rows, cols, add);
 }
@@ -1167,10 +1169,11 @@ extern "C" int specrpc_amx_enable() {
 #endif
 }
 
-// A check of the AMX products against VNNI's on made-up weights and activations, for 1 .. 16 tokens on `threads`
-// threads, with rows that do not fill a panel and a bias: 0 where every output is the same bits, the first token count
-// that differs otherwise, -1 where AMX cannot run here. Run by `python -m specrpc.native --amx-check` in a process of
-// its own before a server relies on the tiles (a fault there costs that process, not the server).
+// A check of the AMX products against VNNI's on made-up weights and activations, for 1 .. 40 tokens (more than 16 take
+// the tiles 16 tokens at a time) on `threads` threads, with rows that do not fill a panel and a bias: 0 where every
+// output is the same bits, the first token count that differs otherwise, -1 where AMX cannot run here. Run by `python
+// -m specrpc.native --amx-check` in a process of its own before a server relies on the tiles (a fault there costs that
+// process, not the server).
 extern "C" int specrpc_amx_check(int threads) {
 #if SPECRPC_AMX && defined(__AVX512VNNI__) && defined(__AVX512F__)
     if (specrpc_amx_enable() != 1) return -1;
@@ -1178,14 +1181,15 @@ extern "C" int specrpc_amx_check(int threads) {
     constexpr int64_t kq = (cols + QBLOCK - 1) / QBLOCK * QBLOCK, nb = kq / QBLOCK;
     constexpr int64_t n_panels = (rows + LANES - 1) / LANES;
     static uint8_t w[n_panels * kq * LANES];
-    static float scale[rows], bias[rows], y_vnni[16 * rows], y_amx[16 * rows], xs[16 * nb];
-    static int8_t xq[16 * kq];
-    static int32_t xsum[16 * nb];
+    constexpr int64_t most = 40;
+    static float scale[rows], bias[rows], y_vnni[most * rows], y_amx[most * rows], xs[most * nb];
+    static int8_t xq[most * kq];
+    static int32_t xsum[most * nb];
     uint32_t state = 12345;
     auto next = [&state]() { return state = state * 1664525u + 1013904223u; };
     for (auto& v : w) v = static_cast<uint8_t>(next() >> 24);
     for (int64_t n = 0; n < rows; ++n) scale[n] = 1e-3f * (1 + next() % 97), bias[n] = 1e-2f * (int(next() % 41) - 20);
-    for (int64_t t = 0; t < 16; ++t) {
+    for (int64_t t = 0; t < most; ++t) {
         for (int64_t k = 0; k < kq; ++k) xq[t * kq + k] = k < cols ? static_cast<int8_t>(next() >> 24) : 0;
         for (int64_t blk = 0; blk < nb; ++blk) {
             xs[t * nb + blk] = 1e-2f * (1 + next() % 89);
@@ -1197,7 +1201,7 @@ extern "C" int specrpc_amx_check(int threads) {
     Model m{};
     m.xq = xq, m.xs = xs, m.xsum = xsum, m.kq = kq;
     const Weight weight{w, scale};
-    for (int64_t T = 1; T <= 16; ++T) {
+    for (int64_t T = 1; T <= most; ++T) {
         for (int64_t i = 0; i < T * rows; ++i) y_vnni[i] = y_amx[i] = 0.5f * i;  // `add` onto the same values
         m.amx_from = 0;
 #pragma omp parallel num_threads(threads)
