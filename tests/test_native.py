@@ -136,21 +136,22 @@ def test_int8_and_deterministic_prompts_and_wide_batches_run_native_as_decoding_
     lm = load_model(ASSETS / "target", device=cpu, dtype=torch.float32, num_slots=3, max_context=128,
                     int8_weights=mode == "int8", native_decode=True, deterministic=mode == "deterministic")
     assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native.int8 == (mode == "int8")
-    ids = torch.tensor([(i * 7919) % 4000 for i in range(60)])
-    prompt = lm.forward(ids[:40], 0, 0, num_logits=3)  # [3, V]: 40 tokens, native chunks of 16
+    n = native_step.MAX_TOKENS + 30  # a prompt longer than one native forward takes
+    ids = torch.tensor([(i * 7919) % 4000 for i in range(n + 20)])
+    prompt = lm.forward(ids[:n], 0, 0, num_logits=3)  # [3, V]: native chunks (torch in float32)
     lm.truncate(0, 0)
-    alone = torch.cat([lm.forward(ids[t : t + 1], t, 0) for t in range(40)])  # [40, V]
+    alone = torch.cat([lm.forward(ids[t : t + 1], t, 0) for t in range(n)])  # [n, V]
     if mode == "float32":
-        assert not torch.equal(prompt, alone[-3:])  # 40 tokens through torch: another reduction order
+        assert not torch.equal(prompt, alone[-3:])  # through torch: another reduction order
         return
     assert torch.equal(prompt, alone[-3:])
-    lm.forward(ids[:30], 0, 1)
-    lm.truncate(0, 37)
-    rows = [BatchRow(ids[37:40], 37, 0, 3), BatchRow(ids[30:50], 30, 1, 2), BatchRow(ids[:1], 0, 2, 1)]
-    batched = lm.forward_batch(rows)  # 24 tokens: a verify, a 20-token prefill chunk and a first token
-    assert torch.equal(batched[0], alone[37:40])
-    lm.truncate(1, 30)
-    assert torch.equal(batched[1], torch.cat([lm.forward(ids[t : t + 1], t, 1) for t in range(30, 50)])[-2:])
+    lm.forward(ids[:10], 0, 1)
+    lm.truncate(0, n - 3)
+    rows = [BatchRow(ids[n - 3 : n], n - 3, 0, 3), BatchRow(ids[10 : n - 2], 10, 1, 2), BatchRow(ids[:1], 0, 2, 1)]
+    batched = lm.forward_batch(rows)  # more than one native forward takes: a verify, a prefill chunk, a first token
+    assert torch.equal(batched[0], alone[-3:])
+    lm.truncate(1, 10)
+    assert torch.equal(batched[1], torch.cat([lm.forward(ids[t : t + 1], t, 1) for t in range(10, n - 2)])[-2:])
     lm.truncate(2, 0)
     assert torch.equal(batched[2], lm.forward(ids[:1], 0, 2))
 
@@ -522,7 +523,7 @@ def test_a_stalled_torch_forward_is_chosen_at_no_count(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(eager, "run", run)
     lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
-                    max_context=64, native_decode=True)
+                    max_context=native_step.MAX_TOKENS + 2, native_decode=True)  # room to compare every count
     assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native_rows == native_step.MAX_TOKENS
 
 
@@ -571,7 +572,7 @@ step = lm.native
 assert step.model.amx_from == 0, step.model.amx_from  # emulated tiles are far slower: never chosen
 ids = torch.tensor([(i * 7919) % 4000 for i in range(96)])
 step.run_chunks(ids[:40], 0, 0)
-for count in range(1, 17):
+for count in (*range(1, 17), 24, 40):  # more than 16 tokens: the tiles 16 at a time
     vnni_amx = []
     for amx_from in (0, 1, 2):
         step.model.amx_from = amx_from
@@ -590,9 +591,9 @@ print("ok")
 
 def test_amx_products_give_the_vnni_bits_and_a_slower_path_is_never_chosen(tmp_path: Path) -> None:
     """The int8 products on AMX tiles (the tile instructions emulated by SPECRPC_AMX_EMULATE, so any CPU with VNNI
-    runs them) give every logit of a decode step, verifies of 2-16 tokens, a batch of rows on three slots and a
-    prompt's chunks the same bits as VNNI's: the C self-check passes in its own process, and `calibrate_amx` keeps the
-    emulated tiles (far slower) off at every width."""
+    runs them) give every logit of a decode step, forwards of 2-16, 24 and 40 tokens, a batch of rows on three slots
+    and a prompt's chunks the same bits as VNNI's: the C self-check passes in its own process, and `calibrate_amx`
+    keeps the emulated tiles (far slower) off at every width."""
     requires_native()
     lib = native.library()
     assert lib is not None

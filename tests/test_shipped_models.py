@@ -13,6 +13,7 @@ from specrpc.engine.engine import Engine
 from specrpc.engine.generation import GenerationRequest
 from specrpc.engine.sampling import SamplingParams
 from specrpc.models import load_model, load_tokenizer
+from specrpc.models.backends import native as native_step
 from specrpc.models.llama import LlamaLM, bf16_available, int8_available
 from specrpc.models.tokenizer_check import check_tokenizers_match
 
@@ -152,7 +153,8 @@ def test_deterministic_greedy_is_identical_across_draft_lengths_and_batchmates()
     target = load_model(TARGET, device=cpu, dtype=f32, num_slots=4, max_context=512 + 9, native_decode=True,
                         deterministic=True)
     draft = load_model(DRAFT, device=cpu, dtype=f32, num_slots=4, max_context=512 + 9, native_decode=True)
-    assert isinstance(target, LlamaLM) and target.deterministic and target.execution()[-1] == ("17+",
+    wider = f"{native_step.MAX_TOKENS + 1}+"
+    assert isinstance(target, LlamaLM) and target.deterministic and target.execution()[-1] == (wider,
                                                                                                "native in chunks")
     engine = Engine(target, draft, EngineConfig(max_sessions=4, max_context=512, max_draft_tokens=8))
     tok = load_tokenizer(TARGET)

@@ -32,6 +32,11 @@ ROWS_PIECE = 2
 """Token counts a piece of the native-against-torch comparison takes (`LlamaLM._row_phases`): up to 0.53 s for the
 shipped float32 target on a 2-core AMD EPYC Zen 3 (15 and 16 tokens), so that a re-measure between requests
 (`LlamaLM.recheck`) gets through gaps that short."""
+ROW_COUNTS = (*range(1, 11), 12, 16, 24, 32, 48, native.MAX_TOKENS)
+"""The token counts the native-against-torch comparison times (`LlamaLM._compare_rows`): each count of a decode step
+and of a verify of up to 9 drafts, then wider ones each standing for the counts since the one before it (batches of
+several streams' verifies, prompt chunks beside decoding streams): comparing every count up to `MAX_TOKENS` made the
+shipped pair's start-up 24 s on a 2-core AMD EPYC Zen 4, these counts 5.7 s (5.2 s comparing up to 16 tokens)."""
 RECALL_CHECKS = 3
 """One-token checks a remembered choice gets at load (`LlamaLM._recall`): the first forwards after the weights are
 packed took 50 ms instead of 4 on a 2-core AMD EPYC Zen 3 (six of them), and a neighbour's burst only adds time."""
@@ -40,10 +45,11 @@ packed took 50 ms instead of 4 on a 2-core AMD EPYC Zen 3 (six of them), and a n
 @dataclasses.dataclass
 class RowsFound:
     """The native-against-torch comparison so far (`LlamaLM._compare_rows`): the most tokens the native step won
-    up to, the next count to compare (past `MAX_TOKENS` once it is over), and the ratios measured."""
+    up to, the index in `ROW_COUNTS` of the next count to compare (past its end once it is over), and the ratios
+    measured."""
 
     rows: int = 0
-    next: int = 1
+    next: int = 0
     ratios: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
@@ -332,7 +338,7 @@ class LlamaLM:
         found = RowsFound()
         pieces: list[Callable[[int], None]] = [
             functools.partial(self._compare_rows, found=found, upto=upto)
-            for upto in range(ROWS_PIECE, native.MAX_TOKENS + ROWS_PIECE, ROWS_PIECE)]
+            for upto in range(ROWS_PIECE, len(ROW_COUNTS) + ROWS_PIECE, ROWS_PIECE)]
 
         def chosen(slot: int) -> None:
             self.native_rows = found.rows
@@ -401,18 +407,20 @@ class LlamaLM:
 
     def _compare_rows(self, slot: int, found: RowsFound, upto: int, context: int = native.CONTEXT, repeats: int = 5,
                       one_token_repeats: int = 11) -> None:
-        """The native step against the torch forward, forwards of `found.next` … `upto` tokens, on `slot` (left
-        empty), into `found`: the most tokens a forward runs through the native step (a decode step, a verify, a
-        draft's catch-up) before torch is as fast (the native step reads each weight once for all its tokens but
-        computes their products one row at a time), and the ratios (native / torch time by token count). Each count
-        interleaved (`interleaved_times`; more rounds at one token, the shape most forwards have); the comparison
-        ends at the first count where torch is not slower twice in a row, so 0 where torch wins a one-token step.
-        Without room in the cache to measure, 1 (unmeasured). `native_rows` is left as it was."""
+        """The native step against the torch forward, forwards of the token counts `ROW_COUNTS[found.next:upto]`, on
+        `slot` (left empty), into `found`: the most tokens a forward runs through the native step (a decode step, a
+        verify, a batch, a prompt chunk beside decoding streams) before torch is as fast (the native step reads each
+        weight once for all its tokens, but torch's products multiply many tokens faster), and the ratios (native /
+        torch time by token count). Each count interleaved (`interleaved_times`; more rounds at one token, the shape
+        most forwards have); the comparison ends at the first count where torch is not slower twice in a row, so 0
+        where torch wins a one-token step; a count between two compared ones goes native where the larger one did.
+        Only the counts the cache has room for are compared (none: 1, unmeasured). `native_rows` is left as it was."""
         most = native.MAX_TOKENS
-        context = min(context, self.max_context - most - 1)
-        if context < 1:
-            found.rows, found.next = 1, most + 1
-        if found.next > min(upto, most):
+        context = max(1, min(context, self.max_context - most - 1))
+        counts = [c for c in ROW_COUNTS if context + c <= self.max_context]
+        if not counts:
+            found.rows, found.next = 1, len(ROW_COUNTS)
+        if found.next >= min(upto, len(counts)):
             return
         serving = self.native_rows
         ids = (torch.arange(context + most, device=self.device) * 7919) % self.vocab_size  # [context + most]
@@ -427,14 +435,15 @@ class LlamaLM:
             return run
 
         try:
-            for count in range(found.next, min(upto, most) + 1):
+            for at in range(found.next, min(upto, len(counts))):
+                count = counts[at]
                 for _ in range(2):  # torch as fast: measured again before it ends the range, as a burst can
                     on, off = interleaved_times([forward(count, most), forward(count, 0)],
-                                                  one_token_repeats if count == 1 else repeats)
+                                                one_token_repeats if count == 1 else repeats)
                     found.ratios[count] = on / off
                     if on < off:
                         break
-                found.next = count + 1 if on < off else most + 1
+                found.next = at + 1 if on < off else len(ROW_COUNTS)
                 if on >= off:
                     break
                 found.rows = count
