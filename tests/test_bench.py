@@ -21,7 +21,8 @@ SHIPPED = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), r
 @SHIPPED
 def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert main(["--cases", "1", "--workloads", "code,infill", "--max-new-tokens", "12", "--ks", "2",
-                 "--concurrency", "1,2", "--sweep-rounds", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
+                 "--concurrency", "1,2", "--sweep-rounds", "2", "--sweep-fresh", "--threads", "1",
+                 "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     contenders = results["contenders"]
     expected = {"target-only", "adaptive", "adaptive draft only", "k=2", "prompt lookup only", "hf generate",
@@ -40,6 +41,8 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
         point = sweep[f"{streams}:{mode}:{name}"]  # batched against round-robin in one run (one stream's together)
         assert point["aggregate_tokens_per_s"] > 0 and point["per_stream_tokens_per_s"] > 0
         assert point["itl_p99_ms"] >= point["itl_p50_ms"] > 0 and point["bound_tokens_per_s"] > 0
+        # --sweep-fresh: each request a prompt of its own, prefilled whole (but a first token or two it shares)
+        assert point["prefilled_share"] > 0.9, point["prefilled_share"]
     assert sweep["2:batched:target-only"]["mean_k"] == 0 and sweep["2:batched:adaptive"]["rounds"] == 2
     assert sweep["1:batched:target-only"]["paired_times_one_stream"] == 1.0  # each round's one stream ÷ itself
     assert sweep["2:batched:adaptive"]["paired_over_other_mode"] > 0  # batched ÷ round-robin, round by round
@@ -50,6 +53,7 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert sweep["2:round-robin:target-only"]["full_step_share"] == 0
     markdown = (tmp_path / "results.md").read_text()
     assert "| 2 | round-robin |" in markdown and "reached of the bound's ×" in markdown
+    assert "each request a prompt of its own, prefilled whole" in markdown
     assert "the bound's forward ÷ target-only's full step" in markdown
     pair = pair_hash(str(ASSETS / "target"), str(ASSETS / "draft"))
     assert f"Pair: `{pair}` (target target, draft draft)" in markdown

@@ -34,6 +34,7 @@ class Run:
     trials: int = 0  # draft tokens tested: accepted ones plus the first rejection of each step
     server_ttft_s: float = 0.0  # through gRPC: the server's own TTFT (request at the engine → first token)
     prefilled: int = 0  # through gRPC: prompt tokens the server prefilled (its prompt less those it found cached)
+    prompt_tokens: int = 0  # through gRPC: the prompt's tokens as the server counted them
     reported_tokens_per_s: float = 0.0  # another server's own decode rate as it reports it (llama.cpp's timings)
     mask_s: float = 0.0  # host seconds in the grammar matcher (`Constraint.work_s`)
     transform_s: float = 0.0  # host seconds in the logits transform (`LogitsTransform.work_s`)

@@ -45,7 +45,8 @@ async def stream(stub: pb_grpc.GeneratorStub, sampling: dict[str, Any], ask: dic
             run.update(proposed=summary.speculation.draft_tokens_proposed,
                        accepted=summary.speculation.draft_tokens_accepted, steps=summary.speculation.verify_steps,
                        server_ttft_s=summary.timing.ttft_ms / 1e3,
-                       prefilled=summary.prompt_tokens - summary.cached_prompt_tokens)
+                       prefilled=summary.prompt_tokens - summary.cached_prompt_tokens,
+                       prompt_tokens=summary.prompt_tokens)
     times = run["chunk_times"]
     run.update(ttft_s=times[0] if times else 0.0, total_s=times[-1] if times else 0.0)
     return {"run": run, "messages": messages}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import statistics
 import sys
@@ -107,9 +108,13 @@ def rss_bytes() -> int:
 
 
 async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params: SamplingParams,
-                     concurrency: list[int], overhead_rounds: int = 2, sweep_rounds: int = 3) -> dict[str, Any]:
+                     concurrency: list[int], overhead_rounds: int = 2, sweep_rounds: int = 3,
+                     fresh: bool = False) -> dict[str, Any]:
     """End to end through a real server on loopback, its clients in a process of their own (`RemoteClients`):
-    per-request figures and the concurrency sweep (each point the median of `sweep_rounds`)."""
+    per-request figures and the concurrency sweep (each point the median of `sweep_rounds`). `fresh`: every request
+    of the sweep opens with a line of its own (`FRESH_LINE`), so that it finds none of its prompt cached and prefills
+    it whole beside the other streams' decoding, as new sessions arriving do (else a stream's next request finds its
+    prompt cached from the rounds before)."""
     from specrpc.bench.grpc_client import RemoteClients
     from specrpc.edges.server import start_server
 
@@ -124,6 +129,13 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             """One request through gRPC from the client process (`RemoteClients`)."""
             reply = await clients.one(case.prompt, case.suffix, case.max_new_tokens, k, seed)
             return Run(**reply["run"]), int(reply["messages"])
+
+        requests = itertools.count()
+
+        async def sweep_one(case: Case, k: int | None, seed: int) -> tuple[Run, int]:
+            """A request of the sweep: `one`, its prompt made its own where `fresh`."""
+            return await one(replace(case, prompt=FRESH_LINE.format(next(requests)) + case.prompt) if fresh else case,
+                             k, seed)
 
         for name, k in (("grpc adaptive", None), ("grpc target-only", 0)):
             runs = []
@@ -213,15 +225,15 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             for batching in modes:
                 await mode(batching)
                 for _, k in contenders:
-                    await sweep_point(one, cases, streams, k, runtime)
+                    await sweep_point(sweep_one, cases, streams, k, runtime)
         points: dict[tuple[int, str, str], list[dict[str, float]]] = {
             (streams, b, name): [] for streams in concurrency for b in modes for name, _ in contenders}
         for r in range(sweep_rounds):
             for streams in concurrency if r % 2 == 0 else concurrency[::-1]:
                 if streams == 1:  # both modes at once, request by request (`one_stream_points`)
                     for name, k in (contenders if r % 2 else contenders[::-1]):
-                        both = await one_stream_points(one, cases, k, runtime, modes if r % 2 == 0 else modes[::-1],
-                                                       mode, POINT_STREAMS)
+                        both = await one_stream_points(sweep_one, cases, k, runtime,
+                                                       modes if r % 2 == 0 else modes[::-1], mode, POINT_STREAMS)
                         for batching, figures in both.items():
                             points[(1, batching, name)].append(figures)
                     continue
@@ -229,7 +241,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
                     await mode(batching)
                     for name, k in (contenders if r % 2 else contenders[::-1]):
                         points[(streams, batching, name)].append(
-                            await sweep_point(one, cases, streams, k, runtime, POINT_STREAMS))
+                            await sweep_point(sweep_one, cases, streams, k, runtime, POINT_STREAMS))
         for (streams, batching, name), measured in points.items():
             key = f"{streams}:{batching}:{name}"
             sweep[key] = {field: statistics.median(p[field] for p in measured) for field in measured[0]}
@@ -241,6 +253,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
             if ":batched:" in key:
                 sweep[key.replace(":batched:", ":")] = value
         out["concurrency"] = sweep
+        out["fresh"] = fresh
     finally:
         for clients in started:
             await clients.close()
@@ -277,6 +290,9 @@ def set_batching(runtime: Runtime, mode: str) -> None:
     """On the device thread: batched steps ("batched") or round-robin for what follows."""
     runtime.scheduler.batching = mode == "batched"
 
+
+FRESH_LINE = "# request {}\n"
+"""The line that opens each request of a `--sweep-fresh` sweep (its number filled in)."""
 
 POINT_STREAMS = 8
 """A measured sweep point runs at least the requests of this many streams: a narrower one repeats its cases (one
@@ -359,6 +375,7 @@ def point_figures(results: list[list[Run]], wall: float, streams: int, runtime: 
     s = summarize(runs)
     per_stream = [sum(len(r.tokens) for r in rs) / sum(r.total_s for r in rs) for rs in results if rs]
     steps = sum(r.steps for r in runs)
+    prompt_tokens = sum(r.prompt_tokens for r in runs)
     costs = runtime.engine.batch_costs
     return {
         "aggregate_tokens_per_s": sum(len(r.tokens) for r in runs) / wall,
@@ -367,6 +384,7 @@ def point_figures(results: list[list[Run]], wall: float, streams: int, runtime: 
         "ttft_p99_ms": percentile([r.ttft_s for r in runs], 99) * 1e3,
         "mean_k": sum(r.proposed for r in runs) / steps if steps else 0.0,
         "bound_tokens_per_s": bound_tokens_per_s(runs, streams, costs, runtime.config.engine.prefill_chunk),
+        "prefilled_share": sum(r.prefilled for r in runs) / prompt_tokens if prompt_tokens else 0.0,
     }
 
 
@@ -421,7 +439,11 @@ def markdown(results: dict[str, Any]) -> str:
                   f"{o['ttft_delta_ms']:+.2f} ms over in-process (client TTFT beyond the server's own: median "
                   f"{o['edge_ttft_ms']:.2f} ms); {o['per_message_us']:.0f} µs per streamed message "
                   "(total-time difference ÷ messages).", "",
-                  f"Concurrency sweep, each row the median of {rounds} rounds, contenders alternating:",
+                  f"Concurrency sweep, each row the median of {rounds} rounds, contenders alternating; "
+                  + ("each request a prompt of its own, prefilled whole" if g.get("fresh") else
+                     "a stream's prompts found cached from the rounds before")
+                  + f" ({statistics.median(v.get('prefilled_share', 0.0) for v in sweep.values()):.0%} of the prompt "
+                  "tokens prefilled, median over the points):",
                   "",
                   "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | adaptive ÷ target-only "
                   "| target-only × one stream | bound (batched target-only with each prompt's prefill, measured batch "
@@ -559,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-grpc", action="store_true", help="skip the gRPC phase and concurrency sweep")
     parser.add_argument("--sweep-rounds", type=int, default=3,
                         help="measured rounds per concurrency point (contenders alternating; the median is reported)")
+    parser.add_argument("--sweep-fresh", action="store_true",
+                        help="every request of the concurrency sweep a prompt of its own (a first line naming it), "
+                             "prefilled whole beside the other streams' decoding, as new sessions arriving")
     parser.add_argument("--concurrency", default="1,2,4,8,16",
                         help="streams at once in the sweep, batched and round-robin (raises --max-sessions to fit)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -756,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         concurrency = [int(c) for c in args.concurrency.split(",") if c]
         release_workers()  # from here on torch runs on the server's device thread alone
         grpc_results = asyncio.run(grpc_phase(runtime, config, cases, params, concurrency,
-                                                     sweep_rounds=args.sweep_rounds))
+                                                     sweep_rounds=args.sweep_rounds, fresh=args.sweep_fresh))
         results["grpc"] = grpc_results
         results["grpc_overhead"] = grpc_results.pop("overhead")
     adaptive_lengths = [n for r in runs["adaptive"] for n in r.accepted_lengths]
