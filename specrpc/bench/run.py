@@ -434,6 +434,8 @@ def markdown(results: dict[str, Any]) -> str:
         o = results["grpc_overhead"]
         sweep: dict[str, dict[str, Any]] = g["concurrency"]
         rounds = int(min((v.get("rounds", 1) for v in sweep.values()), default=1))
+        # each point once: the batched ones also stand under their former names ("streams:contender")
+        prefilled = statistics.median(v.get("prefilled_share", 0.0) for key, v in sweep.items() if key.count(":") == 2)
         lines += ["", f"gRPC overhead (target-only, {o['requests']} requests alternating in-process and through "
                   f"gRPC, {o['messages']} messages, identical tokens {o['identical']:.2f}): median TTFT "
                   f"{o['ttft_delta_ms']:+.2f} ms over in-process (client TTFT beyond the server's own: median "
@@ -442,8 +444,7 @@ def markdown(results: dict[str, Any]) -> str:
                   f"Concurrency sweep, each row the median of {rounds} rounds, contenders alternating; "
                   + ("each request a prompt of its own, prefilled whole" if g.get("fresh") else
                      "a stream's prompts found cached from the rounds before")
-                  + f" ({statistics.median(v.get('prefilled_share', 0.0) for v in sweep.values()):.0%} of the prompt "
-                  "tokens prefilled, median over the points):",
+                  + f" ({prefilled:.0%} of the prompt tokens prefilled, median over the points):",
                   "",
                   "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | adaptive ÷ target-only "
                   "| target-only × one stream | bound (batched target-only with each prompt's prefill, measured batch "
