@@ -21,8 +21,7 @@ SHIPPED = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), r
 @SHIPPED
 def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert main(["--cases", "1", "--workloads", "code,infill", "--max-new-tokens", "12", "--ks", "2",
-                 "--concurrency", "1,2", "--sweep-rounds", "2", "--sweep-fresh", "--threads", "1",
-                 "--out", str(tmp_path)]) == 0
+                 "--concurrency", "1,2", "--sweep-rounds", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     contenders = results["contenders"]
     expected = {"target-only", "adaptive", "adaptive draft only", "k=2", "prompt lookup only", "hf generate",
@@ -41,8 +40,6 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
         point = sweep[f"{streams}:{mode}:{name}"]  # batched against round-robin in one run (one stream's together)
         assert point["aggregate_tokens_per_s"] > 0 and point["per_stream_tokens_per_s"] > 0
         assert point["itl_p99_ms"] >= point["itl_p50_ms"] > 0 and point["bound_tokens_per_s"] > 0
-        # --sweep-fresh: each request a prompt of its own, prefilled whole (but a first token or two it shares)
-        assert point["prefilled_share"] > 0.9, point["prefilled_share"]
     assert sweep["2:batched:target-only"]["mean_k"] == 0 and sweep["2:batched:adaptive"]["rounds"] == 2
     assert sweep["1:batched:target-only"]["paired_times_one_stream"] == 1.0  # each round's one stream ÷ itself
     assert sweep["2:batched:adaptive"]["paired_over_other_mode"] > 0  # batched ÷ round-robin, round by round
@@ -53,7 +50,7 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert sweep["2:round-robin:target-only"]["full_step_share"] == 0
     markdown = (tmp_path / "results.md").read_text()
     assert "| 2 | round-robin |" in markdown and "reached of the bound's ×" in markdown
-    assert "each request a prompt of its own, prefilled whole" in markdown
+    assert "a stream's prompts found cached from the rounds before" in markdown
     assert "the bound's forward ÷ target-only's full step" in markdown
     pair = pair_hash(str(ASSETS / "target"), str(ASSETS / "draft"))
     assert f"Pair: `{pair}` (target target, draft draft)" in markdown
@@ -62,6 +59,21 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
         assert (tmp_path / chart).stat().st_size > 0
     assert "| adaptive |" in (tmp_path / "results.md").read_text()
     assert "llama.cpp: skipped" in results["llama_cpp"]["skipped"]  # no --llama-server: said, not run
+
+
+@SHIPPED
+def test_a_fresh_sweep_prefills_every_prompt_whole(tmp_path: Path) -> None:
+    """`--sweep-fresh`: each request of the concurrency sweep opens with a line of its own, so the server finds none
+    of its prompt cached (but a first token or two that another request's line shares) and prefills it whole, where
+    the default sweep's requests find their prompts cached from the warm-up on."""
+    assert main(["--cases", "1", "--workloads", "code", "--max-new-tokens", "4", "--ks", "2", "--no-hf",
+                 "--concurrency", "1,2", "--sweep-rounds", "1", "--sweep-fresh", "--threads", "1",
+                 "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["grpc"]["fresh"] is True
+    for key, point in results["grpc"]["concurrency"].items():
+        assert point["prefilled_share"] > 0.9, (key, point["prefilled_share"])
+    assert "each request a prompt of its own, prefilled whole" in (tmp_path / "results.md").read_text()
 
 
 def test_keystroke_replay_runs_through_grpc_from_another_process(tmp_path: Path) -> None:
