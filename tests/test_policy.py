@@ -247,6 +247,18 @@ def test_batch_costs_interpolate_and_never_fall() -> None:
     assert BatchCosts().target(4) > 0 and BatchCosts(target_s={1: 0.0}).target(1) > 0
 
 
+def test_batch_costs_extend_along_a_wide_baseline() -> None:
+    """Beyond the largest size measured, the slope runs back to the largest size at most half of it: a forward
+    costing 1 ms + 0.1 ms a token, its two largest entries off by noise in opposite directions, is extended near
+    its true cost (along those two entries alone, 144 tokens would cost 38 ms against 15: a prompt chunk looking 2.4x dearer)."""
+    true = {n: 1e-3 + 1e-4 * n for n in (1, 2, 4, 8, 16, 32, 64, 72)}
+    noisy = {**true, 64: true[64] * 0.85, 72: true[72] * 1.15}
+    assert BatchCosts(target_s=true).target(144) == pytest.approx(true[72] + 1e-4 * 72)
+    assert BatchCosts(target_s=noisy).target(144) == pytest.approx(true[72] + 1e-4 * 72, rel=0.25)
+    assert BatchCosts(target_s={4: 1.0, 8: 3.0}).target(16) == pytest.approx(7.0)
+    assert BatchCosts(target_s={6: 1.0, 8: 3.0}).target(16) == pytest.approx(11.0)  # none at most half: the smallest
+
+
 @pytest.mark.parametrize("streams", [1, 2, 4, 8, 16])
 def test_batched_k_shrinks_with_the_batch_and_turns_off(streams: int) -> None:
     """A device where a forward costs about its tokens beyond a fixed part (a CPU): alone, the stream speculates as

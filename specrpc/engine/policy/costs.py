@@ -144,8 +144,11 @@ class HostTimes(Refined):
 
 
 def _interpolate(table: dict[int, float], x: int) -> float:
-    """table (size → seconds) at x: linear between measured sizes, the smallest one's below them, extended along
-    the last two (never downwards) above them; never below a nanosecond."""
+    """table (size → seconds) at x: linear between measured sizes, the smallest one's below them, extended above
+    them along the slope from the largest size back to the largest at most half of it (else the smallest), never
+    downwards; never below a nanosecond. The wide baseline keeps two noisy neighbouring entries (64 and 72 tokens,
+    a moment apart) from making the slope steep or flat far beyond what was measured: a prompt chunk's cost there
+    sets the scheduler's prefill budget and the bench's bound."""
     measured = table.get(x)
     if measured is not None:  # the common case (a width's sizes recur), without sorting a table of every size seen
         return max(1e-9, measured)
@@ -159,7 +162,8 @@ def _interpolate(table: dict[int, float], x: int) -> float:
     last = table[known[-1]]
     if len(known) == 1:
         return max(1e-9, last * x / known[-1])
-    slope = max(0.0, (last - table[known[-2]]) / (known[-1] - known[-2]))
+    base = max((n for n in known[:-1] if 2 * n <= known[-1]), default=known[0])
+    slope = max(0.0, (last - table[base]) / (known[-1] - base))
     return max(1e-9, last + slope * (x - known[-1]))
 
 
