@@ -250,7 +250,8 @@ def test_batch_costs_interpolate_and_never_fall() -> None:
 def test_batch_costs_extend_along_a_wide_baseline() -> None:
     """Beyond the largest size measured, the slope runs back to the largest size at most half of it: a forward
     costing 1 ms + 0.1 ms a token, its two largest entries off by noise in opposite directions, is extended near
-    its true cost (along those two entries alone, 144 tokens would cost 38 ms against 15: a prompt chunk looking 2.4x dearer)."""
+    its true cost (along those two entries alone, 144 tokens would cost 38 ms against 15: a prompt chunk looking
+    2.4x dearer)."""
     true = {n: 1e-3 + 1e-4 * n for n in (1, 2, 4, 8, 16, 32, 64, 72)}
     noisy = {**true, 64: true[64] * 0.85, 72: true[72] * 1.15}
     assert BatchCosts(target_s=true).target(144) == pytest.approx(true[72] + 1e-4 * 72)
