@@ -146,9 +146,9 @@ class HostTimes(Refined):
 def _interpolate(table: dict[int, float], x: int) -> float:
     """table (size → seconds) at x: linear between measured sizes, the smallest one's below them, extended above
     them along the slope from the largest size back to the largest at most half of it (else the smallest), never
-    downwards; never below a nanosecond. The wide baseline keeps two noisy neighbouring entries (64 and 72 tokens,
-    a moment apart) from making the slope steep or flat far beyond what was measured: a prompt chunk's cost there
-    sets the scheduler's prefill budget and the bench's bound."""
+    downwards; never below a nanosecond. The wide baseline keeps two noisy neighbouring entries (sizes a few tokens
+    apart) from making the slope steep or flat far beyond what was measured: a prompt chunk's cost there sets the
+    scheduler's prefill budget and the bench's bound."""
     measured = table.get(x)
     if measured is not None:  # the common case (a width's sizes recur), without sorting a table of every size seen
         return max(1e-9, measured)
