@@ -388,3 +388,14 @@ def test_floor_bench_reports_every_path_at_every_shape_beside_the_read_bandwidth
     assert "× floor" in table and "GB/s of its bytes" in table and results["machine"] in table
     assert "| instruction | GMAC/s |" in table and "multiply floor ms" in table and "floor ÷ step" in table
     assert floor.READERS[results["reader"]] in table
+    for m in results["models"]:  # where the fastest native path's one-stream forwards spend their time
+        if not built:
+            assert m["parts"] == {}
+            continue
+        assert m["parts"]["path"].startswith("native") and set(m["parts"]["shapes"]) == {"1", "3"}
+        for p in m["parts"]["shapes"].values():
+            assert p["ms"] > 0 and all(p[f"{name} ms"] > 0 for name in floor.PARTS)
+            assert p["products_ms"] == pytest.approx(p["ms"] - p["without products ms"])
+            assert p["attention_ms"] == pytest.approx(p["ms"] - p["without attention ms"])
+            assert p["rest_ms"] == p["without either ms"]
+    assert ("| model | weights | path | tokens | ms | products ms | attention ms | rest ms |" in table) == built

@@ -88,6 +88,33 @@ def test_int8_native_step_stays_close_to_the_torch_int8_forward() -> None:
     assert torch.equal(a, one_by_one)
 
 
+def test_a_forward_with_parts_left_out_leaves_out_those_parts() -> None:
+    """`run_parts` (what `specrpc bench floor` times): without attention, every layer's keys are still the products'
+    (layer 0's equal a whole forward's; later layers' differ, their input lacking attention's output); without the
+    products, no key is computed (the cache gets the work buffer's stale row, not the tokens' keys); a whole forward
+    after either writes the true keys again."""
+    requires_native()
+    lm = load_model(ASSETS / "target", device=torch.device("cpu"), dtype=torch.float32, num_slots=1, max_context=64,
+                    native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    step = lm.native
+    ids = torch.tensor([(i * 7919) % 4000 for i in range(24)])
+    with torch.inference_mode():
+        lm.forward(ids[:16], 0, 0)
+        step.run(ids[16:21], 16, 0, 1)
+        true_k = lm.cache.k[:, 0, :, 16:21].clone()  # [L, H, 5, D]
+        step.run_parts(ids[16:21], 16, 0, native_step.SKIP_ATTENTION)
+        no_attention = lm.cache.k[:, 0, :, 16:21].clone()
+        step.run(ids[0:5], 16, 0, 1)  # other tokens' keys there, and in the work buffers
+        step.run_parts(ids[16:21], 16, 0, native_step.SKIP_PRODUCTS)
+        no_products = lm.cache.k[:, 0, :, 16:21].clone()
+        step.run(ids[16:21], 16, 0, 1)
+        again = lm.cache.k[:, 0, :, 16:21].clone()
+    assert torch.equal(no_attention[0], true_k[0]) and not torch.equal(no_attention[1:], true_k[1:])
+    assert not torch.equal(no_products[0], true_k[0])
+    assert torch.equal(again, true_k)
+
+
 @pytest.mark.parametrize("head_dim", [18, 64])
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 def test_rows_that_do_not_fill_a_panel(int8: bool, head_dim: int, tmp_path: Path) -> None:

@@ -25,7 +25,12 @@ on the machine it runs on:
   the rate of its own buffer and its projections' multiply-adds ÷ the rate of its instruction (× floor near 1 or
   above: the step is as fast as the machine can make it; far above: time spent elsewhere). A verify of several
   tokens reads the weights once but multiplies every token: where the multiplies bound it, no kernel makes it cost
-  one one-token step, and the floor in one-token steps says what it can cost at least.
+  one one-token step, and the floor in one-token steps says what it can cost at least;
+- where each model's one-stream forwards spend their time, on its fastest native path: the whole forward beside the
+  same forward without attention, without its products and without either (`NativeStep.run_parts`), interleaved;
+  the products and attention each cost the whole less the forward without them, the rest is the forward without
+  either. A verify's attention grows with `--context` (its queries × the positions they attend) where its products
+  do not, so a long context shows what a verify costs beyond its multiplies.
 
 Prints Markdown; writes floor.json and floor.md."""
 
@@ -249,6 +254,7 @@ class Route:
     multiplies: str | None  # the instruction its products multiply with (`MULTIPLIES`); None: not measured (AMX tiles,
     # torch's int8 and bf16 kernels)
     most_tokens: int = sys.maxsize
+    parts: Callable[[int, list[BatchRow]], object] | None = None  # the native step with parts left out (`PARTS`)
 
     def reads(self, tokens: int) -> int:
         """Weight bytes a forward of `tokens` tokens in all reads (each projection once)."""
@@ -268,6 +274,21 @@ def native_forward(step: native.NativeStep, mode: str, ahead: int, amx: bool, ro
         step.run(r.ids, r.start, r.slot, r.num_logits)
     else:
         step.run_rows(rows)
+
+
+def native_parts(step: native.NativeStep, mode: str, ahead: int, amx: bool, skip: int, rows: list[BatchRow]) -> None:
+    """One row through the native step as `native_forward` runs it, with the parts `skip` names left out."""
+    step.prefetch_everywhere(mode, ahead)
+    step.model.amx_from = 1 if amx else 0
+    r = rows[0]
+    step.run_parts(r.ids, r.start, r.slot, skip)
+
+
+PARTS = {"without attention": native.SKIP_ATTENTION, "without products": native.SKIP_PRODUCTS,
+         "without either": native.SKIP_ATTENTION | native.SKIP_PRODUCTS}
+"""The native forwards `parts` times beside the whole one: what each part costs is the whole's time less the time
+without it; what is left without either (norms, rotary, the activations' quantization, the waits between loops) is
+the rest."""
 
 
 def eager_forward(w: LlamaWeights, cache: KVCache, rows: list[BatchRow]) -> None:
@@ -309,7 +330,8 @@ def routes(lm: LlamaLM) -> tuple[list[Route], str]:
             for mode, ahead in native.prefetch_settings():
                 out.append(Route(f"native{' int8' if step.int8 else ''}{' AMX' if amx else ''}, prefetch "
                                  f"{native.setting_label(mode, ahead)}",
-                                 partial(native_forward, step, mode, ahead, amx), w, step.int8, kind))
+                                 partial(native_forward, step, mode, ahead, amx), w, step.int8, kind,
+                                 parts=partial(native_parts, step, mode, ahead, amx)))
     if lm.decode_tunable():
         onednn, mkl = with_packed_decode(w, True), with_packed_decode(w, False)
         out.append(Route("torch, oneDNN", partial(eager_forward, onednn, lm.cache), onednn, None, "float"))
@@ -363,8 +385,34 @@ def measure_model(lm: LlamaLM, shapes: list[Shape], context: int, repeats: int) 
                 paths[r.name][shape.label] = {"ms": median * 1e3,
                                               "lower_quartile_ms": statistics.quantiles(seconds, n=4)[0] * 1e3,
                                               "bytes": nbytes, "gb_s": nbytes / median / 1e9}
+        parts = measure_parts(found, paths, shapes, ids, context, repeats)
     return {"native": native_state, "paths": paths, "multiplies": {r.name: r.multiplies for r in found},
-            "multiply_adds": multiply_adds(lm.weights)}
+            "multiply_adds": multiply_adds(lm.weights), "parts": parts}
+
+
+def measure_parts(found: list[Route], paths: dict[str, dict[str, Any]], shapes: list[Shape], ids: torch.Tensor,
+                  context: int, repeats: int) -> dict[str, Any]:
+    """Where the fastest native route's one-stream forwards spend their time: at each one-stream shape, the whole
+    forward and those `PARTS` leaves parts out of, interleaved (`interleaved_samples`), medians in ms; {} where the
+    native step is not among the routes."""
+    native_routes = [r for r in found if r.parts is not None]
+    if not native_routes:
+        return {}
+    first = shapes[0].label
+    best = min(native_routes, key=lambda r: paths[r.name].get(first, {}).get("ms", math.inf))
+    out: dict[str, Any] = {"path": best.name, "shapes": {}}
+    parted = best.parts
+    assert parted is not None
+    for shape in (s for s in shapes if s.rows == 1):
+        rows = [BatchRow(ids[context : context + shape.tokens], context, 0, shape.tokens)]
+        runs = [partial(best.forward, rows)] + [partial(parted, skip, rows) for skip in PARTS.values()]
+        times = [statistics.median(t) * 1e3 for t in interleaved_samples(runs, repeats)]
+        whole, without = times[0], dict(zip(PARTS, times[1:], strict=True))
+        out["shapes"][shape.label] = {"ms": whole, **{f"{name} ms": t for name, t in without.items()},
+                                      "products_ms": whole - without["without products"],
+                                      "attention_ms": whole - without["without attention"],
+                                      "rest_ms": without["without either"]}
+    return out
 
 
 def fastest(paths: dict[str, dict[str, Any]], label: str) -> str:
@@ -463,6 +511,19 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{f['held_by']} | {f['gb_s']:.1f} | {f['read_floor_ms']:.3f} | "
                          f"{num(f['multiply_floor_ms'], 3)} | {f['ms']:.3f} | {f['over_floor']:.2f} | "
                          f"{num(f['floor_steps'], 2)} | {num(f['steps'], 2)} |")
+    parted = [m for m in results["models"] if m.get("parts")]
+    if parted:
+        lines += ["", "Where a one-stream forward's time goes, the fastest native path at one token: the whole forward "
+                  "timed beside the same forward without attention, without its products and without either, "
+                  "interleaved; products = the whole less the forward without them, attention likewise, the rest = "
+                  "the forward without either (norms, rotary, quantizing activations, the waits between loops). "
+                  "The parts overlap in the caches, so they need not add up to the whole.", "",
+                  "| model | weights | path | tokens | ms | products ms | attention ms | rest ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for m in parted:
+            for label, p in m["parts"]["shapes"].items():
+                lines.append(f"| {m['model']} | {m['weights']} | {m['parts']['path']} | {label} | {p['ms']:.3f} | "
+                             f"{p['products_ms']:.3f} | {p['attention_ms']:.3f} | {p['rest_ms']:.3f} |")
     off = [f"{m['model']} ({m['weights']}): native step off ({m['native']})" for m in results["models"]
            if m["native"] != "on"]
     if off:

@@ -1062,12 +1062,15 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
 constexpr int64_t SILU_COLUMNS = 64;  // a token's gate columns one job of the SiLU loop takes: whole vectors and blocks
 static_assert(SILU_COLUMNS % 16 == 0 && SILU_COLUMNS % QBLOCK == 0, "a SiLU piece is whole vectors and blocks");
 
+enum Skip : int { SKIP_ATTENTION = 1, SKIP_PRODUCTS = 2 };  // parts `forward` leaves out (`specrpc_forward_parts`)
+
 // The T tokens `tokens`, token t at position pos[t] of KV slot slot[t] (a batch of rows: each row consecutive
 // positions of its own slot, the slots distinct): writes their K/V there first, then each token attends causally to
 // its slot's positions up to its own; leaves float32 logits of the tokens `rows` lists in `logits` [n_logits, vocab].
-// Returns 0, or -1 when an argument is out of range (nothing written).
+// Returns 0, or -1 when an argument is out of range (nothing written). `skip` (`SKIP_ATTENTION`, `SKIP_PRODUCTS`)
+// leaves those parts out, for `specrpc_forward_parts` alone: the logits are then meaningless.
 static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of, const int64_t* slot_of, int64_t T,
-                   const int64_t* rows, int64_t n_logits, float* logits, int threads) {
+                   const int64_t* rows, int64_t n_logits, float* logits, int threads, int skip = 0) {
     if (T < 1 || T > m->max_tokens || T > 64 || n_logits < 1 || n_logits > T || m->dh > 1024 || m->dh % 2) return -1;
     for (int64_t t = 0; t < T; ++t)
         if (tokens[t] < 0 || tokens[t] >= m->vocab || pos_of[t] < 0 || pos_of[t] >= m->capacity || slot_of[t] < 0 ||
@@ -1093,6 +1096,15 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
     if (chunks > longest * rep) chunks = longest * rep;
     const int64_t n_jobs = n_rows * hkv * chunks;
     const int64_t silu_pieces = (ffn + SILU_COLUMNS - 1) / SILU_COLUMNS;  // per token
+    // a product, or where `skip` leaves products out only the barrier it ends in
+    auto product = [&](Weight w, const float* b, const float* x, int64_t ldx, float* y, int64_t n, int64_t rows_out,
+                       int64_t cols, bool add) {
+        if (skip & SKIP_PRODUCTS) {
+#pragma omp barrier
+        } else {
+            gemm(m, w, b, x, ldx, y, n, rows_out, cols, add);
+        }
+    };
 #pragma omp parallel num_threads(threads)
     {
         for (int64_t l = 0; l < m->layers; ++l) {
@@ -1100,7 +1112,7 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             const Weight qkv{L.qkv, L.qkv_scale}, o{L.o, L.o_scale}, up{L.up, L.up_scale}, down{L.down, L.down_scale};
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) norm_input(m, m->x + t * d, L.attn_norm, t, qkv);
-            gemm(m, qkv, L.qkv_bias, m->h, d, m->qkv, T, nqkv, d, false);
+            product(qkv, L.qkv_bias, m->h, d, m->qkv, T, nqkv, d, false);
 #pragma omp for schedule(static)
             for (int64_t tj = 0; tj < T * nheads; ++tj) {  // q and k heads: norm, rotary; k and v into the cache
                 const int64_t t = tj / nheads, j = tj % nheads, pos = pos_of[t];
@@ -1119,16 +1131,17 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
             }
 #pragma omp for schedule(dynamic)
             for (int64_t job = 0; job < n_jobs; ++job)  // a share of a row's queries on one KV head
-                attend(m, L, l, pos_of, slot_of, row_start[job / (hkv * chunks)], row_end[job / (hkv * chunks)],
-                       job / chunks % hkv, job % chunks, chunks, scale, quantizes(o) && dh % QBLOCK == 0);
+                if (!(skip & SKIP_ATTENTION))
+                    attend(m, L, l, pos_of, slot_of, row_start[job / (hkv * chunks)], row_end[job / (hkv * chunks)],
+                           job / chunks % hkv, job % chunks, chunks, scale, quantizes(o) && dh % QBLOCK == 0);
             if (quantizes(o) && dh % QBLOCK != 0) {  // a head's output ends inside a block: the whole rows after it
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < T; ++t) quantize_cols(m, m->att + t * hq * dh, hq * dh, t, 0, hq * dh);
             }
-            gemm(m, o, L.o_bias, m->att, hq * dh, m->x, T, d, hq * dh, true);
+            product(o, L.o_bias, m->att, hq * dh, m->x, T, d, hq * dh, true);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) norm_input(m, m->x + t * d, L.mlp_norm, t, up);
-            gemm(m, up, L.up_bias, m->h, d, m->up, T, 2 * ffn, d, false);
+            product(up, L.up_bias, m->h, d, m->up, T, 2 * ffn, d, false);
             // the gated SiLU in place over each row's gate half, which down reads (rows 2 ffn apart), in pieces of
             // SILU_COLUMNS columns (whole quantization blocks), each quantized where it is written
 #pragma omp for schedule(static)
@@ -1139,12 +1152,12 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
                 for (int64_t i = i0; i < i0 + n; i += 16) silu_gate(row, ffn, i, i0 + n - i < 16 ? i0 + n - i : 16);
                 if (quantizes(down)) quantize_cols(m, row + i0, ffn, t, i0, n);
             }
-            gemm(m, down, L.down_bias, m->up, 2 * ffn, m->x, T, d, ffn, true);
+            product(down, L.down_bias, m->up, 2 * ffn, m->x, T, d, ffn, true);
         }
         const Weight head{m->head, m->head_scale};
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_logits; ++i) norm_input(m, m->x + rows[i] * d, m->norm, i, head);
-        gemm(m, head, nullptr, m->h, d, logits, n_logits, m->vocab, d, false);
+        product(head, nullptr, m->h, d, logits, n_logits, m->vocab, d, false);
     }
     return 0;
 }
@@ -1234,6 +1247,21 @@ extern "C" int specrpc_forward_row(const Model* m, const int64_t* tokens, int64_
     }
     for (int64_t i = 0; i < n_logits; ++i) rows[i] = T - n_logits + i;
     return forward(m, tokens, positions, slots, T, rows, n_logits, logits, threads);
+}
+
+// `specrpc_forward_row` of one logits row with the parts `skip` names left out (`Skip`: attention, the products, or
+// both), for `specrpc bench floor`'s account of where a forward's time goes: its logits are meaningless, its K/V at
+// positions start.. of `slot` are written as in a forward.
+extern "C" int specrpc_forward_parts(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot,
+                                     float* logits, int threads, int skip) {
+    int64_t positions[64], slots[64];
+    const int64_t last = T - 1;
+    if (T < 1 || T > 64) return -1;
+    for (int64_t t = 0; t < T; ++t) {
+        positions[t] = start + t;
+        slots[t] = slot;
+    }
+    return forward(m, tokens, positions, slots, T, &last, 1, logits, threads, skip);
 }
 
 // The index of the first of equal maxima, as torch's argmax.

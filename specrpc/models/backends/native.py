@@ -68,6 +68,11 @@ target on a 2-core AMD EPYC Zen 4, native against torch (interleaved, one proces
 0.58 / 0.68 / 0.78x the time, 8 streams' 3-token verifies 0.59x, 7 decoding streams beside a 44-token prompt chunk
 0.71x; a 512-token int8 prompt in chunks of 64 took 0.78-0.82x its time in chunks of 16."""
 
+SKIP_ATTENTION = 1
+"""`NativeStep.run_parts`: the forward without attention (decode.cpp's `Skip`)."""
+SKIP_PRODUCTS = 2
+"""`NativeStep.run_parts`: the forward without its matrix products."""
+
 CONTEXT = 32
 """Positions of a slot a timing fills before the forwards it times (the calibrations here, `LlamaLM`'s at load and
 between requests): few, so that attention weighs little beside the products compared."""
@@ -148,6 +153,7 @@ class NativeStep:
         self._fn = lib.specrpc_forward
         self._row = lib.specrpc_forward_row
         self._greedy = lib.specrpc_greedy
+        self._parts = lib.specrpc_forward_parts
         group = lib.specrpc_int8_group()  # int8 weights: 4 (int8 activations, VNNI) or 1 (widened to float)
         block = lib.specrpc_int8_block()  # activation columns per scale (VNNI)
         keep: list[torch.Tensor] = []  # every tensor the struct points into, alive as long as self
@@ -414,6 +420,18 @@ class NativeStep:
         if pack:
             out += self.run_batch(pack)
         return out
+
+    def run_parts(self, tokens: torch.Tensor, start: int, slot: int, skip: int) -> None:
+        """`run` of tokens [T] at positions start.. of `slot` with the parts `skip` names left out (`SKIP_ATTENTION`,
+        `SKIP_PRODUCTS`, both): for timing where a forward's time goes (`specrpc bench floor`); no logits (they would
+        be meaningless), the K/V written as by `run`."""
+        count = tokens.shape[0]
+        ids = tokens.to(torch.long).contiguous()  # [T]
+        logits = torch.empty(1, self.vocab)  # [1, V] scratch
+        self._prefetch(count)
+        if self._parts(self._model_ref, ids.data_ptr(), count, start, slot, logits.data_ptr(),
+                       torch.get_num_threads(), skip) != 0:
+            raise ValueError(self._out_of_range(count, 1))
 
     def greedy(self, feed: torch.Tensor, start: int, slot: int, steps: int,
                transform: native.DraftTransform | None = None) -> torch.Tensor:
