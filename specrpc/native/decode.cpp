@@ -1250,8 +1250,8 @@ extern "C" int specrpc_forward_row(const Model* m, const int64_t* tokens, int64_
 }
 
 // `specrpc_forward_row` of one logits row with the parts `skip` names left out (`Skip`: attention, the products, or
-// both), for `specrpc bench floor`'s account of where a forward's time goes: its logits are meaningless, its K/V at
-// positions start.. of `slot` are written as in a forward.
+// both), for `specrpc bench floor`'s account of where a forward's time goes: its logits are meaningless, and so are
+// the K/V it writes at positions start.. of `slot` where the products are left out.
 extern "C" int specrpc_forward_parts(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot,
                                      float* logits, int threads, int skip) {
     int64_t positions[64], slots[64];

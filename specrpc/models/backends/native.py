@@ -424,7 +424,7 @@ class NativeStep:
     def run_parts(self, tokens: torch.Tensor, start: int, slot: int, skip: int) -> None:
         """`run` of tokens [T] at positions start.. of `slot` with the parts `skip` names left out (`SKIP_ATTENTION`,
         `SKIP_PRODUCTS`, both): for timing where a forward's time goes (`specrpc bench floor`); no logits (they would
-        be meaningless), the K/V written as by `run`."""
+        be meaningless), and the K/V written there are meaningless too where the products are left out."""
         count = tokens.shape[0]
         ids = tokens.to(torch.long).contiguous()  # [T]
         logits = torch.empty(1, self.vocab)  # [1, V] scratch
