@@ -186,16 +186,12 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     row = lib.specrpc_forward_row
     row.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     row.restype = ctypes.c_int
     greedy = lib.specrpc_greedy
     greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(DraftTransform)]
     greedy.restype = ctypes.c_int
-    parts = lib.specrpc_forward_parts
-    parts.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    parts.restype = ctypes.c_int
     transform = lib.specrpc_transform
     transform.argtypes = [ctypes.POINTER(Controls), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,

@@ -1062,13 +1062,13 @@ static void attend(const Model* m, const Layer& L, int64_t l, const int64_t* pos
 constexpr int64_t SILU_COLUMNS = 64;  // a token's gate columns one job of the SiLU loop takes: whole vectors and blocks
 static_assert(SILU_COLUMNS % 16 == 0 && SILU_COLUMNS % QBLOCK == 0, "a SiLU piece is whole vectors and blocks");
 
-enum Skip : int { SKIP_ATTENTION = 1, SKIP_PRODUCTS = 2 };  // parts `forward` leaves out (`specrpc_forward_parts`)
+enum Skip : int { SKIP_ATTENTION = 1, SKIP_PRODUCTS = 2 };  // parts `forward` leaves out (`specrpc_forward_row`)
 
 // The T tokens `tokens`, token t at position pos[t] of KV slot slot[t] (a batch of rows: each row consecutive
 // positions of its own slot, the slots distinct): writes their K/V there first, then each token attends causally to
 // its slot's positions up to its own; leaves float32 logits of the tokens `rows` lists in `logits` [n_logits, vocab].
 // Returns 0, or -1 when an argument is out of range (nothing written). `skip` (`SKIP_ATTENTION`, `SKIP_PRODUCTS`)
-// leaves those parts out, for `specrpc_forward_parts` alone: the logits are then meaningless.
+// leaves those parts out, for timing alone (`specrpc_forward_row`): the logits are then meaningless.
 static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of, const int64_t* slot_of, int64_t T,
                    const int64_t* rows, int64_t n_logits, float* logits, int threads, int skip = 0) {
     if (T < 1 || T > m->max_tokens || T > 64 || n_logits < 1 || n_logits > T || m->dh > 1024 || m->dh % 2) return -1;
@@ -1237,8 +1237,10 @@ extern "C" int specrpc_forward(const Model* m, const int64_t* tokens, const int6
 }
 
 // `forward` of one row: the T tokens `tokens` at positions start.. of `slot`, logits of its last n_logits tokens.
+// `skip` (`Skip`; 0 for every forward that serves) leaves parts out, for `specrpc bench floor`'s account of where a
+// forward's time goes: its logits are then meaningless, and so are the K/V it writes where the products are left out.
 extern "C" int specrpc_forward_row(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot,
-                                   int64_t n_logits, float* logits, int threads) {
+                                   int64_t n_logits, float* logits, int threads, int skip) {
     int64_t positions[64], slots[64], rows[64];
     if (T < 1 || T > 64 || n_logits < 1 || n_logits > T) return -1;
     for (int64_t t = 0; t < T; ++t) {
@@ -1246,22 +1248,7 @@ extern "C" int specrpc_forward_row(const Model* m, const int64_t* tokens, int64_
         slots[t] = slot;
     }
     for (int64_t i = 0; i < n_logits; ++i) rows[i] = T - n_logits + i;
-    return forward(m, tokens, positions, slots, T, rows, n_logits, logits, threads);
-}
-
-// `specrpc_forward_row` of one logits row with the parts `skip` names left out (`Skip`: attention, the products, or
-// both), for `specrpc bench floor`'s account of where a forward's time goes: its logits are meaningless, and so are
-// the K/V it writes at positions start.. of `slot` where the products are left out.
-extern "C" int specrpc_forward_parts(const Model* m, const int64_t* tokens, int64_t T, int64_t start, int64_t slot,
-                                     float* logits, int threads, int skip) {
-    int64_t positions[64], slots[64];
-    const int64_t last = T - 1;
-    if (T < 1 || T > 64) return -1;
-    for (int64_t t = 0; t < T; ++t) {
-        positions[t] = start + t;
-        slots[t] = slot;
-    }
-    return forward(m, tokens, positions, slots, T, &last, 1, logits, threads, skip);
+    return forward(m, tokens, positions, slots, T, rows, n_logits, logits, threads, skip);
 }
 
 // The index of the first of equal maxima, as torch's argmax.

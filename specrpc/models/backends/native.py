@@ -153,7 +153,6 @@ class NativeStep:
         self._fn = lib.specrpc_forward
         self._row = lib.specrpc_forward_row
         self._greedy = lib.specrpc_greedy
-        self._parts = lib.specrpc_forward_parts
         group = lib.specrpc_int8_group()  # int8 weights: 4 (int8 activations, VNNI) or 1 (widened to float)
         block = lib.specrpc_int8_block()  # activation columns per scale (VNNI)
         keep: list[torch.Tensor] = []  # every tensor the struct points into, alive as long as self
@@ -351,12 +350,16 @@ class NativeStep:
         """tokens [T] int64 (T <= MAX_TOKENS) at positions start.. of `slot` (their K/V written there) → float32
         logits [num_logits, V] of the last ones (one row: its positions are made in the native call, no index
         tensors)."""
+        return self._run_row(tokens, start, slot, num_logits, 0)
+
+    def _run_row(self, tokens: torch.Tensor, start: int, slot: int, num_logits: int, skip: int) -> torch.Tensor:
+        """`run` with the parts `skip` names left out (0: none)."""
         count = tokens.shape[0]
         ids = tokens.to(torch.long).contiguous()  # [T]
         logits = torch.empty(num_logits, self.vocab)  # [num_logits, V]
         self._prefetch(count)
         if self._row(self._model_ref, ids.data_ptr(), count, start, slot, num_logits, logits.data_ptr(),
-                     torch.get_num_threads()) != 0:
+                     torch.get_num_threads(), skip) != 0:
             raise ValueError(self._out_of_range(count, 1))
         return logits
 
@@ -425,13 +428,7 @@ class NativeStep:
         """`run` of tokens [T] at positions start.. of `slot` with the parts `skip` names left out (`SKIP_ATTENTION`,
         `SKIP_PRODUCTS`, both): for timing where a forward's time goes (`specrpc bench floor`); no logits (they would
         be meaningless), and the K/V written there are meaningless too where the products are left out."""
-        count = tokens.shape[0]
-        ids = tokens.to(torch.long).contiguous()  # [T]
-        logits = torch.empty(1, self.vocab)  # [1, V] scratch
-        self._prefetch(count)
-        if self._parts(self._model_ref, ids.data_ptr(), count, start, slot, logits.data_ptr(),
-                       torch.get_num_threads(), skip) != 0:
-            raise ValueError(self._out_of_range(count, 1))
+        self._run_row(tokens, start, slot, 1, skip)
 
     def greedy(self, feed: torch.Tensor, start: int, slot: int, steps: int,
                transform: native.DraftTransform | None = None) -> torch.Tensor:
