@@ -264,11 +264,15 @@ class Route:
         return sum(native_reads(p, self.native_int8) for p in linears)
 
 
-def native_forward(step: native.NativeStep, mode: str, ahead: int, amx: bool, rows: list[BatchRow]) -> None:
-    """`rows` through the native step, every forward prefetching in `mode` `ahead` bytes ahead, its int8 products
-    on AMX tiles or not."""
+def native_setting(step: native.NativeStep, mode: str, ahead: int, amx: bool) -> None:
+    """Every forward of `step` prefetching in `mode` `ahead` bytes ahead, its int8 products on AMX tiles or not."""
     step.prefetch_everywhere(mode, ahead)
     step.model.amx_from = 1 if amx else 0
+
+
+def native_forward(step: native.NativeStep, mode: str, ahead: int, amx: bool, rows: list[BatchRow]) -> None:
+    """`rows` through the native step in that setting (`native_setting`)."""
+    native_setting(step, mode, ahead, amx)
     if len(rows) == 1:
         r = rows[0]
         step.run(r.ids, r.start, r.slot, r.num_logits)
@@ -278,8 +282,7 @@ def native_forward(step: native.NativeStep, mode: str, ahead: int, amx: bool, ro
 
 def native_parts(step: native.NativeStep, mode: str, ahead: int, amx: bool, skip: int, rows: list[BatchRow]) -> None:
     """One row through the native step as `native_forward` runs it, with the parts `skip` names left out."""
-    step.prefetch_everywhere(mode, ahead)
-    step.model.amx_from = 1 if amx else 0
+    native_setting(step, mode, ahead, amx)
     r = rows[0]
     step.run_parts(r.ids, r.start, r.slot, skip)
 
@@ -392,9 +395,9 @@ def measure_model(lm: LlamaLM, shapes: list[Shape], context: int, repeats: int) 
 
 def measure_parts(found: list[Route], paths: dict[str, dict[str, Any]], shapes: list[Shape], ids: torch.Tensor,
                   context: int, repeats: int) -> dict[str, Any]:
-    """Where the fastest native route's one-stream forwards spend their time: at each one-stream shape, the whole
-    forward and those `PARTS` leaves parts out of, interleaved (`interleaved_samples`), medians in ms; {} where the
-    native step is not among the routes."""
+    """Where the native route fastest at the first shape spends its one-stream forwards' time: at each one-stream
+    shape, the whole forward and those `PARTS` leaves parts out of, interleaved (`interleaved_samples`), medians in
+    ms; {} where the native step is not among the routes."""
     native_routes = [r for r in found if r.parts is not None]
     if not native_routes:
         return {}
@@ -513,8 +516,9 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{num(f['floor_steps'], 2)} | {num(f['steps'], 2)} |")
     parted = [m for m in results["models"] if m.get("parts")]
     if parted:
-        lines += ["", "Where a one-stream forward's time goes, the fastest native path at one token: the whole forward "
-                  "timed beside the same forward without attention, without its products and without either, "
+        lines += ["", "Where a one-stream forward's time goes, on the native path fastest at the first shape: the "
+                  "whole forward timed beside the same forward without attention, without its products and without "
+                  "either, "
                   "interleaved; products = the whole less the forward without them, attention likewise, the rest = "
                   "the forward without either (norms, rotary, quantizing activations, the waits between loops). "
                   "The parts overlap in the caches, so they need not add up to the whole.", "",
