@@ -76,12 +76,11 @@ def edits(text: str) -> dict[str, str]:
 @pytest.mark.parametrize("text", ["class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n"])
 def test_greedy_output_with_a_prediction_is_the_targets_and_copies_past_edited_lines(text: str) -> None:
     """The native step verifies up to 64 tokens at fp32 and the torch forward longer spans (a whole span of
-    MAX_SUGGESTION_TOKENS and the token before it); greedy output is the target-only output token for token either
-    way (fp32: exact, not a near-tie mode), with the span the policy chooses and with whole spans of
-    MAX_SUGGESTION_TOKENS. With those (a request's own k: no measured cost decides
-    the span, so the step count is fixed), a prediction equal to the output commits 150 tokens in a few verify
-    steps; one with a line deleted, inserted or changed still copies on after the edit (re-aligned), in far fewer
-    steps than the 149 plain decoding takes."""
+    MAX_SUGGESTION_TOKENS and the token before it); greedy output is the target-only output token for token either way
+    (fp32: exact, not a near-tie mode), with the span the policy chooses and with whole spans of MAX_SUGGESTION_TOKENS.
+    With those (a request's own k: no measured cost decides the span, so the step count is fixed), a prediction equal to
+    the output commits 150 tokens in a few verify steps; one with a line deleted, inserted or changed still copies on
+    after the edit (re-aligned), in far fewer steps than the 149 plain decoding takes."""
     engine = shipped_engine()
     prompt = list(tokenizer()(text).input_ids)
     plain, plain_stats = generate(engine, prompt, 150, 0)
