@@ -234,6 +234,35 @@ def test_first_measurements_move_the_calibrated_costs_gradually() -> None:
     assert costs.target_step_s == 0.030
 
 
+def test_a_draft_length_timed_under_load_and_never_chosen_again_comes_back_to_the_calibrated_shape() -> None:
+    """Drafts timed while other streams' work shared the cores (every length 5x its cost) make long drafts look
+    dear; a lone stream then drafts short, and the long lengths, never timed again, would stay dear for good. Once
+    stale, a length is read from the fresh ones through the calibrated shape, so the policy, drafting on its own
+    choices, returns to the k it chose before the burst within a few stale windows (with the stale rule off, it
+    stays at short drafts)."""
+
+    def run(stale_after: int) -> tuple[int, int, int]:
+        costs = CostModel(target_step_s=1.0, verify_s={n: 1.0 + 0.05 * (n - 1) for n in range(1, 10)},
+                          draft_s={k: 0.02 + 0.04 * k for k in range(1, 9)}, stale_after=stale_after)
+        policy = AdaptivePolicy(max_k=8, costs=costs, acceptance={"draft": AcceptanceEstimate(90, 100)})
+        before = policy.choose()
+        for _ in range(costs.window):  # the burst: every length timed at 5x
+            for k in range(1, 9):
+                costs.observe_draft(k, 5 * (0.02 + 0.04 * k))
+        during = policy.choose()
+        for _ in range(6 * stale_after if stale_after < 10**6 else 400):  # alone again: drafts at their cost
+            k = policy.choose()
+            if k:
+                costs.observe_draft(k, 0.02 + 0.04 * k)
+                costs.observe_target(k + 1, 1.0 + 0.05 * k)
+            costs.observe_target(1, 1.0)
+        return before, during, policy.choose()
+
+    before, during, after = run(stale_after=CostModel.stale_after)
+    assert during < before and after == before
+    assert run(stale_after=10**9)[2] < before  # never stale: the burst's costs stay
+
+
 def batch_costs(fixed_s: float, per_token_s: float, draft_s: float = 0.05) -> BatchCosts:
     """A batched target forward of n tokens takes fixed + n · per_token seconds (measured at a few sizes)."""
     return BatchCosts(target_s={n: fixed_s + per_token_s * n for n in (1, 2, 4, 8, 16, 36, 72, 144)},

@@ -50,17 +50,32 @@ class Refined:
 @dataclass
 class CostModel(Refined):
     """The device's step costs relative to one single-token target forward (seconds), each `Refined` from every
-    lone step's measurement."""
+    lone step's measurement.
+
+    A size the policy stops choosing is no longer measured, so what it last measured can stay wrong for good: drafts
+    timed while other streams' work shared the cores (a draft's many short forwards suffer most) kept a lone stream
+    that followed at shorter drafts than it had chosen before, the longer ones never timed again. A size not
+    measured in the last `stale_after` measurements of its table (drafts, verifies) is therefore stale: it is read
+    as the nearest fresh size's cost scaled by the two sizes' ratio in the costs as they stood before any step
+    refined them (the start-up calibration's shape), and its first measurement after that starts its refinement
+    afresh from that estimate."""
 
     target_step_s: float = 1e-3
     draft_step_s: float = 1e-4  # a drafted token's seconds, where `draft_s` has nothing measured
     verify_s: dict[int, float] = field(default_factory=dict)
     draft_prefill_s: float = 0.0  # seconds per token of a draft catching up on what it has not seen (a new prompt)
     draft_s: dict[int, float] = field(default_factory=dict)  # k → seconds of a speculative step's k drafted tokens
+    stale_after: int = 64  # a table's measurements after which a size not measured since is stale
+    _count: dict[str, int] = field(default_factory=lambda: {"v": 0, "d": 0}, repr=False, compare=False)  # by table
+    _last: dict[str, dict[int, int]] = field(default_factory=lambda: {"v": {}, "d": {}}, repr=False,
+                                             compare=False)  # by table, size → the table's count at its last
+    _stale: dict[str, set[int]] = field(default_factory=lambda: {"v": set(), "d": set()}, repr=False,
+                                        compare=False)  # by table, its stale sizes (kept by `_observe`)
+    _shape: dict[str, float] | None = field(default=None, repr=False, compare=False)  # key → seconds before refining
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         """A target forward over `tokens` positions (1 = plain decode, k+1 = verify) took `seconds`."""
-        value = self._refine(f"v{tokens}", self.verify_s.get(tokens), seconds)
+        value = self._observe(self.verify_s, tokens, "v", seconds)
         self.verify_s[tokens] = value
         if tokens == 1:
             self.target_step_s = value
@@ -70,7 +85,38 @@ class CostModel(Refined):
         right after the target's verify, when the target's weights have just passed through the caches: a draft of
         one token costs a third more than each of eight, a 2-core AMD EPYC at int8, so a cost per token taken from
         short drafts would price long ones too high, and from long ones short ones too low)."""
-        self.draft_s[k] = self._refine(f"d{k}", self.draft_s.get(k), seconds)
+        self.draft_s[k] = self._observe(self.draft_s, k, "d", seconds)
+
+    def _observe(self, table: dict[int, float], size: int, kind: str, seconds: float) -> float:
+        """`table`'s cost of `size` after measuring `seconds` (a stale size starts afresh from its estimate); the
+        table's stale sizes updated."""
+        if self._shape is None:  # the costs as calibrated (or remembered): the shape stale sizes are read with
+            self._shape = {**{f"v{n}": t for n, t in self.verify_s.items()},
+                           **{f"d{k}": t for k, t in self.draft_s.items()}}
+        key, old = f"{kind}{size}", table.get(size)
+        if old is not None and size in self._stale[kind]:
+            old = self._estimate(table, size, kind)
+            self._recent.pop(key, None)
+        count = self._count[kind] = self._count[kind] + 1
+        last = self._last[kind]
+        last[size] = count
+        self._stale[kind] = {n for n in table if count - last.get(n, 0) >= self.stale_after}
+        return self._refine(key, old, seconds)
+
+    def _seconds(self, table: dict[int, float], size: int, kind: str) -> float:
+        """Seconds of `size` in `table`: its own cost while fresh, else `_estimate`."""
+        return self._estimate(table, size, kind) if size in self._stale[kind] else table[size]
+
+    def _estimate(self, table: dict[int, float], size: int, kind: str) -> float:
+        """A stale size's seconds: the nearest fresh size's (the larger of two as near) scaled by their ratio in the
+        calibrated shape (by their sizes where the shape lacks either); its own where no size is fresh."""
+        fresh = [n for n in table if n not in self._stale[kind]]
+        if not fresh:
+            return table[size]
+        near = min(fresh, key=lambda n: (abs(n - size), -n))
+        shape = self._shape or {}
+        mine, theirs = shape.get(f"{kind}{size}"), shape.get(f"{kind}{near}")
+        return table[near] * (mine / theirs if mine and theirs else size / near)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A draft caught up on `tokens` tokens in `seconds`."""
@@ -95,11 +141,11 @@ class CostModel(Refined):
         """Drafting k tokens ÷ target step cost: measured, else scaled from the nearest k measured (the larger of
         two as near), else k `draft_step_s`."""
         if k in self.draft_s:
-            return self.draft_s[k] / self.target_step_s
+            return self._seconds(self.draft_s, k, "d") / self.target_step_s
         if not self.draft_s:
             return k * self.draft_step_s / self.target_step_s
         near = min(self.draft_s, key=lambda n: (abs(n - k), -n))
-        return self.draft_s[near] * k / near / self.target_step_s
+        return self._seconds(self.draft_s, near, "d") * k / near / self.target_step_s
 
     @property
     def c(self) -> float:
@@ -110,17 +156,18 @@ class CostModel(Refined):
     def v(self, k: int) -> float:
         """Verify cost of k+1 positions ÷ target step cost (interpolated when not yet measured)."""
         if k + 1 in self.verify_s:
-            return self.verify_s[k + 1] / self.target_step_s
+            return self._seconds(self.verify_s, k + 1, "v") / self.target_step_s
         known = sorted(self.verify_s)
         if not known:
             return 1.0
         below = max((n for n in known if n <= k + 1), default=known[0])
         above = min((n for n in known if n >= k + 1), default=known[-1])
+        low, high = self._seconds(self.verify_s, below, "v"), self._seconds(self.verify_s, above, "v")
         if below == above:
-            per_extra = (self.verify_s[below] / self.target_step_s - 1.0) / max(1, below - 1)
+            per_extra = (low / self.target_step_s - 1.0) / max(1, below - 1)
             return 1.0 + per_extra * k
         w = (k + 1 - below) / (above - below)
-        return ((1 - w) * self.verify_s[below] + w * self.verify_s[above]) / self.target_step_s
+        return ((1 - w) * low + w * high) / self.target_step_s
 
 
 @dataclass
