@@ -53,12 +53,11 @@ class CostModel(Refined):
     lone step's measurement.
 
     A size the policy stops choosing is no longer measured, so what it last measured can stay wrong for good: drafts
-    timed while other streams' work shared the cores (a draft's many short forwards suffer most) kept a lone stream
-    that followed at shorter drafts than it had chosen before, the longer ones never timed again. A size not
-    measured in the last `stale_after` measurements of its table (drafts, verifies) is therefore stale: it is read
-    as the nearest fresh size's cost scaled by the two sizes' ratio in the costs as they stood before any step
-    refined them (the start-up calibration's shape), and its first measurement after that starts its refinement
-    afresh from that estimate."""
+    timed while other streams' work shares the cores (a draft's many short forwards suffer most) would keep a lone
+    stream that follows at short drafts, the longer ones never timed again. A size not measured in the last
+    `stale_after` measurements of its table (drafts, verifies) is therefore stale: it is read as the nearest fresh
+    size's cost scaled by the two sizes' ratio in the costs as they stood before any step refined them (the start-up
+    calibration's shape), and its first measurement after that starts its refinement afresh from that estimate."""
 
     target_step_s: float = 1e-3
     draft_step_s: float = 1e-4  # a drafted token's seconds, where `draft_s` has nothing measured
