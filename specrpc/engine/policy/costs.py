@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,11 @@ class Refined:
         return seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
 
 
+def nearest(sizes: Iterable[int], size: int) -> int:
+    """The size in `sizes` nearest `size`, the larger of two as near."""
+    return min(sizes, key=lambda n: (abs(n - size), -n))
+
+
 @dataclass
 class CostModel(Refined):
     """The device's step costs relative to one single-token target forward (seconds), each `Refined` from every
@@ -70,7 +75,8 @@ class CostModel(Refined):
                                              compare=False)  # by table, size → the table's count at its last
     _stale: dict[str, set[int]] = field(default_factory=lambda: {"v": set(), "d": set()}, repr=False,
                                         compare=False)  # by table, its stale sizes (kept by `_observe`)
-    _shape: dict[str, float] | None = field(default=None, repr=False, compare=False)  # key → seconds before refining
+    _shape: dict[str, dict[int, float]] | None = field(default=None, repr=False,
+                                                      compare=False)  # by table, size → seconds before refining
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         """A target forward over `tokens` positions (1 = plain decode, k+1 = verify) took `seconds`."""
@@ -90,8 +96,7 @@ class CostModel(Refined):
         """`table`'s cost of `size` after measuring `seconds` (a stale size starts afresh from its estimate); the
         table's stale sizes updated."""
         if self._shape is None:  # the costs as calibrated (or remembered): the shape stale sizes are read with
-            self._shape = {**{f"v{n}": t for n, t in self.verify_s.items()},
-                           **{f"d{k}": t for k, t in self.draft_s.items()}}
+            self._shape = {"v": dict(self.verify_s), "d": dict(self.draft_s)}
         key, old = f"{kind}{size}", table.get(size)
         if old is not None and size in self._stale[kind]:
             old = self._estimate(table, size, kind)
@@ -112,9 +117,9 @@ class CostModel(Refined):
         fresh = [n for n in table if n not in self._stale[kind]]
         if not fresh:
             return table[size]
-        near = min(fresh, key=lambda n: (abs(n - size), -n))
-        shape = self._shape or {}
-        mine, theirs = shape.get(f"{kind}{size}"), shape.get(f"{kind}{near}")
+        near = nearest(fresh, size)
+        shape = self._shape[kind] if self._shape is not None else {}
+        mine, theirs = shape.get(size), shape.get(near)
         return table[near] * (mine / theirs if mine and theirs else size / near)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
@@ -143,7 +148,7 @@ class CostModel(Refined):
             return self._seconds(self.draft_s, k, "d") / self.target_step_s
         if not self.draft_s:
             return k * self.draft_step_s / self.target_step_s
-        near = min(self.draft_s, key=lambda n: (abs(n - k), -n))
+        near = nearest(self.draft_s, k)
         return self._seconds(self.draft_s, near, "d") * k / near / self.target_step_s
 
     @property
