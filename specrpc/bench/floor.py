@@ -518,10 +518,9 @@ def markdown(results: dict[str, Any]) -> str:
     if parted:
         lines += ["", "Where a one-stream forward's time goes, on the native path fastest at the first shape: the "
                   "whole forward timed beside the same forward without attention, without its products and without "
-                  "either, "
-                  "interleaved; products = the whole less the forward without them, attention likewise, the rest = "
-                  "the forward without either (norms, rotary, quantizing activations, the waits between loops). "
-                  "The parts overlap in the caches, so they need not add up to the whole.", "",
+                  "either, interleaved; products = the whole less the forward without them, attention likewise, the "
+                  "rest = the forward without either (norms, rotary, quantizing activations, the waits between "
+                  "loops). The parts overlap in the caches, so they need not add up to the whole.", "",
                   "| model | weights | path | tokens | ms | products ms | attention ms | rest ms |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for m in parted:
