@@ -115,6 +115,34 @@ async def test_readers_are_woken_off_the_device_thread(stub: pb_grpc.GeneratorSt
     assert wakers and set(wakers) == {"specrpc-waker"}, wakers
 
 
+async def test_a_request_cancelled_before_its_first_step_reports_its_prompt(stub: pb_grpc.GeneratorStub,
+                                                                            server: Running) -> None:
+    """A request a newer one on its session cancels while it waits for the device thread (its job submitted, not
+    started: the thread is held here) ends cancelled with its prompt's tokens in the summary, as one superseded
+    before it was submitted does, not 0 (an editor's keystrokes under load)."""
+    runtime = server.runtime
+    release = threading.Event()
+    held = runtime.scheduler.call(lambda: release.wait(10))
+    try:
+        first = asyncio.ensure_future(collect(stub.Generate(pb.GenerateRequest(
+            prompt=PROMPTS[0], max_new_tokens=4, session_id="held-keystrokes"))))
+        for _ in range(500):  # until the first job is handed to the held device thread
+            if runtime.registry.in_use:
+                break
+            await asyncio.sleep(0.01)
+        assert runtime.registry.in_use == 1
+        second = asyncio.ensure_future(collect(stub.Generate(pb.GenerateRequest(
+            prompt=PROMPTS[1], max_new_tokens=4, session_id="held-keystrokes"))))
+        await asyncio.sleep(0.2)  # its cancel of the first reaches the job before the thread does
+    finally:
+        release.set()
+    held.result(10)
+    (_, cancelled), (_, answered) = await first, await second
+    assert cancelled.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert cancelled.prompt_tokens == len(runtime.encode(PROMPTS[0])) > 0
+    assert answered.prompt_tokens == len(runtime.encode(PROMPTS[1]))
+
+
 def test_batching_setting_defaults_on_and_is_validated() -> None:
     assert build_config(None, env={}).engine.batching == "on"
     assert build_config(None, env={"SPECRPC_BATCHING": "off"}).engine.batching == "off"

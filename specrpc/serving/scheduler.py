@@ -487,6 +487,8 @@ class Scheduler:
     def _done(self, job: Job, finish: str, stop_sequence: str) -> Done:
         if job.generation is not None and job.request.prediction is not None:
             job.generation.count_prediction()  # once, whatever ended the request
-        stats = job.generation.stats if job.generation is not None else GenerationStats()
+        # a job cancelled before its first step has no generation: its prompt still counts, as a superseded one's
+        stats = (job.generation.stats if job.generation is not None
+                 else GenerationStats(prompt_tokens=len(job.request.prompt_ids)))
         return Done(finish, stats, stop_sequence, "".join(job.text), time.perf_counter(), job.arrival,
                     job.first_token_at, job.started_at)
