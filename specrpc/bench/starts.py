@@ -99,6 +99,7 @@ async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Cas
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         await wait_serving(channel, process)
         stub = pb_grpc.GeneratorStub(channel)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest())
         names = [*ours, *peers]
         rates: dict[str, list[float]] = {name: [] for name in names}
         tokens: dict[str, list[list[int]]] = {name: [] for name in names}
@@ -114,12 +115,18 @@ async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Cas
                 tokens[name].append(ids)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     out = {"median_tokens_per_s": medians, "rates": rates, "tokens": tokens,
-           "ratio": medians["adaptive"] / medians["k=0"] if medians["k=0"] else 0.0}
+           "ratio": medians["adaptive"] / medians["k=0"] if medians["k=0"] else 0.0,
+           "execution": {"target": paths_line(info.target_execution), "draft": paths_line(info.draft_execution)}}
     if peers:
         out["llama_cpp"] = against_peers(medians, tokens, list(peers))
     if intervals:
         out["intervals"] = against_server_interval(medians, intervals)
     return out
+
+
+def paths_line(paths: Any) -> str:
+    """`ExecutionPath`s in one line, as the server logs them ("1: native, prefetch none; 2-64: …")."""
+    return "; ".join(f"{p.tokens}: {p.path}" for p in paths)
 
 
 def against_server_interval(medians: dict[str, float], intervals: tuple[int, ...]) -> dict[str, dict[int, float]]:
@@ -250,6 +257,9 @@ def markdown(results: dict[str, Any]) -> str:
         m = s["median_tokens_per_s"]
         lines.append(f"| {i + 1} | {m['adaptive']:.1f} | {m['k=0']:.1f} | {s['ratio']:.2f}× |")
     sp = results["spread"]
+    lines += ["", "The paths each start chose at load (forward sizes: path), target / draft:", ""]
+    lines += [f"{i + 1}. {s['execution']['target']} / {s['execution']['draft'] or 'none'}"
+              for i, s in enumerate(results["starts"]) if "execution" in s]
     lines += ["", "Spread (min – median – max): " + "; ".join(
         f"{name} {v['min']:.1f} – {v['median']:.1f} – {v['max']:.1f}" for name, v in sp.items()), ""]
     if "llama_cpp" in results["starts"][0]:
