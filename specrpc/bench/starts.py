@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Cas
     return out
 
 
-def paths_line(paths: Any) -> str:
+def paths_line(paths: Iterable[pb.ExecutionPath]) -> str:
     """`ExecutionPath`s in one line, as the server logs them ("1: native, prefetch none; 2-64: …")."""
     return "; ".join(f"{p.tokens}: {p.path}" for p in paths)
 
@@ -259,7 +260,7 @@ def markdown(results: dict[str, Any]) -> str:
     sp = results["spread"]
     lines += ["", "The paths each start chose at load (forward sizes: path), target / draft:", ""]
     lines += [f"{i + 1}. {s['execution']['target']} / {s['execution']['draft'] or 'none'}"
-              for i, s in enumerate(results["starts"]) if "execution" in s]
+              for i, s in enumerate(results["starts"])]
     lines += ["", "Spread (min – median – max): " + "; ".join(
         f"{name} {v['min']:.1f} – {v['median']:.1f} – {v['max']:.1f}" for name, v in sp.items()), ""]
     if "llama_cpp" in results["starts"][0]:
