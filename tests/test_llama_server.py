@@ -163,8 +163,8 @@ def test_starts_mode_divides_each_modes_rate_at_a_requested_stream_interval_by_i
 def test_starts_mode_compares_each_start_with_llama_cpp_plain_and_its_best() -> None:
     """`--starts N --llama-server …`: per start, adaptive and k = 0 ÷ llama.cpp plain (the first peer), adaptive ÷
     the fastest of its settings in that start; identical where ours (stopping at end of text) starts its reply."""
-    from specrpc.bench.starts import against_peers, markdown, paths_line
-    from specrpc.v1 import generator_pb2 as pb
+    from specrpc.bench.starts import against_peers, markdown
+    from specrpc.models import execution_line
 
     plain, draft8, ngram = "llama.cpp t", "llama.cpp t + d draft-8-0.5", "llama.cpp t ngram-mod"
     medians = {"adaptive": 600.0, "k=3": 500.0, "k=0": 250.0, plain: 200.0, draft8: 240.0, ngram: 210.0}
@@ -175,9 +175,9 @@ def test_starts_mode_compares_each_start_with_llama_cpp_plain_and_its_best() -> 
     assert peer["adaptive_vs_plain"] == pytest.approx(3.0) and peer["adaptive_vs_best"] == pytest.approx(2.5)
     assert peer["k0_vs_plain"] == pytest.approx(1.25)
     assert peer["identical"] == {plain: 0.5, draft8: 1.0, ngram: 0.5}
-    paths = [pb.ExecutionPath(tokens="1", path="native, prefetch none"), pb.ExecutionPath(tokens="2+", path="torch")]
+    paths = [("1", "native, prefetch none"), ("2+", "torch")]
     start = {"median_tokens_per_s": medians, "ratio": 2.4, "llama_cpp": peer,
-             "execution": {"target": paths_line(paths), "draft": paths_line(paths[:1])}}
+             "execution": {"target": execution_line(paths), "draft": execution_line(paths[:1])}}
     spread = {name: {"min": 1.0, "median": 1.0, "max": 1.0} for name in ("adaptive", "k=3", "k=0")}
     table = markdown({"pair": "Pair: `x`", "starts": [start], "spread": spread, "cases": 2, "threads": 2,
                       "dtype": "float32", "weights": "dtype"})

@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from specrpc.bench.keystrokes import wait_serving
 from specrpc.bench.llama_server import LlamaServer, LlamaServerSpec
 from specrpc.bench.workloads import Case
 from specrpc.engine.sampling import SamplingParams
-from specrpc.models import load_tokenizer
+from specrpc.models import execution_line, load_tokenizer
 from specrpc.v1 import generator_pb2 as pb
 from specrpc.v1 import generator_pb2_grpc as pb_grpc
 
@@ -117,17 +116,13 @@ async def one_start(port: int, process: subprocess.Popen[bytes], cases: list[Cas
     medians = {name: statistics.median(values) for name, values in rates.items()}
     out = {"median_tokens_per_s": medians, "rates": rates, "tokens": tokens,
            "ratio": medians["adaptive"] / medians["k=0"] if medians["k=0"] else 0.0,
-           "execution": {"target": paths_line(info.target_execution), "draft": paths_line(info.draft_execution)}}
+           "execution": {name: execution_line((p.tokens, p.path) for p in paths)
+                         for name, paths in (("target", info.target_execution), ("draft", info.draft_execution))}}
     if peers:
         out["llama_cpp"] = against_peers(medians, tokens, list(peers))
     if intervals:
         out["intervals"] = against_server_interval(medians, intervals)
     return out
-
-
-def paths_line(paths: Iterable[pb.ExecutionPath]) -> str:
-    """`ExecutionPath`s in one line, as the server logs them ("1: native, prefetch none; 2-64: …")."""
-    return "; ".join(f"{p.tokens}: {p.path}" for p in paths)
 
 
 def against_server_interval(medians: dict[str, float], intervals: tuple[int, ...]) -> dict[str, dict[int, float]]:

@@ -3,7 +3,7 @@ fallback)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -73,6 +73,7 @@ class CausalLM(Protocol):
         ...
 
 
-def execution_line(model: CausalLM) -> str:
-    """`model.execution()` in one line, as the logs give it ("1: native, prefetch none; 2-16: …")."""
-    return "; ".join(f"{tokens}: {path}" for tokens, path in model.execution())
+def execution_line(rows: Iterable[tuple[str, str]]) -> str:
+    """`CausalLM.execution()`'s (tokens a forward, path) rows in one line, as the logs and the bench give them
+    ("1: native, prefetch none; 2-16: …")."""
+    return "; ".join(f"{tokens}: {path}" for tokens, path in rows)

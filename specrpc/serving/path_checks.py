@@ -42,7 +42,7 @@ class PathChecks:
             why = model.recheck(0, busy)
             if why:
                 chosen.append((name, why))
-                log.info("execution chosen again", model=name, why=why, execution=execution_line(model))
+                log.info("execution chosen again", model=name, why=why, execution=execution_line(model.execution()))
         self.cut = busy()
         return chosen
 

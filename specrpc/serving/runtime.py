@@ -197,7 +197,7 @@ class Runtime:
         self.models = {name: model for name, model in (("target", self.target), ("draft", self.draft))
                        if model is not None}  # those loaded, by role
         log.info("execution", deterministic=ec.deterministic,
-                 **{name: execution_line(model) for name, model in self.models.items()},
+                 **{name: execution_line(model.execution()) for name, model in self.models.items()},
                  chosen={name: model.chosen for name, model in self.models.items() if model.chosen})
         self.engine = Engine(self.target, self.draft, ec)
         self.registry = SessionRegistry(self.engine, ec.max_sessions, config.server.session_ttl_s)
