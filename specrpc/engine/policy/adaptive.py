@@ -154,20 +154,16 @@ class AdaptivePolicy:
         if batch is not None:
             plain = self._batch_rate(0, source, a, batch)
             return [1.0] + [self._batch_rate(k, source, a, batch) / plain for k in range(1, cap + 1)]
-        terms = self._solo_terms(source)
-        return [1.0] + [self._solo(k, source, a, terms) for k in range(1, cap + 1)]
+        return self._solo(source, a, cap)
 
-    def _solo_terms(self, source: str) -> tuple[float, float]:
-        """What a solo step's S(k) takes besides α, D(k) and V(k): 1 + the plain step's host time and the source's
-        host time, in target steps."""
-        return 1.0 + self._host("plain"), self._host(host_kind(source))
-
-    def _solo(self, k: int, source: str, alpha: float, terms: tuple[float, float]) -> float:
-        """A lone step's S(k) = E(α, k) (1 + h_plain) / (D(k) + V(k) + h_source), `terms` from `_solo_terms`;
-        D(k) for the draft model, nothing for prompt lookup."""
-        plain, host = terms
-        drafting = self.costs.d(k) if source == "draft" else 0.0
-        return expected_tokens(alpha, k) * plain / (drafting + self.costs.v(k) + host)
+    def _solo(self, source: str, alpha: float, cap: int) -> list[float]:
+        """A lone step's S(k) for k = 0 .. cap: E(α, k) (1 + h_plain) / (D(k) + V(k) + h_source), 1 at k = 0; D(k)
+        for the draft model, nothing for prompt lookup."""
+        plain, host = 1.0 + self._host("plain"), self._host(host_kind(source))
+        drafts, verifies = self.costs.ratios(max(cap, self.max_k))
+        drafted = source == "draft"
+        return [1.0] + [expected_tokens(alpha, k) * plain / ((drafts[k] if drafted else 0.0) + verifies[k] + host)
+                        for k in range(1, cap + 1)]
 
     def _host(self, kind: str) -> float:
         """Host time of a step of `kind` (`HostTimes.of`) ÷ the target step's."""
@@ -182,7 +178,7 @@ class AdaptivePolicy:
             return 1.0
         if batch is not None:
             return self._batch_rate(k, source, a, batch) / self._batch_rate(0, source, a, batch)
-        return self._solo(k, source, a, self._solo_terms(source))
+        return self._solo(source, a, k)[k]
 
     @staticmethod
     def _batch_rate(k: int, source: str, alpha: float, batch: BatchLoad) -> float:

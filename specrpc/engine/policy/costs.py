@@ -77,6 +77,8 @@ class CostModel(Refined):
                                         compare=False)  # by table, its stale sizes (kept by `_observe`)
     _shape: dict[str, dict[int, float]] | None = field(default=None, repr=False,
                                                       compare=False)  # by table, size → seconds before refining
+    _ratios: tuple[tuple[Any, ...], list[float], list[float]] | None = field(
+        default=None, repr=False, compare=False)  # `ratios`' last: the costs it was read from, D and V
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         """A target forward over `tokens` positions (1 = plain decode, k+1 = verify) took `seconds`."""
@@ -150,6 +152,17 @@ class CostModel(Refined):
             return k * self.draft_step_s / self.target_step_s
         near = nearest(self.draft_s, k)
         return self._seconds(self.draft_s, near, "d") * k / near / self.target_step_s
+
+    def ratios(self, cap: int) -> tuple[list[float], list[float]]:
+        """(D, V): `d(k)` and `v(k)` for k = 0 .. at least `cap`, kept while the costs stay as they were read (a
+        step's planning weighs every k of a source two or three times between two measurements; a stale size's
+        estimate is a search of its table each time)."""
+        state = (self._count["v"], self._count["d"], self.target_step_s, self.draft_step_s,
+                 tuple(self.verify_s.items()), tuple(self.draft_s.items()))
+        kept = self._ratios
+        if kept is None or kept[0] != state or len(kept[1]) <= cap:
+            kept = self._ratios = (state, [self.d(k) for k in range(cap + 1)], [self.v(k) for k in range(cap + 1)])
+        return kept[1], kept[2]
 
     @property
     def c(self) -> float:

@@ -97,6 +97,12 @@ at 32768 against 0.81-0.95 at the others and 0.47 at one token, and calibration 
 (`Model.prefetch_ahead`)."""
 
 
+def long_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens` as the contiguous int64 the native calls read (themselves where they are: the engine's own; a
+    conversion op is a few microseconds each after a forward has flushed the caches)."""
+    return tokens if tokens.dtype == torch.long and tokens.is_contiguous() else tokens.to(torch.long).contiguous()
+
+
 def setting_label(mode: str, ahead: int) -> str:
     """A prefetch setting as logs and tables name it: the mode, with its distance where it prefetches."""
     return mode if mode == "none" else f"{mode} {ahead} B ahead"
@@ -220,6 +226,7 @@ class NativeStep:
         self._layers = layers
         self._keep = keep
         self._model_ref = ctypes.byref(self.model)
+        self._scratch = torch.empty(self.vocab)  # [V] a greedy draft's logits, each step's in turn
 
     def _setting(self, count: int) -> tuple[str, int]:
         """The prefetch mode and distance of a forward of `count` tokens."""
@@ -355,7 +362,7 @@ class NativeStep:
     def _run_row(self, tokens: torch.Tensor, start: int, slot: int, num_logits: int, skip: int) -> torch.Tensor:
         """`run` with the parts `skip` names left out (0: none)."""
         count = tokens.shape[0]
-        ids = tokens.to(torch.long).contiguous()  # [T]
+        ids = long_ids(tokens)  # [T]
         logits = torch.empty(num_logits, self.vocab)  # [num_logits, V]
         self._prefetch(count)
         if self._row(self._model_ref, ids.data_ptr(), count, start, slot, num_logits, logits.data_ptr(),
@@ -381,7 +388,7 @@ class NativeStep:
     def run_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
         """Several rows (distinct slots, MAX_TOKENS tokens in all at most) in one native forward, each token through
         the same products as alone: per row float32 logits [num_logits, V] of its last tokens."""
-        ids = torch.cat([r.ids for r in rows]).to(torch.long).contiguous()  # [T]
+        ids = long_ids(torch.cat([r.ids for r in rows]))  # [T]
         # the index tensors from Python lists, one tensor each: a handful of tokens a row, where a tensor op per row
         # costs more than the list
         counts = [r.ids.shape[0] for r in rows]
@@ -436,9 +443,8 @@ class NativeStep:
         each fed the argmax of the one before (their K/V written there too): the argmaxes int64 [steps + 1], after
         the feed and after each step, one call for the whole draft; of the logits as `transform` leaves them at each
         position where it is given (its scratch row is set here)."""
-        ids = feed.to(torch.long).contiguous()  # [F]
+        ids = long_ids(feed)  # [F]
         out = torch.empty(steps + 1, dtype=torch.long)  # [steps + 1]
-        scratch = torch.empty(self.vocab)  # [V]
         shaped = None
         if transform is not None:
             row = torch.empty(self.vocab)  # [V] the logits transformed, each step's in turn
@@ -446,7 +452,7 @@ class NativeStep:
             shaped = ctypes.byref(transform)
         self._prefetch(1)  # a draft is one-token steps after its feed
         if self._greedy(self._model_ref, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
-                        scratch.data_ptr(), torch.get_num_threads(), shaped) != 0:
+                        self._scratch.data_ptr(), torch.get_num_threads(), shaped) != 0:
             raise ValueError(f"native greedy draft: {ids.shape[0]} tokens fed at position {start} of slot {slot}, "
                              f"then {steps} steps: out of range")
         return out

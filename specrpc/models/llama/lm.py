@@ -488,16 +488,19 @@ class LlamaLM:
         if not 1 <= num_logits <= count:
             raise ValueError(f"num_logits must be in 1..{count}, got {num_logits}")
         self.cache.begin_write(slot, start, count)
-        with torch.inference_mode():
-            if self.graphs is not None and self.graphs.covers(count, num_logits):
+        # the native step's calls write into buffers outside autograd (no inference mode to enter: entering it was a
+        # tenth of a lone int8 step's host time, right after a forward has flushed the caches)
+        if self.graphs is not None and self.graphs.covers(count, num_logits):
+            with torch.inference_mode():
                 logits = self.graphs.forward(ids, start, slot, num_logits)
-            elif self.native is not None and count <= self.native_rows:
-                logits = self.native.run(ids, start, slot, num_logits)  # [num_logits, V]
-            elif self.native is not None and self.chunks_native() and num_logits <= native.MAX_TOKENS:
-                # int8 prefill: native chunks take half the time of torch's products on dequantized weights, and
-                # compute as decoding does (which --deterministic needs too)
-                logits = self.native.run_chunks(ids, start, slot, num_logits)  # [num_logits, V]
-            else:
+        elif self.native is not None and count <= self.native_rows:
+            logits = self.native.run(ids, start, slot, num_logits)  # [num_logits, V]
+        elif self.native is not None and self.chunks_native() and num_logits <= native.MAX_TOKENS:
+            # int8 prefill: native chunks take half the time of torch's products on dequantized weights, and
+            # compute as decoding does (which --deterministic needs too)
+            logits = self.native.run_chunks(ids, start, slot, num_logits)  # [num_logits, V]
+        else:
+            with torch.inference_mode():
                 logits = eager.run(self.weights, self.cache, ids, start, slot, num_logits, self.buckets)
         self.cache.commit(slot, start + count)
         return logits
@@ -512,12 +515,12 @@ class LlamaLM:
             return [self.forward(r.ids, r.start, r.slot, r.num_logits)]
         for r in rows:
             self.cache.begin_write(r.slot, r.start, r.ids.shape[0])
-        with torch.inference_mode():
-            step = self.native
-            if step is not None and (sum(r.ids.shape[0] for r in rows) <= self.native_rows or (
-                    self.chunks_native() and all(r.num_logits <= native.MAX_TOKENS for r in rows))):
-                logits = step.run_rows(rows)  # each row's tokens through the products they take alone
-            else:
+        step = self.native
+        if step is not None and (sum(r.ids.shape[0] for r in rows) <= self.native_rows or (
+                self.chunks_native() and all(r.num_logits <= native.MAX_TOKENS for r in rows))):
+            logits = step.run_rows(rows)  # each row's tokens through the products they take alone
+        else:
+            with torch.inference_mode():
                 logits = eager.run_rows(self.weights, self.cache, rows)  # [num_logits, V] per row
         for r in rows:
             self.cache.commit(r.slot, r.start + r.ids.shape[0])
@@ -546,8 +549,7 @@ class LlamaLM:
             return None
         count = ids.shape[0] + k - 1
         self.cache.begin_write(slot, start, count)
-        with torch.inference_mode():
-            tokens = self.native.greedy(ids, start, slot, k - 1, transform)  # [k]
+        tokens = self.native.greedy(ids, start, slot, k - 1, transform)  # [k]
         self.cache.commit(slot, start + count)
         return tokens
 
