@@ -225,6 +225,31 @@ def test_a_draft_costs_what_was_measured_at_its_length() -> None:
     assert policy.speedup(1) == pytest.approx(1.8 / 1.4)
 
 
+def test_the_table_a_step_reads_follows_every_change_of_the_costs() -> None:
+    """`ratios` (what a step's planning reads every k from) equals `d` and `v` at each k after measurements, stale
+    sizes read through their estimate, and writes straight into the tables (as calibration makes them)."""
+    costs = CostModel(target_step_s=1.0, draft_step_s=0.2, verify_s={1: 1.0, 2: 1.1, 5: 1.6}, draft_s={1: 0.3},
+                      stale_after=3)
+
+    def table() -> tuple[list[float], list[float]]:
+        return [costs.d(k) for k in range(9)], [costs.v(k) for k in range(9)]
+
+    def read() -> tuple[list[float], list[float]]:
+        drafts, verifies = costs.ratios(8)
+        return drafts[:9], verifies[:9]
+
+    assert read() == table()
+    for width, seconds in ((2, 1.3), (2, 1.2), (3, 1.4), (2, 1.25), (3, 1.45), (2, 1.2)):  # 1 and 5 go stale
+        costs.observe_target(width, seconds)
+        assert read() == table()
+    costs.observe_draft(4, 0.9)
+    assert read() == table()
+    costs.verify_s[2] = 3.0  # a direct write to a fresh size: nothing counted, the same sizes
+    assert read() == table() and read()[1][1] == pytest.approx(3.0)
+    costs.target_step_s = 2.0
+    assert read() == table() and read()[1][1] == pytest.approx(1.5)
+
+
 def test_first_measurements_move_the_calibrated_costs_gradually() -> None:
     costs = CostModel(target_step_s=0.010, verify_s={1: 0.010})
     costs.observe_target(1, 0.020)
