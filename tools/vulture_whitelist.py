@@ -23,3 +23,4 @@ _.prefetch  # native.Model field, read by decode.cpp
 _.prefetch_ahead  # native.Model field, read by decode.cpp
 _.bonus  # VerifyResult field
 _.pass_tokens  # a native.Model struct field, read by decode.cpp
+_.scratch  # a native.DraftTransform struct field, read by decode.cpp
