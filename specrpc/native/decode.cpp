@@ -800,7 +800,11 @@ static inline void silu_gate(float* row, int64_t ffn, int64_t i0, int64_t n) {
 template <int NQ, int DC>
 static inline void dots16_full(const float* const* q, const float* __restrict k, v16* e) {
     constexpr int KEYS = (REGS == 32 ? 16 : 4) / NQ;  // key rows whose NQ sums the registers hold at once
-    v16 a[NQ][16];
+    // where a pass holds a half of the block or more, each half's sums fold (`reduce8`) as soon as they are complete,
+    // so that no more than a pass's sums are live at once; else the passes' sums are kept for `reduce16`
+    constexpr bool HALVES = KEYS >= 8;
+    v16 a[NQ][HALVES ? 1 : 16];
+    decltype(reduce8(a[0])) half[NQ][2];
 #pragma GCC unroll 4
     for (int i0 = 0; i0 < 16; i0 += KEYS) {
         v16 g[NQ][KEYS];
@@ -821,12 +825,21 @@ static inline void dots16_full(const float* const* q, const float* __restrict k,
             }
         }
 #pragma GCC unroll 2
-        for (int n = 0; n < NQ; ++n)
+        for (int n = 0; n < NQ; ++n) {
+            if constexpr (HALVES) {
+#pragma GCC unroll 2
+                for (int h = 0; h < KEYS / 8; ++h) half[n][i0 / 8 + h] = reduce8(g[n] + 8 * h);
+            } else {
 #pragma GCC unroll 16
-            for (int i = 0; i < KEYS; ++i) a[n][i0 + i] = g[n][i];
+                for (int i = 0; i < KEYS; ++i) a[n][i0 + i] = g[n][i];
+            }
+        }
     }
 #pragma GCC unroll 2
-    for (int n = 0; n < NQ; ++n) e[n] = reduce16(a[n]);
+    for (int n = 0; n < NQ; ++n) {
+        if constexpr (HALVES) e[n] = join16(half[n][0], half[n][1]);
+        else e[n] = reduce16(a[n]);
+    }
 }
 
 // q . k[i] for the key rows i in [first, count) of a block of 16 at `k` (stride dh; the other lanes are 0): each the
@@ -915,13 +928,17 @@ static inline void softmax(float* s, int64_t lo, int64_t hi) {
 }
 
 constexpr int64_t QUERIES = 16;  // queries a job attends together: each key and value row read from memory once for all
-constexpr int64_t IN_REGISTERS = REGS == 32 ? 4 : 1;  // queries whose weighted sums the registers hold at once
+// Queries whose weighted sums the registers hold at once, DC vectors each: 24 sums (the value row's chunks are
+// operands of the multiply-adds, read from the L1 cache), so six queries at dh = 64 and three at dh = 128. (Four at
+// dh = 64 took a 5-token verify's 10 queries a job in three passes over each value tile instead of two: its attention
+// 1.14x the time at 1,900 positions on a Zen 4, one thread, `attend` alone.)
+constexpr int held_queries(int dc) { return REGS != 32 ? 1 : 24 / dc > 6 ? 6 : 24 / dc < 1 ? 1 : 24 / dc; }
 constexpr int64_t VALUE_TILE = 64;   // value rows a tile: 16 KB at dh = 64, read from the L1 cache by each group
 
 // acc[j] += w[j][p] v[p] for the NJ queries j and the positions p in [a, b), which each of them attends: one fused
 // multiply-add per position in order, no range checks.
 template <int NJ, int DC>
-static inline void weigh_all(const float* __restrict vh, float* const* w, v16 (&acc)[IN_REGISTERS][DC], int64_t a,
+static inline void weigh_all(const float* __restrict vh, float* const* w, v16 (&acc)[held_queries(DC)][DC], int64_t a,
                              int64_t b) {
     for (int64_t p = a; p < b; ++p) {
         const float* v = vh + p * DC * 16;
@@ -934,19 +951,29 @@ static inline void weigh_all(const float* __restrict vh, float* const* w, v16 (&
     }
 }
 
+// `weigh_all` for nj (1 .. NJ) queries, nj chosen at run time.
+template <int DC, int NJ = held_queries(DC)>
+static inline void weigh_some(int64_t nj, const float* __restrict vh, float* const* w,
+                              v16 (&acc)[held_queries(DC)][DC], int64_t a, int64_t b) {
+    if constexpr (NJ > 1)
+        if (nj < NJ) return weigh_some<DC, NJ - 1>(nj, vh, w, acc, a, b);
+    weigh_all<NJ, DC>(vh, w, acc, a, b);
+}
+
 // out[j] (DC vectors) = sum of w[j][p] v[p] for the queries j < n over positions p in [lo_all, hi_all), each query only
 // within its own [lo[j], hi[j]): one fused multiply-add per position in order, so the same bits whatever else is
-// attended. Tiles of VALUE_TILE rows are read once from the outer caches for all n queries, IN_REGISTERS queries at a
-// time (their sums carried in `out` from tile to tile); the positions all of them attend without range checks.
+// attended. Tiles of VALUE_TILE rows are read once from the outer caches for all n queries, `held_queries` at a time
+// (their sums carried in `out` from tile to tile); the positions all of them attend without range checks.
 template <int DC>
 static inline void weigh_values(const float* __restrict vh, float* const* w, float* const* out, const int64_t* lo,
                                 const int64_t* hi, int64_t n, int64_t lo_all, int64_t hi_all) {
+    constexpr int64_t HELD = held_queries(DC);
     for (int64_t j = 0; j < n; ++j) std::memset(out[j], 0, DC * sizeof(v16));
     for (int64_t p0 = lo_all; p0 < hi_all; p0 += VALUE_TILE) {
         const int64_t p1 = hi_all - p0 < VALUE_TILE ? hi_all : p0 + VALUE_TILE;
-        for (int64_t j0 = 0; j0 < n; j0 += IN_REGISTERS) {
-            const int64_t nj = n - j0 < IN_REGISTERS ? n - j0 : IN_REGISTERS;
-            v16 acc[IN_REGISTERS][DC];
+        for (int64_t j0 = 0; j0 < n; j0 += HELD) {
+            const int64_t nj = n - j0 < HELD ? n - j0 : HELD;
+            v16 acc[HELD][DC];
             for (int64_t j = 0; j < nj; ++j) std::memcpy(acc[j], out[j0 + j], sizeof acc[j]);
             int64_t a = p0, b = p1;  // [a, b): the positions of the tile every query of the group attends
             for (int64_t j = j0; j < j0 + nj; ++j) {
@@ -959,7 +986,7 @@ static inline void weigh_values(const float* __restrict vh, float* const* w, flo
                     const float* v = vh + p * DC * 16;
                     v16 vr[DC];
                     for (int c = 0; c < DC; ++c) vr[c] = load16(v + c * 16);
-                    for (int j = 0; j < IN_REGISTERS; ++j) {
+                    for (int j = 0; j < HELD; ++j) {
                         if (j >= nj || p < lo[j0 + j] || p >= hi[j0 + j]) continue;
                         const v16 wj = splat(w[j0 + j][p]);
                         for (int c = 0; c < DC; ++c) acc[j][c] = fma16(wj, vr[c], acc[j][c]);
@@ -967,17 +994,7 @@ static inline void weigh_values(const float* __restrict vh, float* const* w, flo
                 }
             };
             checked(p0, a);
-            static_assert(IN_REGISTERS == 4 || IN_REGISTERS == 1, "weigh_all's cases");
-            if constexpr (IN_REGISTERS == 4) {
-                switch (nj) {
-                    case 4: weigh_all<4>(vh, w + j0, acc, a, b); break;
-                    case 3: weigh_all<3>(vh, w + j0, acc, a, b); break;
-                    case 2: weigh_all<2>(vh, w + j0, acc, a, b); break;
-                    default: weigh_all<1>(vh, w + j0, acc, a, b); break;
-                }
-            } else {
-                weigh_all<1>(vh, w + j0, acc, a, b);
-            }
+            weigh_some<DC>(nj, vh, w + j0, acc, a, b);
             checked(b, p1);
             for (int64_t j = 0; j < nj; ++j) std::memcpy(out[j0 + j], acc[j], sizeof acc[j]);
         }

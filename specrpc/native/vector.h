@@ -104,22 +104,25 @@ static inline float hmax16(v16 x) {  // the largest of x's 16 lanes
 
 // Lane i of the result = T(a[i]). Per vector s_i = lo + hi; pairs of s's are split at 4 lanes (permute2f128) and
 // added, then quartets at 2 lanes and octets at 1 (shufflevector within 128-bit lanes), which leaves the sums in the
-// order 0 2 4 6 1 3 5 7 of each 8, put back in order by one permutation.
-static inline v16 reduce16(const v16* a) {
-    __m256 s[16], t[8], u[4], r[2];
-    for (int i = 0; i < 16; ++i) s[i] = _mm256_add_ps(a[i].lo, a[i].hi);
-    for (int m = 0; m < 8; ++m)  // [t_{2m} (lanes 0..3), t_{2m+1} (0..3)]: s_j + s_{j+4}
+// order 0 2 4 6 1 3 5 7 of each 8, put back in order by one permutation. Each half of the tree is its own: `reduce8`
+// of a[0 .. 7] and of a[8 .. 15], then `join16` (here the two halves side by side), the same operations in either way.
+static inline __m256 reduce8(const v16* a) {  // lanes 0..7 of T(a[0]) .. T(a[7]), in the half's order (see join16)
+    __m256 s[8], t[4], u[2];
+    for (int i = 0; i < 8; ++i) s[i] = _mm256_add_ps(a[i].lo, a[i].hi);
+    for (int m = 0; m < 4; ++m)  // [t_{2m} (lanes 0..3), t_{2m+1} (0..3)]: s_j + s_{j+4}
         t[m] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * m], s[2 * m + 1], 0x20),
                              _mm256_permute2f128_ps(s[2 * m], s[2 * m + 1], 0x31));
-    for (int m = 0; m < 4; ++m)  // [u_{4m} u_{4m+2} | u_{4m+1} u_{4m+3}], two lanes each: t_j + t_{j+2}
+    for (int m = 0; m < 2; ++m)  // [u_{4m} u_{4m+2} | u_{4m+1} u_{4m+3}], two lanes each: t_j + t_{j+2}
         u[m] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * m], t[2 * m + 1], 0x44),
                              _mm256_shuffle_ps(t[2 * m], t[2 * m + 1], 0xEE));
-    for (int m = 0; m < 2; ++m)  // [r_{8m} r_{8m+2} r_{8m+4} r_{8m+6} | r_{8m+1} ...]: u_0 + u_1
-        r[m] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * m], u[2 * m + 1], 0x88),
-                             _mm256_shuffle_ps(u[2 * m], u[2 * m + 1], 0xDD));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    return {_mm256_permutevar8x32_ps(r[0], order), _mm256_permutevar8x32_ps(r[1], order)};
+    // [r_0 r_2 r_4 r_6 | r_1 ...]: u_0 + u_1, put in order
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
+
+static inline v16 join16(__m256 lo, __m256 hi) { return {lo, hi}; }
+
+static inline v16 reduce16(const v16* a) { return join16(reduce8(a), reduce8(a + 8)); }
 
 #else
 
@@ -184,20 +187,25 @@ static inline v16 fold(v16 x, v16 y, vi16 lo, vi16 hi) {  // lanes `lo` of x:y p
     return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
 }
 
-static inline v16 reduce16(const v16* a) {
-    v16 b[8], c[4], d[2];
-    for (int m = 0; m < 8; ++m)  // 16 vectors of 16 partial sums → 8 of 2 × 8
+// Each half of the tree is its own: `reduce8` of a[0 .. 7] and of a[8 .. 15], then `join16`.
+static inline v16 reduce8(const v16* a) {  // 8 vectors of 16 partial sums → one of 8 × 2 (reduce16's third level)
+    v16 b[4], c[2];
+    for (int m = 0; m < 4; ++m)  // → 4 of 2 × 8
         b[m] = fold(a[2 * m], a[2 * m + 1], vi16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
                     vi16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
-    for (int m = 0; m < 4; ++m)  // → 4 of 4 × 4
+    for (int m = 0; m < 2; ++m)  // → 2 of 4 × 4
         c[m] = fold(b[2 * m], b[2 * m + 1], vi16{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
                     vi16{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
-    for (int m = 0; m < 2; ++m)  // → 2 of 8 × 2
-        d[m] = fold(c[2 * m], c[2 * m + 1], vi16{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
-                    vi16{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-    return fold(d[0], d[1], vi16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},  // → 16 sums, in order
+    return fold(c[0], c[1], vi16{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},  // → 8 × 2
+                vi16{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+}
+
+static inline v16 join16(v16 lo, v16 hi) {  // two halves' `reduce8` → 16 sums, in order
+    return fold(lo, hi, vi16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
                 vi16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
+
+static inline v16 reduce16(const v16* a) { return join16(reduce8(a), reduce8(a + 8)); }
 
 // The sum of x's 16 lanes, in reduce16's tree (x plus x with its halves swapped, then quarters, pairs, neighbours).
 static inline float hsum16(v16 x) {
