@@ -185,8 +185,8 @@ def test_int8_and_deterministic_prompts_and_wide_batches_run_native_as_decoding_
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -> None:
-    """Every prefetch mode (none, non-temporal, temporal), prefetch distance and cap on the tokens a pass over the
-    weights takes gives the same logits bit for bit, for a decode step, a verify and a prompt chunk: which one runs
+    """Every prefetch mode (none, non-temporal, temporal, outer), prefetch distance and cap on the tokens a pass over
+    the weights takes gives the same logits bit for bit, for a decode step, a verify and a prompt chunk: which one runs
     is a speed choice made at load, never a numerical one."""
     requires_native()
     cpu = torch.device("cpu")

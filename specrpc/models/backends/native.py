@@ -268,8 +268,8 @@ class NativeStep:
         (`prefetch_one`, `ahead_one`, `prefetch_many`, `ahead_many`): whether to read the weights past the caches,
         and how far ahead, depends on the CPU's caches and prefetchers and the model, and no byte count knows them.
         Writes K/V at positions below context + `VERIFY_TOKENS` of `slot`, which the caller holds empty. `repeats`
-        rounds of the 9 settings (a start-up cost on a 2-core AMD EPYC, Zen 4: 0.73-0.78 s for the shipped float32
-        target, 0.14-0.15 s at int8).
+        rounds of the 13 settings (a start-up cost on a 2-core AMD EPYC, Zen 4: 1.09-1.22 s for the shipped
+        float32 target, 0.20-0.29 s at int8; without "outer" 0.71-0.87 s and 0.14-0.17 s).
         Returns those seconds per shape and setting (`setting_label`; empty where the cache has no room to measure,
         the guess kept)."""
         context = min(context, self.model.capacity - VERIFY_TOKENS)
