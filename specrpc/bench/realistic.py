@@ -40,8 +40,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def build_engine(pair: str, scale: int, device: torch.device, dtype: torch.dtype, max_context: int,
                  seed: int = 0, weights: str = "dtype") -> Engine:
-    """Target and draft of `pair` with random weights (one slot each), CUDA graphs for draft and verify steps;
-    `weights` int8 / bf16: weight-only int8 / bf16 projections (CPU)."""
+    """Target and draft of `pair` with random weights (one slot each), CUDA graphs for draft and verify steps, on a
+    CPU the native step where it runs (as served); `weights` int8 / bf16: weight-only int8 / bf16 projections (CPU)."""
     target_name, draft_name = PAIRS[pair]
     capacity = max_context + 8 + 1
     cuda = device.type == "cuda"  # as the server runs there: graphs, padded eager shapes, one-replay draft loops
@@ -52,6 +52,10 @@ def build_engine(pair: str, scale: int, device: torch.device, dtype: torch.dtype
     t0 = time.perf_counter()
     target = random_lm(config(target_name, scale), target_name, seed=seed, **kw)
     draft = random_lm(config(draft_name, scale), draft_name, seed=seed + 1, draft_loop_steps=7 if cuda else 0, **kw)
+    if device.type == "cpu":  # the server's CPU paths (`LlamaLM.load` with native decode, its default)
+        for lm in (target, draft):
+            if not lm.use_native() and lm.decode_tunable():
+                lm.tune_decode()
     print(f"{pair} (scale 1/{scale}): built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return Engine(target, draft, EngineConfig(max_sessions=1, max_context=max_context, max_draft_tokens=8,
                                               proposer="draft", prefill_chunk=512))
