@@ -430,7 +430,8 @@ class Engine:
             if timing is not None:
                 policy.observe_step(proposal.estimate if len(proposal) else "plain",
                                     time.perf_counter() - timing.start, len(result.tokens), proposal.catch_up_s,
-                                    share=gen.fixed_k is None)
+                                    share=gen.fixed_k is None,
+                                    drafts=0 if proposal.forced else len(proposal))  # (forced: counted as drawn)
         step = gen.commit(tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)
         self._roll_back(gen)
         if proposal.source == "suggestion":

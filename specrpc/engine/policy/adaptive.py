@@ -11,8 +11,12 @@ where it would first catch up on a prompt it never saw, until that costs at most
 
 The model can miss costs it does not see (a draft catching up after sitting out, a GPU stalling on a shape met for
 the first time, host work between kernels, a draft evicting the target's weights from a cache), so the policy also
-keeps the realized seconds per committed token of each proposer's whole steps and switches a proposer off when it is
-not faster than plain decoding in fact. While a proposer is off, what was measured before is stale: each probe
+keeps the realized seconds per token of each proposer's whole steps and switches a proposer off when it is not
+faster than plain decoding in fact. A drafted step's tokens are counted at their expectation E(α, k) at the
+acceptance estimated so far, not as drawn: the rate judges what the steps cost, over a few steps, and α judges the
+draws, over many (counted as drawn, a few unlucky drafts in a row switched off a draft 1.3× faster than plain
+decoding at α 0.8, for a fifth to a quarter of the steps, and each probe that drew badly kept it off for
+`probe_every` more). While a proposer is off, what was measured before is stale: each probe
 restarts its realized rate from the probe's own step, so a proposer comes back at the first good probe once the
 stall is gone, and stays off while probes are slow. Until a session has steps of its own, it judges by the device's
 (`SharedRates`: every session's solo steps), so a server whose draft does not pay in fact does not pay again for
@@ -74,15 +78,16 @@ class AcceptanceEstimate:
 
 @dataclass
 class RealizedRate:
-    """Decayed seconds per committed token over whole steps (proposing, verifying, committing)."""
+    """Decayed seconds per token over whole steps (proposing, verifying, committing): committed, or a drafted step's
+    expected (`AdaptivePolicy.observe_step`)."""
 
     seconds: float = 0.0
     tokens: float = 0.0
     steps: int = 0
     decay: float = 0.8
 
-    def observe(self, seconds: float, tokens: int) -> None:
-        """One step took `seconds` and committed `tokens`."""
+    def observe(self, seconds: float, tokens: float) -> None:
+        """One step took `seconds` and committed `tokens` (or is expected to: `AdaptivePolicy.observe_step`)."""
         self.seconds = self.decay * self.seconds + seconds
         self.tokens = self.decay * self.tokens + tokens
         self.steps += 1
@@ -100,7 +105,7 @@ class SharedRates:
 
     rates: dict[str, RealizedRate] = field(default_factory=dict)
 
-    def observe(self, source: str, seconds: float, tokens: int) -> None:
+    def observe(self, source: str, seconds: float, tokens: float) -> None:
         """A session's solo step with `source`'s drafts ("plain": none)."""
         self.rates.setdefault(source, RealizedRate()).observe(seconds, tokens)
 
@@ -238,13 +243,16 @@ class AdaptivePolicy:
         """Record a verify step's outcome for the proposer that drafted."""
         self._alpha(source).observe(proposed, accepted)
 
-    def observe_step(self, source: str, seconds: float, tokens: int, catch_up_s: float = 0.0,
-                     share: bool = True) -> None:
+    def observe_step(self, source: str, seconds: float, tokens: float, catch_up_s: float = 0.0,
+                     share: bool = True, drafts: int = 0) -> None:
         """A whole step with `source`'s drafts ("plain": none) took `seconds` and committed `tokens`, `catch_up_s` of
         it a draft catching up on tokens, which is left out: it is the price of the steps that did not run the draft
         (plain ones, prompt lookup's, a probe's sitting out), paid once, not what drafting costs from here on. A
         probe's step alone decides the rate (counted as judged: `min_realized_steps` - 1 earlier steps, with no
-        weight). `share`: also into the device's rates (not a request's own k, which the policy did not choose)."""
+        weight). `share`: also into the device's rates (not a request's own k, which the policy did not choose).
+        `drafts`: the step's k (after `observe` took its outcome), its tokens then counted at `expected` instead."""
+        if drafts:
+            tokens = self.expected(source, drafts)
         seconds -= catch_up_s
         self._since_plain = 0 if source == "plain" else self._since_plain + 1
         if source in self._probing:
