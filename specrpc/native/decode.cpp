@@ -809,7 +809,7 @@ static inline void dots16_full(const float* const* q, const float* __restrict k,
     // so that no more than a pass's sums are live at once; else the passes' sums are kept for `reduce16`
     constexpr bool HALVES = KEYS >= 8;
     v16 a[NQ][HALVES ? 1 : 16];
-    decltype(reduce8(a[0])) half[NQ][2];
+    v16 half[NQ][HALVES ? 2 : 1];
 #pragma GCC unroll 4
     for (int i0 = 0; i0 < 16; i0 += KEYS) {
         v16 g[NQ][KEYS];

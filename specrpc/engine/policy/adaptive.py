@@ -16,11 +16,11 @@ faster than plain decoding in fact. A drafted step's tokens are counted at their
 acceptance estimated so far, not as drawn: the rate judges what the steps cost, over a few steps, and α judges the
 draws, over many (counted as drawn, a few unlucky drafts in a row switched off a draft 1.3× faster than plain
 decoding at α 0.8, for a fifth to a quarter of the steps, and each probe that drew badly kept it off for
-`probe_every` more). While a proposer is off, what was measured before is stale: each probe
-restarts its realized rate from the probe's own step, so a proposer comes back at the first good probe once the
-stall is gone, and stays off while probes are slow. Until a session has steps of its own, it judges by the device's
-(`SharedRates`: every session's solo steps), so a server whose draft does not pay in fact does not pay again for
-learning it on every new request (a draft's catch-up on each new prompt, a few slow steps).
+`probe_every` more). While a proposer is off, what was measured before is stale: each probe restarts its realized
+rate from the probe's own step, so a proposer comes back at the first good probe once the stall is gone, and stays
+off while probes are slow. Until a session has steps of its own, it judges by the device's (`SharedRates`: every
+session's solo steps), so a server whose draft does not pay in fact does not pay again for learning it on every new
+request (a draft's catch-up on each new prompt, a few slow steps).
 
 In a batched step (several streams in one target forward, `BatchLoad`), a stream's k is chosen for the whole batch's
 throughput: k maximises (others' expected tokens + E(α, k)) ÷ (batch time with this stream's k + 1 tokens + its
