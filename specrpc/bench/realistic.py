@@ -52,10 +52,9 @@ def build_engine(pair: str, scale: int, device: torch.device, dtype: torch.dtype
     t0 = time.perf_counter()
     target = random_lm(config(target_name, scale), target_name, seed=seed, **kw)
     draft = random_lm(config(draft_name, scale), draft_name, seed=seed + 1, draft_loop_steps=7 if cuda else 0, **kw)
-    if device.type == "cpu":  # the server's CPU paths (`LlamaLM.load` with native decode, its default)
+    if device.type == "cpu":  # the paths `LlamaLM.load` chooses for the server (native decode, its default)
         for lm in (target, draft):
-            if not lm.use_native() and lm.decode_tunable():
-                lm.tune_decode()
+            lm.choose_paths()
     print(f"{pair} (scale 1/{scale}): built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return Engine(target, draft, EngineConfig(max_sessions=1, max_context=max_context, max_draft_tokens=8,
                                               proposer="draft", prefill_chunk=512))

@@ -169,14 +169,17 @@ class LlamaLM:
                 "int8_decode": int8_decode, "int8_weights": int8_weights, "bf16_weights": bf16_weights,
                 "deterministic": deterministic})
             lm.remembered = None if lm.memo is None else False
-        if deterministic:
-            lm.use_native(deterministic=True)
-            return lm
-        if native_decode and lm.use_native():  # (which tunes the torch forward's one-token path itself)
-            return lm
-        if lm.decode_tunable():
-            lm.tune_decode()
+        lm.choose_paths(native_decode, deterministic)
         return lm
+
+    def choose_paths(self, native_decode: bool = True, deterministic: bool = False) -> None:
+        """Pick the forward's paths at load: every forward through the native step (`deterministic`), else the native
+        step where it runs and is faster (`native_decode`, `use_native`, which tunes the torch forward's one-token
+        path itself), else the faster of torch's one-token paths (`tune_decode`)."""
+        if deterministic:
+            self.use_native(deterministic=True)
+        elif not (native_decode and self.use_native()) and self.decode_tunable():
+            self.tune_decode()
 
     def decode_tunable(self) -> bool:
         """Whether one-token products have two torch paths to choose between (`tune_decode`): MKL's gemv on the
