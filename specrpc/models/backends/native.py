@@ -227,6 +227,7 @@ class NativeStep:
         self._keep = keep
         self._model_ref = ctypes.byref(self.model)
         self._scratch = torch.empty(self.vocab)  # [V] a greedy draft's logits, each step's in turn
+        self._shaped = torch.empty(self.vocab)  # [V] and as a draft's logits transform leaves them
 
     def _setting(self, count: int) -> tuple[str, int]:
         """The prefetch mode and distance of a forward of `count` tokens."""
@@ -447,8 +448,7 @@ class NativeStep:
         out = torch.empty(steps + 1, dtype=torch.long)  # [steps + 1]
         shaped = None
         if transform is not None:
-            row = torch.empty(self.vocab)  # [V] the logits transformed, each step's in turn
-            transform.scratch = row.data_ptr()
+            transform.scratch = self._shaped.data_ptr()
             shaped = ctypes.byref(transform)
         self._prefetch(1)  # a draft is one-token steps after its feed
         if self._greedy(self._model_ref, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
