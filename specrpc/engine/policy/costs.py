@@ -109,17 +109,26 @@ class CostModel(Refined):
         self._stale[kind] = {n for n in table if count - last.get(n, 0) >= self.stale_after}
         return self._refine(key, old, seconds)
 
-    def _seconds(self, table: dict[int, float], size: int, kind: str) -> float:
-        """Seconds of `size` in `table`: its own cost while fresh, else `_estimate`."""
-        return self._estimate(table, size, kind) if size in self._stale[kind] else table[size]
+    def _current(self, table: dict[int, float], kind: str) -> dict[int, float]:
+        """`table`'s seconds as read now: each fresh size's own, each stale one's `_estimate` (`table` itself where
+        none is stale)."""
+        stale = self._stale[kind]
+        if not stale:
+            return table
+        fresh = sorted(n for n in table if n not in stale)
+        return {n: self._estimate(table, n, kind, fresh) if n in stale else s for n, s in table.items()}
 
-    def _estimate(self, table: dict[int, float], size: int, kind: str) -> float:
-        """A stale size's seconds: the nearest fresh size's (the larger of two as near) scaled by their ratio in the
-        calibrated shape (by their sizes where the shape lacks either); its own where no size is fresh."""
-        fresh = [n for n in table if n not in self._stale[kind]]
+    def _estimate(self, table: dict[int, float], size: int, kind: str, fresh: list[int] | None = None) -> float:
+        """A stale size's seconds: the nearest fresh size's (the larger of two as near; `fresh`, in order, where the
+        caller listed them) scaled by their ratio in the calibrated shape (by their sizes where the shape lacks
+        either); its own where no size is fresh."""
+        if fresh is None:
+            fresh = sorted(n for n in table if n not in self._stale[kind])
         if not fresh:
             return table[size]
-        near = nearest(fresh, size)
+        at = bisect.bisect_left(fresh, size)  # fresh[at - 1] < size <= fresh[at]: the nearest is one of the two
+        near = fresh[-1] if at == len(fresh) else fresh[at] if at == 0 or fresh[at] - size <= size - fresh[at - 1] \
+            else fresh[at - 1]
         shape = self._shape[kind] if self._shape is not None else {}
         mine, theirs = shape.get(size), shape.get(near)
         return table[near] * (mine / theirs if mine and theirs else size / near)
@@ -146,22 +155,30 @@ class CostModel(Refined):
     def d(self, k: int) -> float:
         """Drafting k tokens ÷ target step cost: measured, else scaled from the nearest k measured (the larger of
         two as near), else k `draft_step_s`."""
-        if k in self.draft_s:
-            return self._seconds(self.draft_s, k, "d") / self.target_step_s
-        if not self.draft_s:
+        return self._d(k, self._current(self.draft_s, "d"))
+
+    def _d(self, k: int, drafts: dict[int, float]) -> float:
+        """`d` from the draft table as read now (`_current`)."""
+        if k in drafts:
+            return drafts[k] / self.target_step_s
+        if not drafts:
             return k * self.draft_step_s / self.target_step_s
-        near = nearest(self.draft_s, k)
-        return self._seconds(self.draft_s, near, "d") * k / near / self.target_step_s
+        near = nearest(drafts, k)
+        return drafts[near] * k / near / self.target_step_s
 
     def ratios(self, cap: int) -> tuple[list[float], list[float]]:
         """(D, V): `d(k)` and `v(k)` for k = 0 .. at least `cap`, kept while the costs stay as they were read (a
-        step's planning weighs every k of a source two or three times between two measurements; a stale size's
-        estimate is a search of its table each time)."""
+        step's planning weighs every k of a source two or three times between two measurements), each table's stale
+        sizes estimated once for all k (a search of the table each: for every k in turn, a lone step's planning
+        spent about 50 µs here after each measurement)."""
         state = (self._count["v"], self._count["d"], self.target_step_s, self.draft_step_s,
                  tuple(self.verify_s.items()), tuple(self.draft_s.items()))
         kept = self._ratios
         if kept is None or kept[0] != state or len(kept[1]) <= cap:
-            kept = self._ratios = (state, [self.d(k) for k in range(cap + 1)], [self.v(k) for k in range(cap + 1)])
+            drafts, verifies = self._current(self.draft_s, "d"), self._current(self.verify_s, "v")
+            known = sorted(verifies)
+            kept = self._ratios = (state, [self._d(k, drafts) for k in range(cap + 1)],
+                                   [self._v(k, verifies, known) for k in range(cap + 1)])
         return kept[1], kept[2]
 
     @property
@@ -172,14 +189,17 @@ class CostModel(Refined):
 
     def v(self, k: int) -> float:
         """Verify cost of k+1 positions ÷ target step cost (interpolated when not yet measured)."""
-        if k + 1 in self.verify_s:
-            return self._seconds(self.verify_s, k + 1, "v") / self.target_step_s
-        known = sorted(self.verify_s)
+        return self._v(k, self._current(self.verify_s, "v"), sorted(self.verify_s))
+
+    def _v(self, k: int, verifies: dict[int, float], known: list[int]) -> float:
+        """`v` from the verify table as read now (`_current`) and its sizes in order."""
+        if k + 1 in verifies:
+            return verifies[k + 1] / self.target_step_s
         if not known:
             return 1.0
         below = max((n for n in known if n <= k + 1), default=known[0])
         above = min((n for n in known if n >= k + 1), default=known[-1])
-        low, high = self._seconds(self.verify_s, below, "v"), self._seconds(self.verify_s, above, "v")
+        low, high = verifies[below], verifies[above]
         if below == above:
             per_extra = (low / self.target_step_s - 1.0) / max(1, below - 1)
             return 1.0 + per_extra * k
