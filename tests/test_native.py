@@ -298,6 +298,48 @@ def test_a_stalled_prefetch_distance_is_never_chosen(stalled: int, tmp_path: Pat
     assert step.ahead_one != stalled and step.ahead_many != stalled, table
 
 
+def test_the_served_pick_keeps_the_finalist_whose_forwards_took_least() -> None:
+    """Forwards of several tokens take the finalists in turn, each `rounds` of them, and the one with the least
+    median is kept: one slow forward (a neighbour's burst) does not sink a finalist, a slow setting does."""
+    finalists = [("non-temporal", 32768), ("outer", 32768), ("none", 2048)]
+    pick = native_step.ServedPick(finalists, rounds=5)
+    times = {("non-temporal", 32768): 1.2e-3, ("outer", 32768): 1.0e-3, ("none", 2048): 1.1e-3}
+    taken, chosen = [], None
+    for i in range(15):
+        setting = pick.setting()
+        taken.append(setting)
+        seconds = 0.1 if setting == ("outer", 32768) and i < 3 else times[setting]  # one stall of the fastest
+        chosen = pick.observe(seconds)
+        assert (chosen is None) == (i < 14)
+    assert taken == finalists * 5
+    assert chosen == ("outer", 32768)
+
+
+@pytest.mark.parametrize("slow", ["non-temporal", "temporal", "outer", "none"])
+@pytest.mark.usefixtures("one_thread")
+def test_a_prefetch_slow_as_served_is_not_kept_though_fastest_at_load(slow: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once serving, forwards of several tokens choose their prefetch among each mode's fastest at load by their
+    own times: a mode that stalls only as served (not while load timed it) is not kept, whichever is fastest at
+    load, and what it chose is what forwards of several tokens then run; one-token forwards keep load's choice."""
+    serving = False
+    step = stalled_step(tmp_path, monkeypatch,
+                        lambda step, count: serving and count > 1 and step.model.prefetch == native.PREFETCH[slow])
+    step.calibrate_prefetch()
+    assert sorted(mode for mode, _ in step.finalists) == sorted(native.PREFETCH)
+    one = step.choices().prefetch_one, step.choices().ahead_one
+    serving = True
+    step.serve()
+    ids = torch.tensor([3, 4, 5])
+    while step.served is not None:
+        step.run(ids, 0, 0, 3)
+    assert step.prefetch_many != slow
+    assert step.prefetch_label(3) == native_step.setting_label(step.prefetch_many, step.ahead_many)
+    assert (step.prefetch_one, step.ahead_one) == one
+    step.run(ids, 0, 0, 3)
+    assert step.model.prefetch == native.PREFETCH[step.prefetch_many]
+
+
 @pytest.mark.parametrize("stalled", native_step.PASS_CAPS)
 @pytest.mark.usefixtures("one_thread")
 def test_a_stalled_pass_size_is_never_chosen(stalled: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -162,3 +162,6 @@ class HFCausalLM:
     def recheck(self, slot: int, busy: Callable[[], bool]) -> str:
         """Nothing to choose between: every forward takes transformers."""
         return ""
+
+    def serving(self) -> None:
+        """Nothing to choose: every forward takes transformers."""

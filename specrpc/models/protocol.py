@@ -72,6 +72,11 @@ class CausalLM(Protocol):
         why the choice was made again, empty where it was not (`execution` then says what it is)."""
         ...
 
+    def serving(self) -> None:
+        """The server is warm (its start-up measurements done): what is left to choose by the forwards served is
+        chosen so from now on."""
+        ...
+
 
 def execution_line(rows: Iterable[tuple[str, str]]) -> str:
     """`CausalLM.execution()`'s (tokens a forward, path) rows in one line, as the logs and the bench give them

@@ -278,6 +278,8 @@ class Runtime:
             self.engine.calibrate_batches([slot.index for slot in self.registry.slots])
         for slot in self.registry.slots:
             slot.policy = self.engine.new_policy()
+        for model in self.models.values():
+            model.serving()  # what start-up timed back to back, checked on the forwards served
         return costs
 
     def _costs_memo(self) -> Memo | None:

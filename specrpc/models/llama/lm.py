@@ -242,6 +242,12 @@ class LlamaLM:
         self.weights = map_linears(self.weights, lambda p: p if p.packed is None or p.bf16_only
                                    else dataclasses.replace(p, wt=None, packed_rows=1))
 
+    def serving(self) -> None:
+        """The server is warm: from here on the native step's prefetch for forwards of several tokens is chosen
+        among the load's finalists by the forwards served (`NativeStep.serve`), as after every re-measure."""
+        if self.native is not None:
+            self.native.serve()
+
     def _keep(self) -> None:
         """The native step's choice and the one-token forward's time through it, kept for the next start (`memo`)."""
         if self.memo is not None and self.native is not None:
@@ -396,6 +402,7 @@ class LlamaLM:
                     self._remeasure[0](slot)
                     self._remeasure.pop(0)
                     self._serving = self._execution()
+                step.serve()
             except Interrupted:
                 step.choose(before[0])
                 self.native_rows = before[1]
