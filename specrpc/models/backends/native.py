@@ -155,7 +155,7 @@ class ServedPick:
 
     finalists: list[tuple[str, int]]
     rounds: int = SERVED_ROUNDS
-    seconds: list[list[float]] = dataclasses.field(default_factory=list)  # by finalist, each forward's
+    seconds: list[list[float]] = dataclasses.field(init=False)  # by finalist, each forward's
     served: int = 0  # forwards timed so far
 
     def __post_init__(self) -> None:
