@@ -315,29 +315,32 @@ def test_the_served_pick_keeps_the_finalist_whose_forwards_took_least() -> None:
     assert chosen == ("outer", 32768)
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("slow", ["non-temporal", "temporal", "outer", "none"])
 @pytest.mark.usefixtures("one_thread")
-def test_a_prefetch_slow_as_served_is_not_kept_though_fastest_at_load(slow: str, tmp_path: Path,
+def test_a_prefetch_slow_as_served_is_not_kept_though_fastest_at_load(slow: str, tokens: int, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once serving, forwards of several tokens choose their prefetch among each mode's fastest at load by their
-    own times: a mode that stalls only as served (not while load timed it) is not kept, whichever is fastest at
-    load, and what it chose is what forwards of several tokens then run; one-token forwards keep load's choice."""
+    """Once serving, forwards of one token and of several each choose their prefetch among each mode's fastest at
+    load by their own times: a mode that stalls only as served (not while load timed it) is not kept, whichever was
+    fastest at load, and what a shape chose is what its forwards then run; the other shape's choice is its own."""
     serving = False
-    step = stalled_step(tmp_path, monkeypatch,
-                        lambda step, count: serving and count > 1 and step.model.prefetch == native.PREFETCH[slow])
+    step = stalled_step(tmp_path, monkeypatch, lambda step, count: serving and (count > 1) == (tokens > 1)
+                        and step.model.prefetch == native.PREFETCH[slow])
     step.calibrate_prefetch()
-    assert sorted(mode for mode, _ in step.finalists) == sorted(native.PREFETCH)
-    one = step.choices().prefetch_one, step.choices().ahead_one
+    assert {shape: sorted(mode for mode, _ in f) for shape, f in step.finalists.items()} == {
+        shape: sorted(native.PREFETCH) for shape in (1, native_step.VERIFY_TOKENS)}
     serving = True
     step.serve()
-    ids = torch.tensor([3, 4, 5])
-    while step.served is not None:
-        step.run(ids, 0, 0, 3)
-    assert step.prefetch_many != slow
-    assert step.prefetch_label(3) == native_step.setting_label(step.prefetch_many, step.ahead_many)
-    assert (step.prefetch_one, step.ahead_one) == one
-    step.run(ids, 0, 0, 3)
-    assert step.model.prefetch == native.PREFETCH[step.prefetch_many]
+    shape = 1 if tokens == 1 else native_step.VERIFY_TOKENS
+    ids = torch.arange(3, 3 + tokens)
+    while shape in step.picks:
+        step.run(ids, 0, 0, tokens)
+    chosen = step.prefetch_one if tokens == 1 else step.prefetch_many
+    assert chosen != slow
+    assert step.prefetch_label(tokens).split()[0] == chosen
+    assert set(step.picks) == {1, native_step.VERIFY_TOKENS} - {shape}  # the other shape still choosing
+    step.run(ids, 0, 0, tokens)
+    assert step.model.prefetch == native.PREFETCH[chosen]
 
 
 @pytest.mark.parametrize("stalled", native_step.PASS_CAPS)

@@ -144,14 +144,16 @@ SERVED_ROUNDS = 40
 
 @dataclasses.dataclass
 class ServedPick:
-    """The prefetch of forwards of several tokens (verifies, batches), chosen among the settings fastest at load
-    (each mode at its fastest distance) by the forwards served: they take the `finalists` in turn (each sees the same
-    mix of lengths, contexts and what ran before them) until each has served `rounds`, and the one whose forwards
-    took least (median) is kept. Load times a verify back to back at 32 positions; served, a draft's forwards and
-    the host's work come between, at a few hundred positions. The shipped int8 target on a 2-core AMD EPYC (Zen 4)
-    took non-temporal or temporal prefetches 32768 B ahead for its verifies in 7 of 7 server starts; served, "outer"
-    32768 B ahead took 0.82-0.84x their median verify and decoded 1.11-1.15x as fast (12 code prompts, k = 3 and
-    adaptive, the two choices alternating request by request in one process, two processes)."""
+    """The prefetch of one shape of forwards (one token: decode steps, drafts; several: verifies, batches), chosen
+    among the settings fastest at load (each mode at its fastest distance) by the forwards served: they take the
+    `finalists` in turn (each sees the same mix of lengths, contexts and what ran before them) until each has served
+    `rounds`, and the one whose forwards took least (median) is kept. Load times each shape back to back at 32
+    positions; served, the other model's forwards and the host's work come between, at a few hundred positions. The
+    shipped int8 target on a 2-core AMD EPYC (Zen 4) took non-temporal or temporal prefetches 32768 B ahead for its
+    verifies in 7 of 7 server starts; served, "outer" 32768 B ahead took 0.82-0.84x their median verify and decoded
+    1.11-1.15x as fast (12 code prompts, k = 3 and adaptive, the two choices alternating request by request in one
+    process, two processes). Its one-token steps, fixed request by request, decoded 0.82x as fast with the
+    non-temporal or temporal 2048 B ahead that starts chose as with outer 32768 B ahead."""
 
     finalists: list[tuple[str, int]]
     rounds: int = SERVED_ROUNDS
@@ -244,8 +246,10 @@ class NativeStep:
         self.prefetch_one = guess  # the `native.PREFETCH` mode of one-token forwards (decode steps, greedy drafts)
         self.prefetch_many = guess  # and of forwards of more tokens (verifies, batches, chunks)
         self.ahead_one = self.ahead_many = PREFETCH_AHEAD  # their prefetch distances, bytes
-        self.finalists: list[tuple[str, int]] = []  # for a verify at load, each mode's fastest, fastest first
-        self.served: ServedPick | None = None  # the forwards served choosing among them (`serve`)
+        # by shape (1: one token, VERIFY_TOKENS: several), each mode's fastest at load, fastest first; and the
+        # forwards served choosing among them (`serve`)
+        self.finalists: dict[int, list[tuple[str, int]]] = {}
+        self.picks: dict[int, ServedPick] = {}
         capacity = cache.k.shape[3]  # [L, S, H, C, D]
         buffers = {"x": a.hidden, "h": a.hidden, "qkv": (a.heads + 2 * a.kv_heads) * a.head_dim,
                    "att": a.heads * a.head_dim, "up": 2 * a.ffn, "scores": a.heads * capacity}
@@ -278,34 +282,38 @@ class NativeStep:
         another)."""
         return (self.prefetch_one, self.ahead_one) if count == 1 else (self.prefetch_many, self.ahead_many)
 
-    def _prefetch(self, count: int) -> bool:
+    def _prefetch(self, count: int) -> int:
         """The prefetch mode and distance for a forward of `count` tokens into the struct (a hint: results are the
-        same bits): the chosen one, or where the forwards served are choosing (`served`) the finalist in turn.
-        Returns whether the forward is to be timed for that choice (`_served_took`)."""
-        trying = count > 1 and self.served is not None
-        mode, ahead = self.served.setting() if trying and self.served is not None else self._setting(count)
+        same bits): the chosen one, or where the forwards served are choosing (`picks`) the finalist in turn. Returns
+        the shape whose pick is to learn the forward's time (`_served_took`), 0 for none."""
+        shape = 1 if count == 1 else VERIFY_TOKENS
+        pick = self.picks.get(shape)
+        mode, ahead = pick.setting() if pick is not None else self._setting(count)
         self.model.prefetch = native.PREFETCH[mode]
         self.model.prefetch_ahead = ahead
-        return trying
+        return shape if pick is not None else 0
 
     def serve(self) -> None:
-        """From now on, forwards of several tokens choose their prefetch among the finalists of the last
-        `calibrate_prefetch` (`ServedPick`); nothing where it left fewer than two."""
-        self.served = ServedPick(list(self.finalists)) if len(self.finalists) > 1 else None
+        """From now on, each shape's forwards choose their prefetch among the finalists of the last
+        `calibrate_prefetch` (`ServedPick`; none where it left fewer than two)."""
+        self.picks = {shape: ServedPick(list(f)) for shape, f in self.finalists.items() if len(f) > 1}
 
-    def _served_took(self, seconds: float) -> None:
-        """A forward of several tokens under `served`'s finalist took `seconds`; once they have all served their
-        rounds, the fastest is the choice (logged)."""
-        pick = self.served
-        assert pick is not None
+    def _served_took(self, shape: int, seconds: float) -> None:
+        """A forward under `shape`'s pick took `seconds`; once its finalists have all served their rounds, the fastest
+        is the choice (logged)."""
+        pick = self.picks[shape]
         chosen = pick.observe(seconds)
-        if chosen is not None:
+        if chosen is None:
+            return
+        if shape == 1:
+            self.prefetch_one, self.ahead_one = chosen
+        else:
             self.prefetch_many, self.ahead_many = chosen
-            self.served = None
-            log.info("native prefetch for forwards of several tokens, chosen by %d served: %s (ms, medians: %s)",
-                     pick.served, setting_label(*chosen), ", ".join(
-                         f"{setting_label(*f)} {statistics.median(t) * 1e3:.3f}"
-                         for f, t in zip(pick.finalists, pick.seconds, strict=True)))
+        del self.picks[shape]
+        log.info("native prefetch for forwards of %s, chosen by %d served: %s (ms, medians: %s)",
+                 "one token" if shape == 1 else "several tokens", pick.served, setting_label(*chosen), ", ".join(
+                     f"{setting_label(*f)} {statistics.median(t) * 1e3:.3f}"
+                     for f, t in zip(pick.finalists, pick.seconds, strict=True)))
 
     def prefetch_label(self, count: int) -> str:
         """How a forward of `count` tokens prefetches: its mode, with its distance where it prefetches."""
@@ -313,7 +321,7 @@ class NativeStep:
 
     def prefetch_everywhere(self, mode: str, ahead: int) -> None:
         """Every forward, whatever its tokens, prefetching in `mode` `ahead` bytes ahead (a setting being timed)."""
-        self.served = None
+        self.picks = {}
         self.prefetch_one = self.prefetch_many = mode
         self.ahead_one = self.ahead_many = ahead
 
@@ -344,7 +352,7 @@ class NativeStep:
         context = min(context, self.model.capacity - VERIFY_TOKENS)
         if context < 1:
             return {}
-        self.served = None  # every forward below in the setting being timed
+        self.picks = {}  # every forward below in the setting being timed
         ids = (torch.arange(context + VERIFY_TOKENS) * 7919) % self.vocab  # [context + VERIFY_TOKENS]
         self.run_chunks(ids[:context], 0, slot)
         settings = prefetch_settings()
@@ -360,12 +368,12 @@ class NativeStep:
             times = interleaved_times([step(mode, ahead) for mode, ahead in settings], repeats)
             table[count] = {setting_label(mode, ahead): t for (mode, ahead), t in zip(settings, times, strict=True)}
             best[count] = settings[min(range(len(settings)), key=times.__getitem__)]
-            if count == VERIFY_TOKENS:  # each mode at its fastest distance, the fastest first
+            if count in (1, VERIFY_TOKENS):  # each mode at its fastest distance, the fastest first
                 fastest: dict[str, tuple[float, tuple[str, int]]] = {}
                 for setting, t in zip(settings, times, strict=True):
                     if setting[0] not in fastest or t < fastest[setting[0]][0]:
                         fastest[setting[0]] = (t, setting)
-                self.finalists = [setting for _, setting in sorted(fastest.values())]
+                self.finalists[count] = [setting for _, setting in sorted(fastest.values())]
         (self.prefetch_one, self.ahead_one), (self.prefetch_many, self.ahead_many) = best[1], best[VERIFY_TOKENS]
         return table
 
@@ -440,13 +448,13 @@ class NativeStep:
         count = tokens.shape[0]
         ids = long_ids(tokens)  # [T]
         logits = torch.empty(num_logits, self.vocab)  # [num_logits, V]
-        timed = self._prefetch(count)
+        shape = self._prefetch(count)
         t0 = time.perf_counter()
         if self._row(self._model_ref, ids.data_ptr(), count, start, slot, num_logits, logits.data_ptr(),
                      torch.get_num_threads(), skip) != 0:
             raise ValueError(self._out_of_range(count, 1))
-        if timed:
-            self._served_took(time.perf_counter() - t0)
+        if shape:
+            self._served_took(shape, time.perf_counter() - t0)
         return logits
 
     def _out_of_range(self, count: int, rows: int) -> str:
@@ -475,13 +483,13 @@ class NativeStep:
         index = array.array("q", ids + positions + slots + wanted)  # [4 parts], int64
         at = index.buffer_info()[0]
         logits = torch.empty(len(wanted), self.vocab)  # [R, V]
-        timed = self._prefetch(count)
+        shape = self._prefetch(count)
         t0 = time.perf_counter()
         if self._fn(self._model_ref, at, at + 8 * count, at + 16 * count, count, at + 24 * count, len(wanted),
                     logits.data_ptr(), torch.get_num_threads()) != 0:
             raise ValueError(self._out_of_range(count, len(rows)))
-        if timed:
-            self._served_took(time.perf_counter() - t0)
+        if shape:
+            self._served_took(shape, time.perf_counter() - t0)
         out: list[torch.Tensor] = []
         first = 0
         for r in rows:
@@ -537,9 +545,12 @@ class NativeStep:
         if transform is not None:
             transform.scratch = self._shaped.data_ptr()
             shaped = ctypes.byref(transform)
-        self._prefetch(1)  # a draft is one-token steps after its feed
+        shape = self._prefetch(1)  # a draft is one-token steps after its feed (the whole call timed for a pick)
+        t0 = time.perf_counter()
         if self._greedy(self._model_ref, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
                         self._scratch.data_ptr(), torch.get_num_threads(), shaped) != 0:
             raise ValueError(f"native greedy draft: {ids.shape[0]} tokens fed at position {start} of slot {slot}, "
                              f"then {steps} steps: out of range")
+        if shape:
+            self._served_took(shape, time.perf_counter() - t0)
         return out

@@ -243,7 +243,7 @@ class LlamaLM:
                                    else dataclasses.replace(p, wt=None, packed_rows=1))
 
     def serving(self) -> None:
-        """The server is warm: from here on the native step's prefetch for forwards of several tokens is chosen
+        """The server is warm: from here on the native step's prefetch for each shape (one token, several) is chosen
         among the load's finalists by the forwards served (`NativeStep.serve`), as after every re-measure."""
         if self.native is not None:
             self.native.serve()
