@@ -176,8 +176,10 @@ def test_sentencepiece_like_arbitrary_ids(ids: list[int], sizes: list[int]) -> N
 
 
 def test_sentencepiece_like_valid_byte_runs() -> None:
+    # 𝄞 is in no text of CORPUS, so no training keeps it in the alphabet and it always falls back to bytes (which of
+    # the corpus's rarer characters the trainer's 100-letter alphabet keeps varies from run to run)
     tok = sentencepiece_like()
-    ids = encode(tok, "ok 😀🤖 你好世界 naïve")
+    ids = encode(tok, "ok 😀🤖 你好世界 naïve 𝄞")
     assert any(t.startswith("<0x") for t in tok.convert_ids_to_tokens(ids))
     stream(tok, ids, [1])
 
