@@ -139,7 +139,7 @@ drafts, and the tiles' full 16 tokens (a wider forward takes them 16 tokens at a
 
 
 SERVED_ROUNDS = 40
-"""Forwards of several tokens each finalist serves before the fastest is kept (`ServedPick`)."""
+"""Forwards of its shape each finalist serves before the fastest is kept (`ServedPick`)."""
 
 
 @dataclasses.dataclass
@@ -164,7 +164,7 @@ class ServedPick:
         self.seconds = [[] for _ in self.finalists]
 
     def setting(self) -> tuple[str, int]:
-        """The finalist the next forward of several tokens takes."""
+        """The finalist the shape's next forward takes."""
         return self.finalists[self.served % len(self.finalists)]
 
     def observe(self, seconds: float) -> tuple[str, int] | None:
@@ -292,6 +292,17 @@ class NativeStep:
         self.model.prefetch = native.PREFETCH[mode]
         self.model.prefetch_ahead = ahead
         return shape if pick is not None else 0
+
+    def _native(self, count: int, call: Callable[..., int], *args: object) -> int:
+        """`call(model, *args)`, a native forward of `count` tokens (for a greedy draft, its one-token steps), under
+        that shape's prefetch (`_prefetch`); where a pick is choosing it, the forward's time goes to it once the call
+        succeeded. Returns the call's status (0: done)."""
+        shape = self._prefetch(count)
+        t0 = time.perf_counter()
+        rc = call(self._model_ref, *args)
+        if shape and rc == 0:
+            self._served_took(shape, time.perf_counter() - t0)
+        return rc
 
     def serve(self) -> None:
         """From now on, each shape's forwards choose their prefetch among the finalists of the last
@@ -448,13 +459,9 @@ class NativeStep:
         count = tokens.shape[0]
         ids = long_ids(tokens)  # [T]
         logits = torch.empty(num_logits, self.vocab)  # [num_logits, V]
-        shape = self._prefetch(count)
-        t0 = time.perf_counter()
-        if self._row(self._model_ref, ids.data_ptr(), count, start, slot, num_logits, logits.data_ptr(),
-                     torch.get_num_threads(), skip) != 0:
+        if self._native(count, self._row, ids.data_ptr(), count, start, slot, num_logits, logits.data_ptr(),
+                        torch.get_num_threads(), skip) != 0:
             raise ValueError(self._out_of_range(count, 1))
-        if shape:
-            self._served_took(shape, time.perf_counter() - t0)
         return logits
 
     def _out_of_range(self, count: int, rows: int) -> str:
@@ -483,13 +490,9 @@ class NativeStep:
         index = array.array("q", ids + positions + slots + wanted)  # [4 parts], int64
         at = index.buffer_info()[0]
         logits = torch.empty(len(wanted), self.vocab)  # [R, V]
-        shape = self._prefetch(count)
-        t0 = time.perf_counter()
-        if self._fn(self._model_ref, at, at + 8 * count, at + 16 * count, count, at + 24 * count, len(wanted),
-                    logits.data_ptr(), torch.get_num_threads()) != 0:
+        if self._native(count, self._fn, at, at + 8 * count, at + 16 * count, count, at + 24 * count, len(wanted),
+                        logits.data_ptr(), torch.get_num_threads()) != 0:
             raise ValueError(self._out_of_range(count, len(rows)))
-        if shape:
-            self._served_took(shape, time.perf_counter() - t0)
         out: list[torch.Tensor] = []
         first = 0
         for r in rows:
@@ -545,12 +548,9 @@ class NativeStep:
         if transform is not None:
             transform.scratch = self._shaped.data_ptr()
             shaped = ctypes.byref(transform)
-        shape = self._prefetch(1)  # a draft is one-token steps after its feed (the whole call timed for a pick)
-        t0 = time.perf_counter()
-        if self._greedy(self._model_ref, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
+        # a draft is one-token steps after its feed: the one-token prefetch (a pick times the whole call)
+        if self._native(1, self._greedy, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
                         self._scratch.data_ptr(), torch.get_num_threads(), shaped) != 0:
             raise ValueError(f"native greedy draft: {ids.shape[0]} tokens fed at position {start} of slot {slot}, "
                              f"then {steps} steps: out of range")
-        if shape:
-            self._served_took(shape, time.perf_counter() - t0)
         return out
