@@ -52,6 +52,15 @@ def nearest(sizes: Iterable[int], size: int) -> int:
     return min(sizes, key=lambda n: (abs(n - size), -n))
 
 
+def nearest_in_order(sizes: list[int], size: int) -> int:
+    """`nearest` for `sizes` in ascending order (not empty), by bisection: the cost model reads every stale size's
+    estimate after each measurement."""
+    at = bisect.bisect_left(sizes, size)  # sizes[at - 1] < size <= sizes[at]: the nearest is one of the two
+    if at == len(sizes):
+        return sizes[-1]
+    return sizes[at] if at == 0 or sizes[at] - size <= size - sizes[at - 1] else sizes[at - 1]
+
+
 @dataclass
 class CostModel(Refined):
     """The device's step costs relative to one single-token target forward (seconds), each `Refined` from every
@@ -126,9 +135,7 @@ class CostModel(Refined):
             fresh = sorted(n for n in table if n not in self._stale[kind])
         if not fresh:
             return table[size]
-        at = bisect.bisect_left(fresh, size)  # fresh[at - 1] < size <= fresh[at]: the nearest is one of the two
-        near = fresh[-1] if at == len(fresh) else fresh[at] if at == 0 or fresh[at] - size <= size - fresh[at - 1] \
-            else fresh[at - 1]
+        near = nearest_in_order(fresh, size)
         shape = self._shape[kind] if self._shape is not None else {}
         mine, theirs = shape.get(size), shape.get(near)
         return table[near] * (mine / theirs if mine and theirs else size / near)
