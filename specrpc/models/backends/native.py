@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from specrpc import native
+from specrpc.models import huge_pages
 from specrpc.models.backends.timing import interleaved_times
 from specrpc.models.batch import BatchRow
 from specrpc.models.kv_cache import KVCache
@@ -48,22 +49,36 @@ PANEL = 16
 """Output rows per panel of a packed weight: one 16-lane vector (decode.cpp's LANES)."""
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+def panels_shape(n: int, k: int) -> tuple[int, int, int]:
+    """The shape `pack_panels` gives a weight [n, k]."""
+    return -(-n // PANEL), k, PANEL
+
+
+def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """weight [N, K] → [ceil(N / 16), K, 16], rows padded with zeros: panel b holds rows 16 b .. 16 b + 15 column by
-    column, the layout decode.cpp's products read (one column of a panel is one vector)."""
+    column, the layout decode.cpp's products read (one column of a panel is one vector). Written into `out` (of
+    `panels_shape`) where given."""
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight, (0, 0, 0, -n % PANEL))  # [N', K]
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()  # [N'/16, K, 16]
+    packed = padded.view(-1, PANEL, k).transpose(1, 2)  # [N'/16, K, 16]
+    return packed.contiguous() if out is None else out.copy_(packed)
 
 
-def pack_int8_groups(weight: torch.Tensor, group: int, block: int) -> torch.Tensor:
+def int8_groups_shape(n: int, k: int, group: int, block: int) -> tuple[int, int, int, int]:
+    """The shape `pack_int8_groups` gives an int8 weight [n, k]."""
+    return -(-n // PANEL), -(-k // block) * block // group, PANEL, group
+
+
+def pack_int8_groups(weight: torch.Tensor, group: int, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """int8 weight [N, K] → uint8 [ceil(N / 16), K' / group, 16, group] holding weight + 128, K' = K padded to a
     multiple of `block` (padding: weight 0): panel b holds rows 16 b .. 16 b + 15 in groups of `group` columns, the
     layout of decode.cpp's VNNI products (one group of a panel is one vector: 4 unsigned bytes per lane, multiplied by
-    4 int8 activations; a block of columns shares an activation scale)."""
+    4 int8 activations; a block of columns shares an activation scale). Written into `out` (of `int8_groups_shape`)
+    where given."""
     n, k = weight.shape
     shifted = torch.nn.functional.pad(weight.to(torch.int16) + 128, (0, -k % block, 0, -n % PANEL), value=128)
-    return shifted.to(torch.uint8).view(-1, PANEL, shifted.shape[1] // group, group).transpose(1, 2).contiguous()
+    packed = shifted.to(torch.uint8).view(-1, PANEL, shifted.shape[1] // group, group).transpose(1, 2)
+    return packed.contiguous() if out is None else out.copy_(packed)
 
 
 MAX_TOKENS = 64
@@ -218,6 +233,22 @@ class NativeStep:
         projections: list[torch.Tensor] = []  # what a step reads in full
         out_rows: list[int] = []  # each projection's N
 
+        def shape(p: Linear) -> tuple[tuple[int, ...], torch.dtype]:
+            """The shape and dtype of p's weight packed (`rows`)."""
+            if self.int8:
+                assert p.q8 is not None
+                n, k = p.q8.shape
+                if group > 1:
+                    return int8_groups_shape(n, k, group, block), torch.uint8
+                return panels_shape(n, k), torch.int8
+            assert p.wt is not None
+            k, n = p.wt.shape
+            return panels_shape(n, k), torch.float32
+
+        # the packed weights in one arena of huge pages, which a forward reads in full (`huge_pages`)
+        linears = [p for layer in w.layers for p in (layer.qkv, layer.o, layer.up, layer.down)] + [w.head]
+        arena = huge_pages.Arena(huge_pages.aligned_size([shape(p) for p in linears]))
+
         def rows(p: Linear) -> tuple[int | None, int | None]:
             """The weight packed in panels (`pack_panels`: float, or int8) and its per-row scales [N] (None for
             float)."""
@@ -228,7 +259,9 @@ class NativeStep:
                 assert p.wt is not None
                 weight, scale = p.wt.t().to(torch.float32), None  # [N, K]
             # [N/16, K, 16] (float, or int8 widened) or uint8 [N/16, K/4, 16, 4] (VNNI)
-            packed = pack_int8_groups(weight, group, block) if self.int8 and group > 1 else pack_panels(weight)
+            out = arena.take(*shape(p))
+            packed = (pack_int8_groups(weight, group, block, out) if self.int8 and group > 1
+                      else pack_panels(weight, out))
             keep.append(packed)
             projections.append(packed)
             out_rows.append(weight.shape[0])
@@ -242,6 +275,9 @@ class NativeStep:
                 *rows(layer.down), ptr(layer.down.bias), layer.window or 0)
         head, head_scale = rows(w.head)
         self.vocab = out_rows[-1]  # the head's rows
+        self.arena = arena  # the packed weights' memory
+        log.info("native weights: %.1f MB packed, %.1f MB of them in huge pages", arena.size / 1e6,
+                 arena.huge_bytes() / 1e6)
         guess = "non-temporal" if sum(t.nbytes for t in projections) > STREAM_BYTES else "none"
         self.prefetch_one = guess  # the `native.PREFETCH` mode of one-token forwards (decode steps, greedy drafts)
         self.prefetch_many = guess  # and of forwards of more tokens (verifies, batches, chunks)

@@ -1,0 +1,63 @@
+"""The packed weights' memory (`huge_pages.Arena`): aligned, zeroed, alive as long as any tensor in it, and in huge
+pages where the kernel grants them."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import requires_native
+
+from specrpc.config import ASSETS
+from specrpc.models import load_model
+from specrpc.models.huge_pages import ALIGN, HUGE_PAGE, Arena, aligned_size
+from specrpc.models.llama import LlamaLM, int8_available
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def test_an_arena_hands_out_aligned_zeroed_tensors_that_outlive_it() -> None:
+    shapes = [((1000, 3), torch.float32), ((7,), torch.uint8), ((3, 5, 16, 4), torch.uint8), ((129,), torch.int32)]
+    arena = Arena(aligned_size(shapes))
+    assert arena.size % HUGE_PAGE == 0 and arena.size >= aligned_size(shapes)
+    tensors = [arena.take(shape, dtype) for shape, dtype in shapes]
+    assert tensors[0].data_ptr() % HUGE_PAGE == 0, "the memory starts at a huge page's boundary"
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    assert all(start % ALIGN == 0 for start, _ in spans)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans)), "no two overlap"
+    assert all(t.shape == shape and t.dtype == dtype and not t.any() for t, (shape, dtype) in
+               zip(tensors, shapes, strict=True))
+    with pytest.raises(ValueError, match="no room"):
+        arena.take((arena.size,), torch.uint8)
+    del arena
+    gc.collect()
+    for i, t in enumerate(tensors):  # the mapping lives on in its tensors
+        t.fill_(i + 1)
+    assert [int(t.flatten()[-1]) for t in tensors] == [1, 2, 3, 4]
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_an_arena_is_in_huge_pages_where_the_kernel_offers_them() -> None:
+    arena = Arena(4 * HUGE_PAGE)
+    arena.take((4 * HUGE_PAGE,), torch.uint8).fill_(1)
+    assert arena.huge_bytes() >= HUGE_PAGE, "a touched arena of 8 MiB holds at least one huge page"
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_the_native_step_packs_every_projection_into_one_arena(int8: bool) -> None:
+    requires_native()
+    cpu = torch.device("cpu")
+    if int8 and not int8_available(cpu):
+        pytest.skip("no int8 kernel")
+    lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
+                    int8_weights=int8, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    step = lm.native
+    first = step.arena.memory.data_ptr()
+    layers = step.model.layer
+    pointers = [getattr(layers[i], name) for i in range(lm.weights.args.layers) for name in ("qkv", "o", "up", "down")]
+    pointers.append(step.model.head)
+    assert all(first <= p < first + step.arena.size for p in pointers)
