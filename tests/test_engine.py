@@ -202,6 +202,38 @@ def test_a_new_policy_decodes_from_the_costs_other_slots_measured(pair: tuple[Pa
     assert sum(proposed[1]) == 0, proposed[1]
 
 
+def test_the_time_between_a_lone_streams_steps_is_host_time_that_drafting_saves(pair: tuple[Path, Path],
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Costs held where drafting does not pay (S(1) = 1.75 / 1.9 target steps): stepped back to back, the request
+    decodes plainly but for the policy's probes. With 20 ms between its steps (a caller handing each step's tokens
+    on, as an edge streams them), that time is each step's host time, paid once however many tokens the step
+    commits, so drafting pays and most steps draft. Output unchanged."""
+    engine = make_engine(pair)
+    prompt = [(i * 3) % VOCAB for i in range(12)]
+    plain = run(engine, prompt, 30, GREEDY, 0)
+    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=3e-4,
+                             verify_s={n: 1e-3 * (1 + 0.6 * (n - 1)) for n in range(1, 10)})
+    for name in ("observe_target", "observe_draft"):  # the costs stay as given
+        monkeypatch.setattr(engine.costs, name, lambda *args: None)
+    drafted: dict[float, list[int]] = {}
+    for pause in (0.0, 0.02):
+        gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, 30, GREEDY, proposer="draft"))
+        out: list[int] = []
+        ks: list[int] = []
+        while not gen.finished:
+            if out:
+                time.sleep(pause)
+            result = engine.step_one(gen)
+            out += result.token_ids
+            ks.append(result.proposed)
+        assert out == plain
+        drafted[pause] = ks[1:]  # after the prefill
+        if pause:
+            assert gen.slot.policy.host.of("plain") >= pause
+    assert sum(k > 0 for k in drafted[0.0]) <= len(drafted[0.0]) // 16 + 1, drafted[0.0]
+    assert sum(k > 0 for k in drafted[0.02]) >= len(drafted[0.02]) // 2, drafted[0.02]
+
+
 def test_adaptive_switches_off_when_whole_steps_are_slow(pair: tuple[Path, Path],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The cost model says verifying is free; a stall it does not see (as a GPU's first use of a shape) makes

@@ -61,11 +61,18 @@ class Stall:
 
 @dataclass(frozen=True)
 class Timing:
-    """When a step started, what planning and drafting took, and what the target forward took (seconds)."""
+    """When a step started, what planning and drafting took, and what the target forward took (seconds); and the
+    time since the stream's previous step ended (`Engine.between_s`)."""
 
     start: float
     propose_s: float
     forward_s: float
+    between_s: float = 0.0
+
+
+BETWEEN_STEPS_MOST = 0.05
+"""Seconds between a lone stream's two steps beyond which the gap is not counted as the steps' cost (`between_s`):
+a call the device thread ran between them, a pause of the process; per-step work (handing tokens over) is far less."""
 
 
 class Engine:
@@ -93,6 +100,7 @@ class Engine:
         self.default_proposer = config.proposer if config.proposer in self.proposers else "lookup"
         self.vocab = max(target.vocab_size, draft.vocab_size if draft else 0)
         self._on_device: Callable[[], None] | None = None  # `step`'s hook, until called
+        self._lone: tuple[Generation, float] | None = None  # the last lone step's generation and when it ended
 
     @property
     def capacity(self) -> int:
@@ -189,11 +197,25 @@ class Engine:
             return self._step(gens)
         finally:
             self._went_to_device()
+            self._lone = (gens[0], time.perf_counter()) if len(gens) == 1 else None
+
+    def between_s(self, gen: Generation, now: float) -> float:
+        """Seconds since `gen`'s previous step ended where that step was lone and the last one (0 otherwise, and
+        beyond `BETWEEN_STEPS_MOST`): what the caller spent between them, handing the step's tokens on (detokenizing,
+        stop checks, streaming them to the client) and taking the next step up. Each step costs it once whatever its
+        tokens, so a lone stream's policy counts it with the step's host time: a step that commits several tokens
+        pays it once for all of them."""
+        lone = self._lone
+        if lone is None or lone[0] is not gen:
+            return 0.0
+        gap = now - lone[1]
+        return gap if 0.0 <= gap <= BETWEEN_STEPS_MOST else 0.0
 
     def _step(self, gens: list[Generation]) -> list[StepResult | Exception]:
         """`step`'s phases."""
         solo = len(gens) == 1
         t_start = time.perf_counter()
+        between_s = self.between_s(gens[0], t_start) if solo else 0.0
         results: Results = {}
         live = self._begin(gens, results)
         prefilling = [i for i in live if gens[i].prefilling]
@@ -211,7 +233,7 @@ class Engine:
             rows[i] = BatchRow(torch.tensor(ids, dtype=torch.long, device=self.target.device),  # [k+1]
                                len(gens[i].slot.tokens) - 1, gens[i].slot.index, len(ids))
         outs, forward_s = self._forward(rows, proposals, solo, results)
-        timing = Timing(t_start, timing_propose, forward_s)
+        timing = Timing(t_start, timing_propose, forward_s, between_s)
         for i, logits in outs.items():
             try:
                 if i in proposals:
@@ -429,7 +451,8 @@ class Engine:
                 policy.observe(proposal.estimate, *proposal.drawn_outcome(result.accepted))
             if timing is not None:
                 policy.observe_step(proposal.estimate if len(proposal) else "plain",
-                                    time.perf_counter() - timing.start, len(result.tokens), proposal.catch_up_s,
+                                    time.perf_counter() - timing.start + timing.between_s, len(result.tokens),
+                                    proposal.catch_up_s,
                                     share=gen.fixed_k is None,
                                     drafts=0 if proposal.forced else len(proposal))  # (forced: counted as drawn)
         step = gen.commit(tokens, accepted=result.accepted, proposed=len(proposal), logits=logits)
@@ -440,7 +463,7 @@ class Engine:
             kind = host_kind(proposal.estimate) if len(proposal) else "plain"
             stalled = self.stall.draft_s + self.stall.verify_s if self.stall is not None and len(proposal) else 0.0
             host_s = time.perf_counter() - timing.start - timing.propose_s - timing.forward_s - stalled
-            policy.host.observe(kind, host_s)
+            policy.host.observe(kind, host_s + timing.between_s)
         return step
 
     def _prefilled(self, gen: Generation, row: BatchRow, logits: torch.Tensor) -> StepResult:

@@ -4,8 +4,9 @@ D(k) (drafting k tokens in a speculative step ÷ one target step) and V(k) (veri
 step) are the device's: one `CostModel`, measured at start-up (`calibration`) and refined by every lone step of every
 session since, which every policy reads, so a session decodes from what the device's steps cost now, not from one
 calibration a slow spell or a context unlike the traffic's can leave far off. Each step also spends host time around
-its forwards (choosing k, verifying, committing), measured per policy and kind of step (plain, drafted, looked up)
-as h (`HostTimes`: a request's controls and grammar set it, not the device). A draft that has not seen the prompt
+its forwards (choosing k, verifying, committing) and before the next (its tokens handed on to the client, once a step
+however many they are), measured per policy and kind of step (plain, drafted, looked up) as h (`HostTimes`: a
+request's controls, grammar and edge set it, not the device). A draft that has not seen the prompt
 must first catch up on it, at `draft_prefill_s` a token. A batched step's time is a function of the batch's total
 tokens (`BatchCosts`, shared by every stream too), calibrated at start-up over a few batch widths and refined from
 every batched step.
@@ -217,8 +218,8 @@ class CostModel(Refined):
 @dataclass
 class HostTimes(Refined):
     """Seconds a lone step of each kind ("plain", or the source that drafted) spends outside the model forwards:
-    choosing k, verifying, committing, handing tokens over. A policy's own: a request's controls and grammar set
-    them, not the device."""
+    choosing k, verifying, committing, and until the stream's next step starts, handing its tokens on
+    (`Engine.between_s`). A policy's own: a request's controls, grammar and edge set them, not the device."""
 
     seconds: dict[str, float] = field(default_factory=dict)
 
