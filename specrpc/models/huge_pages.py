@@ -14,6 +14,7 @@ the kernel declines, or on a system without the call, the memory is ordinary pag
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import re
 
@@ -34,13 +35,9 @@ class Arena:
         # one huge page more than asked, so that the memory can start at a huge page's boundary
         self._map = mmap.mmap(-1, self.size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-        self.advised = False
         if advice is not None:
-            try:
+            with contextlib.suppress(OSError):  # a kernel built without transparent huge pages
                 self._map.madvise(advice)
-                self.advised = True
-            except OSError:  # a kernel built without transparent huge pages
-                pass
         whole = torch.frombuffer(self._map, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
         start = -whole.data_ptr() % HUGE_PAGE
         self.memory = whole[start : start + self.size]  # [size] uint8: the bytes handed out
