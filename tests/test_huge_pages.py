@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import mmap
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,17 @@ def test_an_arena_hands_out_aligned_zeroed_tensors_that_outlive_it() -> None:
     for i, t in enumerate(tensors):  # the mapping lives on in its tensors
         t.fill_(i + 1)
     assert [int(t.flatten()[-1]) for t in tensors] == [1, 2, 3, 4]
+
+
+def test_without_the_huge_page_call_an_arena_is_ordinary_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A system whose mmap has no MADV_HUGEPAGE (not Linux): the same arena in ordinary pages, none of them huge."""
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
+    arena = Arena(2 * HUGE_PAGE)
+    t = arena.take((2 * HUGE_PAGE // 4,), torch.float32)
+    t.fill_(0.5)
+    assert float(t.sum()) == HUGE_PAGE // 4
+    if not (THP.exists() and "[always]" in THP.read_text()):  # "always" backs any large mapping with them, unasked
+        assert arena.huge_bytes() == 0
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
