@@ -204,15 +204,16 @@ def test_a_new_policy_decodes_from_the_costs_other_slots_measured(pair: tuple[Pa
 
 def test_the_time_between_a_lone_streams_steps_is_host_time_that_drafting_saves(pair: tuple[Path, Path],
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Costs held where drafting does not pay (S(1) = 1.75 / 1.9 target steps): stepped back to back, the request
-    decodes plainly but for the policy's probes. With 20 ms between its steps (a caller handing each step's tokens
-    on, as an edge streams them), that time is each step's host time, paid once however many tokens the step
+    """Costs held where drafting does not pay (a drafted token 0.5 target steps, each verified one 2 more: S(1) =
+    1.75 / 3.5 with no host time, below 1 up to 2 target steps of it): stepped back to back, the request decodes
+    plainly but for the policy's probes. With 20 ms (20 target steps) between its steps (a caller handing each step's
+    tokens on, as an edge streams them), that time is each step's host time, paid once however many tokens the step
     commits, so drafting pays and most steps draft. Output unchanged."""
     engine = make_engine(pair)
     prompt = [(i * 3) % VOCAB for i in range(12)]
     plain = run(engine, prompt, 30, GREEDY, 0)
-    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=3e-4,
-                             verify_s={n: 1e-3 * (1 + 0.6 * (n - 1)) for n in range(1, 10)})
+    engine.costs = CostModel(target_step_s=1e-3, draft_step_s=5e-4,
+                             verify_s={n: 1e-3 * (1 + 2 * (n - 1)) for n in range(1, 10)})
     for name in ("observe_target", "observe_draft"):  # the costs stay as given
         monkeypatch.setattr(engine.costs, name, lambda *args: None)
     drafted: dict[float, list[int]] = {}
