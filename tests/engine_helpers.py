@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from specrpc.engine.engine import Engine
 from specrpc.engine.generation import GenerationRequest, Slot
+from specrpc.models.backends.native import NativeStep
 
 
 def decode(engine: Engine, slot: Slot, request: GenerationRequest) -> list[int]:
@@ -47,6 +49,23 @@ def requires_native(wanted: bool = True) -> None:
 
     if wanted and native.library() is None:
         pytest.skip("the native decode step could not be built here (no C++ compiler)")
+
+
+def native_draft_step(int8: bool) -> NativeStep:
+    """The shipped draft's native step at float32 or int8 weights (one slot, 64 positions); the test skipped where
+    this machine has no native step or, for int8, no int8 kernel."""
+    from specrpc.config import ASSETS
+    from specrpc.models import load_model
+    from specrpc.models.llama import LlamaLM, int8_available
+
+    requires_native()
+    cpu = torch.device("cpu")
+    if int8 and not int8_available(cpu):
+        pytest.skip("no int8 kernel")
+    lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
+                    int8_weights=int8, native_decode=True)
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    return lm.native
 
 
 def counted_calls(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list[int]:

@@ -10,12 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import requires_native
+from engine_helpers import native_draft_step
 
-from specrpc.config import ASSETS
-from specrpc.models import load_model
 from specrpc.models.huge_pages import ALIGN, HUGE_PAGE, Arena, aligned_size
-from specrpc.models.llama import LlamaLM, int8_available
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -60,16 +57,9 @@ def test_an_arena_is_in_huge_pages_where_the_kernel_offers_them() -> None:
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 def test_the_native_step_packs_every_projection_into_one_arena(int8: bool) -> None:
-    requires_native()
-    cpu = torch.device("cpu")
-    if int8 and not int8_available(cpu):
-        pytest.skip("no int8 kernel")
-    lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
-                    int8_weights=int8, native_decode=True)
-    assert isinstance(lm, LlamaLM) and lm.native is not None
-    step = lm.native
+    step = native_draft_step(int8)
     first = step.arena.memory.data_ptr()
     layers = step.model.layer
-    pointers = [getattr(layers[i], name) for i in range(lm.weights.args.layers) for name in ("qkv", "o", "up", "down")]
+    pointers = [getattr(layers[i], name) for i in range(step.model.layers) for name in ("qkv", "o", "up", "down")]
     pointers.append(step.model.head)
     assert all(first <= p < first + step.arena.size for p in pointers)

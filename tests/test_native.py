@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import counted_calls, requires_native
+from engine_helpers import counted_calls, native_draft_step, requires_native
 
 from specrpc import native
 from specrpc.config import ASSETS
@@ -188,14 +188,7 @@ def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -
     """Every prefetch mode (none, non-temporal, temporal, outer), prefetch distance and cap on the tokens a pass over
     the weights takes gives the same logits bit for bit, for a decode step, a verify and a prompt chunk: which one runs
     is a speed choice made at load, never a numerical one."""
-    requires_native()
-    cpu = torch.device("cpu")
-    if int8 and not int8_available(cpu):
-        pytest.skip("no int8 kernel")
-    lm = load_model(ASSETS / "draft", device=cpu, dtype=torch.float32, num_slots=1, max_context=64,
-                    int8_weights=int8, native_decode=True)
-    assert isinstance(lm, LlamaLM) and lm.native is not None
-    step = lm.native
+    step = native_draft_step(int8)
     ids = torch.tensor([(i * 7919) % 4000 for i in range(30)])
     step.run(ids[:16], 0, 0)
     seen = []
