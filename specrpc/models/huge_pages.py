@@ -31,7 +31,7 @@ class Arena:
     """`size` bytes of zeroed memory, in huge pages where the kernel grants them, handed out in order by `take`."""
 
     def __init__(self, size: int) -> None:
-        self.size = -(-max(size, 1) // HUGE_PAGE) * HUGE_PAGE  # whole huge pages: a partial one is never granted
+        self.size = _round_up(max(size, 1), HUGE_PAGE)  # whole huge pages: a partial one is never granted
         # one huge page more than asked, so that the memory can start at a huge page's boundary
         self._map = mmap.mmap(-1, self.size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
@@ -45,12 +45,11 @@ class Arena:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zeroed tensor of `shape` and `dtype` in the arena's next free bytes (aligned to `ALIGN`)."""
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        start = -(-self._used // ALIGN) * ALIGN
-        if start + n > self.size:
-            raise ValueError(f"arena of {self.size} bytes: no room for {n} more after {start}")
-        self._used = start + n
-        return self.memory[start : start + n].view(dtype).view(shape)
+        start, end = _span(self._used, shape, dtype)
+        if end > self.size:
+            raise ValueError(f"arena of {self.size} bytes: no room for {end - start} more after {start}")
+        self._used = end
+        return self.memory[start:end].view(dtype).view(shape)
 
     def huge_bytes(self) -> int:
         """Bytes of this arena the kernel backs with huge pages now (Linux's /proc/self/smaps; 0 where it cannot
@@ -74,5 +73,16 @@ def aligned_size(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
     """Bytes an arena needs to hand out tensors of these shapes and dtypes in turn (each aligned to `ALIGN`)."""
     total = 0
     for shape, dtype in shapes:
-        total = -(-total // ALIGN) * ALIGN + torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        _, total = _span(total, shape, dtype)
     return total
+
+
+def _span(used: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+    """[start, end): the bytes a tensor of `shape` and `dtype` takes after `used` bytes handed out (`ALIGN`ed)."""
+    start = _round_up(used, ALIGN)
+    return start, start + torch.Size(shape).numel() * dtype.itemsize
+
+
+def _round_up(n: int, to: int) -> int:
+    """n rounded up to a multiple of `to`."""
+    return -(-n // to) * to
