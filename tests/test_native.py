@@ -202,6 +202,25 @@ def test_the_prefetch_mode_is_a_hint_that_never_changes_the_logits(int8: bool) -
         assert torch.equal(one, seen[0][0]) and torch.equal(five, seen[0][1]) and torch.equal(chunk, seen[0][2])
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("on_threads", [2], indirect=True)
+def test_the_threads_a_forward_takes_never_change_the_logits(int8: bool, on_threads: int) -> None:
+    """A decode step, a verify, a prompt chunk and a greedy draft give the same logits and tokens bit for bit on one
+    thread as on all of torch's: which count runs a shape is a speed choice made at load (`calibrate_threads`),
+    never a numerical one."""
+    step = native_draft_step(int8)
+    ids = torch.tensor([(i * 7919) % 4000 for i in range(30)])
+    seen = []
+    for threads in native_step.thread_counts(on_threads):
+        step.threads_one = step.threads_many = threads
+        assert step.threads(1) == step.threads(5) == threads
+        step.run(ids[:16], 0, 0)
+        seen.append((step.run(ids[16:17], 16, 0), step.run(ids[16:21], 16, 0, num_logits=5),
+                     step.run(ids[:16], 0, 0, num_logits=16), step.greedy(ids[16:18], 16, 0, 4)))
+    assert len(seen) == 2
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))
+
+
 STALL_S = 0.02
 """An injected stall: far above any tiny model's forward here, so a path that pays it on every call loses to the others
 however noisy the machine (each is measured in interleaved rounds)."""
@@ -334,6 +353,19 @@ def test_a_prefetch_slow_as_served_is_not_kept_though_fastest_at_load(slow: str,
     assert set(step.picks) == {1, native_step.VERIFY_TOKENS} - {shape}  # the other shape still choosing
     step.run(ids, 0, 0, tokens)
     assert step.model.prefetch == native.PREFETCH[chosen]
+
+
+@pytest.mark.parametrize("stalled", [1, 2])
+@pytest.mark.parametrize("on_threads", [2], indirect=True)
+def test_a_stalled_thread_count_is_never_chosen(stalled: int, on_threads: int, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever number of threads is slowed by an injected stall (every native call on that many) is chosen at
+    neither shape, one token nor a verify, and the forwards then run on the other; the table names every count."""
+    step = stalled_step(tmp_path, monkeypatch, lambda step, count: step.threads(count) == stalled)
+    table = step.calibrate_threads()
+    assert {shape: sorted(times) for shape, times in table.items()} == {1: [1, 2], native_step.VERIFY_TOKENS: [1, 2]}
+    assert step.threads(1) != stalled and step.threads(native_step.VERIFY_TOKENS) != stalled, table
+    assert step.choices().threads_one == (1 if stalled == 2 else 0)  # 0: all of torch's
 
 
 @pytest.mark.parametrize("stalled", native_step.PASS_CAPS)

@@ -153,6 +153,14 @@ AMX_TOKENS = (2, 3, VERIFY_TOKENS, 9, 16)
 drafts, and the tiles' full 16 tokens (a wider forward takes them 16 tokens at a time)."""
 
 
+def thread_counts(threads: int) -> list[int]:
+    """The threads a forward may take, as `calibrate_threads` tries them: all `threads`, then halved down to one."""
+    counts = [max(1, threads)]
+    while counts[-1] > 1:
+        counts.append(counts[-1] // 2)
+    return counts
+
+
 SERVED_ROUNDS = 40
 """Forwards of its shape each finalist serves before the fastest is kept (`ServedPick`)."""
 
@@ -203,6 +211,8 @@ class Choices:
     ahead_many: int
     passes: tuple[int, ...]
     amx_from: int
+    threads_one: int = 0  # 0: all of torch's threads
+    threads_many: int = 0
 
 
 class NativeStep:
@@ -282,6 +292,7 @@ class NativeStep:
         self.prefetch_one = guess  # the `native.PREFETCH` mode of one-token forwards (decode steps, greedy drafts)
         self.prefetch_many = guess  # and of forwards of more tokens (verifies, batches, chunks)
         self.ahead_one = self.ahead_many = PREFETCH_AHEAD  # their prefetch distances, bytes
+        self.threads_one = self.threads_many = 0  # the threads each shape's forwards take (0: all of torch's)
         # by shape (1: one token, VERIFY_TOKENS: several), each mode's fastest at load, fastest first; and the
         # forwards served choosing among them (`serve`)
         self.finalists: dict[int, list[tuple[str, int]]] = {}
@@ -362,6 +373,17 @@ class NativeStep:
                      f"{setting_label(*f)} {statistics.median(t) * 1e3:.3f}"
                      for f, t in zip(pick.finalists, pick.seconds, strict=True)))
 
+    def threads(self, count: int) -> int:
+        """The threads a forward of `count` tokens takes (a greedy draft: its one-token steps'): as chosen
+        (`calibrate_threads`), within torch's."""
+        chosen = self.threads_one if count == 1 else self.threads_many
+        return min(chosen, torch.get_num_threads()) if chosen else torch.get_num_threads()
+
+    def threads_note(self, count: int) -> str:
+        """", on N threads" where a forward of `count` tokens takes fewer than all of torch's, else empty."""
+        n = self.threads(count)
+        return f", on {n} thread{'s' if n > 1 else ''}" if n < torch.get_num_threads() else ""
+
     def prefetch_label(self, count: int) -> str:
         """How a forward of `count` tokens prefetches: its mode, with its distance where it prefetches."""
         return setting_label(*self._setting(count))
@@ -375,7 +397,8 @@ class NativeStep:
     def choices(self) -> Choices:
         """The settings the calibrations chose (or the guesses where none has run)."""
         return Choices(self.prefetch_one, self.ahead_one, self.prefetch_many, self.ahead_many,
-                       tuple(int(n) for n in self.passes.tolist()), int(self.model.amx_from))
+                       tuple(int(n) for n in self.passes.tolist()), int(self.model.amx_from), self.threads_one,
+                       self.threads_many)
 
     def choose(self, c: Choices) -> None:
         """Put back settings `choices` returned."""
@@ -383,6 +406,7 @@ class NativeStep:
             c.prefetch_one, c.ahead_one, c.prefetch_many, c.ahead_many)
         self.passes[:] = torch.tensor(c.passes, dtype=torch.int64)
         self.model.amx_from = c.amx_from
+        self.threads_one, self.threads_many = c.threads_one, c.threads_many
 
     def calibrate_prefetch(self, slot: int = 0, context: int = CONTEXT, repeats: int = 5,
                            counts: tuple[int, ...] = (1, VERIFY_TOKENS)) -> dict[int, dict[str, float]]:
@@ -453,6 +477,42 @@ class NativeStep:
             self.passes[low : high + 1] = min(table[count], key=table[count].__getitem__)
         return table
 
+    def calibrate_threads(self, slot: int = 0, context: int = CONTEXT, repeats: int = 9,
+                          counts: tuple[int, ...] = (1, VERIFY_TOKENS)) -> dict[int, dict[int, float]]:
+        """Time forwards of one token (decode steps, a draft's steps) and of `VERIFY_TOKENS` (verifies, batches,
+        chunks), or of `counts`, on each of `thread_counts` threads, interleaved (`interleaved_times`, lower
+        quartiles), and keep the fastest for each shape (`threads_one`, `threads_many`): where two vCPUs share a
+        core, or a small model's products are too short to pay for the barriers between them, fewer threads can
+        win; the results are the same bits on any (each output and each query is computed the same way whichever
+        thread takes it). Writes K/V at positions below context + `VERIFY_TOKENS` of `slot`, which the caller holds
+        empty. Returns the seconds by shape and threads (empty where there is one thread, or no room)."""
+        candidates = thread_counts(torch.get_num_threads())
+        context = min(context, self.model.capacity - max(counts))
+        if len(candidates) < 2 or context < 1:
+            return {}
+        ids = (torch.arange(context + max(counts)) * 7919) % self.vocab  # [context + widest]
+        self.run_chunks(ids[:context], 0, slot)
+        table: dict[int, dict[int, float]] = {}
+        for count in counts:
+            def step(threads: int, count: int = count) -> Callable[[], None]:
+                def run() -> None:
+                    self._set_threads(count, threads)
+                    self.run(ids[context : context + count], context, slot, count)
+                return run
+
+            table[count] = dict(zip(candidates, interleaved_times([step(n) for n in candidates], repeats),
+                                    strict=True))
+            fastest = min(table[count], key=table[count].__getitem__)
+            self._set_threads(count, 0 if fastest == candidates[0] else fastest)
+        return table
+
+    def _set_threads(self, count: int, threads: int) -> None:
+        """Forwards of `count` tokens' shape (one, or several) on `threads` threads (0: all of torch's)."""
+        if count == 1:
+            self.threads_one = threads
+        else:
+            self.threads_many = threads
+
     def calibrate_amx(self, slot: int = 0, context: int = CONTEXT, repeats: int = 9) -> dict[int, tuple[float, float]]:
         """Where int8 products may run on AMX tiles (`native.amx_available`: same bits as VNNI, a speed choice only),
         time forwards of each of `AMX_TOKENS` tokens with them on VNNI and on the tiles, interleaved
@@ -496,7 +556,7 @@ class NativeStep:
         ids = long_ids(tokens)  # [T]
         logits = torch.empty(num_logits, self.vocab)  # [num_logits, V]
         if self._native(count, self._row, ids.data_ptr(), count, start, slot, num_logits, logits.data_ptr(),
-                        torch.get_num_threads(), skip) != 0:
+                        self.threads(count), skip) != 0:
             raise ValueError(self._out_of_range(count, 1))
         return logits
 
@@ -527,7 +587,7 @@ class NativeStep:
         at = index.buffer_info()[0]
         logits = torch.empty(len(wanted), self.vocab)  # [R, V]
         if self._native(count, self._fn, at, at + 8 * count, at + 16 * count, count, at + 24 * count, len(wanted),
-                        logits.data_ptr(), torch.get_num_threads()) != 0:
+                        logits.data_ptr(), self.threads(count)) != 0:
             raise ValueError(self._out_of_range(count, len(rows)))
         out: list[torch.Tensor] = []
         first = 0
@@ -586,7 +646,7 @@ class NativeStep:
             shaped = ctypes.byref(transform)
         # a draft is one-token steps after its feed: the one-token prefetch (a pick times the whole call)
         if self._native(1, self._greedy, ids.data_ptr(), ids.shape[0], start, slot, steps, out.data_ptr(),
-                        self._scratch.data_ptr(), torch.get_num_threads(), shaped) != 0:
+                        self._scratch.data_ptr(), self.threads(1), shaped) != 0:
             raise ValueError(f"native greedy draft: {ids.shape[0]} tokens fed at position {start} of slot {slot}, "
                              f"then {steps} steps: out of range")
         return out

@@ -308,7 +308,8 @@ class LlamaLM:
         """The measurements that choose how the native step runs, in order, each taking the slot it may write to
         (empty, or `KVCache.borrowed`) and logging its table in one line: its weight prefetch at each shape
         (`NativeStep.calibrate_prefetch`), the tokens a pass over the weights takes at each width
-        (`calibrate_passes`), AMX tiles (`calibrate_amx`), and with `rows` which forwards it takes (`_row_phases`).
+        (`calibrate_passes`), AMX tiles (`calibrate_amx`), the threads each shape takes (`calibrate_threads`), and
+        with `rows` which forwards it takes (`_row_phases`).
         Each leaves the settings it timed at their chosen values, so that the step serves between any two, and
         each takes about half a second at most (the shipped float32 target's longest, on a 2-core AMD EPYC Zen 3:
         0.53 s, `tools/recheck_cost.py`), so that a re-measure between requests gets through the gaps between them
@@ -330,6 +331,12 @@ class LlamaLM:
                          "cap, 0 = auto: %s)", self.name, count, int(step.passes[count]) or "auto",
                          ", ".join(f"{cap} {t * 1e3:.2f}" for cap, t in table[count].items()))
 
+        def threads(slot: int, count: int) -> None:
+            table = step.calibrate_threads(slot, counts=(count,))
+            if table:
+                log.info("%s: native threads for a forward of %d: %d (ms by threads: %s)", self.name, count,
+                         step.threads(count), ", ".join(f"{n} {t * 1e3:.2f}" for n, t in table[count].items()))
+
         def amx(slot: int) -> None:
             table = step.calibrate_amx(slot)
             if table:
@@ -339,6 +346,7 @@ class LlamaLM:
 
         return [*(functools.partial(prefetch, count=count) for count in (1, native.VERIFY_TOKENS)),
                 *(functools.partial(passes, count=count) for count in native.PASS_TOKENS), amx,
+                *(functools.partial(threads, count=count) for count in (1, native.VERIFY_TOKENS)),
                 *(self._row_phases() if rows else [])]
 
     def _row_phases(self) -> list[Callable[[int], None]]:
@@ -596,17 +604,19 @@ class LlamaLM:
         step, rows = self.native, self.native_rows
         if step is None or rows == 0:
             return [("any", torch_path)]
-        out = [("1", f"native, prefetch {step.prefetch_label(1)}")]
+        out = [("1", f"native, prefetch {step.prefetch_label(1)}{step.threads_note(1)}")]
         amx_from = step.model.amx_from if 1 < step.model.amx_from <= rows else 0
         if rows > 1 and amx_from:  # the int8 products of these forwards on AMX tiles (the same bits as VNNI)
             if amx_from > 2:
-                out.append((f"2-{amx_from - 1}" if amx_from > 3 else "2", f"native, prefetch {step.prefetch_label(2)}"))
+                out.append((f"2-{amx_from - 1}" if amx_from > 3 else "2",
+                            f"native, prefetch {step.prefetch_label(2)}{step.threads_note(2)}"))
             out.append((f"{amx_from}-{rows}" if rows > amx_from else f"{rows}",
-                        f"native, prefetch {step.prefetch_label(2)}, AMX"))
+                        f"native, prefetch {step.prefetch_label(2)}, AMX{step.threads_note(2)}"))
         elif rows > 1:
-            out.append((f"2-{rows}" if rows > 2 else "2", f"native, prefetch {step.prefetch_label(2)}"))
+            out.append((f"2-{rows}" if rows > 2 else "2",
+                        f"native, prefetch {step.prefetch_label(2)}{step.threads_note(2)}"))
         longer = ("native in chunks" + (", AMX" if 0 < step.model.amx_from <= native.MAX_TOKENS else "")
-                  if self.chunks_native() else torch_path)
+                  + step.threads_note(2) if self.chunks_native() else torch_path)
         out.append((f"{rows + 1}+", longer))
         return out
 
