@@ -368,6 +368,43 @@ def test_a_stalled_thread_count_is_never_chosen(stalled: int, on_threads: int, t
     assert step.choices().threads_one == (1 if stalled == 2 else 0)  # 0: all of torch's
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("on_threads", [2], indirect=True)
+def test_fewer_threads_slow_as_served_are_not_kept_though_fastest_at_load(tokens: int, on_threads: int,
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where load chose fewer threads than all for a shape (here all of them stalled at load), the forwards served
+    take that count and all in turn and keep the faster: one thread stalling only as served is not kept. A shape that
+    load gave all threads is left to them (no served choice); the other shape's choice is its own."""
+    serving = False
+
+    def stalls(step: native_step.NativeStep, count: int) -> bool:
+        if (count > 1) != (tokens > 1):
+            return False
+        return step.threads(count) == 1 if serving else step.threads(count) == on_threads
+
+    step = stalled_step(tmp_path, monkeypatch, stalls)
+    step.calibrate_threads()
+    shape = 1 if tokens == 1 else native_step.VERIFY_TOKENS
+    assert step.threads(shape) == 1
+    serving = True
+    step.serve()
+    assert shape in step.thread_picks
+    ids = torch.arange(3, 3 + tokens)
+    while shape in step.thread_picks:
+        step.run(ids, 0, 0, tokens)
+    assert step.threads(shape) == on_threads
+    assert (step.threads_one if shape == 1 else step.threads_many) == 0  # all of torch's, whatever they become
+
+
+def test_no_served_choice_of_threads_where_load_gave_a_shape_all() -> None:
+    """A step whose every shape runs on all of torch's threads (as load leaves it where all win) serves on them from
+    the first forward: no forward served on fewer."""
+    step = native_draft_step(False)
+    step.serve()
+    assert step.thread_picks == {}
+
+
 @pytest.mark.parametrize("stalled", native_step.PASS_CAPS)
 @pytest.mark.usefixtures("one_thread")
 def test_a_stalled_pass_size_is_never_chosen(stalled: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

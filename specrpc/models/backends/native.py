@@ -10,6 +10,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 
@@ -165,10 +166,14 @@ SERVED_ROUNDS = 40
 """Forwards of its shape each finalist serves before the fastest is kept (`ServedPick`)."""
 
 
+Setting = TypeVar("Setting")
+
+
 @dataclasses.dataclass
-class ServedPick:
-    """The prefetch of one shape of forwards (one token: decode steps, drafts; several: verifies, batches), chosen
-    among the settings fastest at load (each mode at its fastest distance) by the forwards served: they take the
+class ServedPick(Generic[Setting]):
+    """A setting of one shape of forwards (one token: decode steps, drafts; several: verifies, batches), its prefetch
+    or its threads, chosen among the settings fastest at load (for the prefetch, each mode at its fastest distance;
+    for the threads, the count load chose and all of torch's) by the forwards served: they take the
     `finalists` in turn (each sees the same mix of lengths, contexts and what ran before them) until each has served
     `rounds`, and the one whose forwards took least (median) is kept. Load times each shape back to back at 32
     positions; served, the other model's forwards and the host's work come between, at a few hundred positions. The
@@ -178,7 +183,7 @@ class ServedPick:
     process, two processes). Its one-token steps, fixed request by request, decoded 0.82x as fast with the
     non-temporal or temporal 2048 B ahead that starts chose as with outer 32768 B ahead."""
 
-    finalists: list[tuple[str, int]]
+    finalists: list[Setting]
     rounds: int = SERVED_ROUNDS
     seconds: list[list[float]] = dataclasses.field(init=False)  # by finalist, each forward's
     served: int = 0  # forwards timed so far
@@ -186,11 +191,11 @@ class ServedPick:
     def __post_init__(self) -> None:
         self.seconds = [[] for _ in self.finalists]
 
-    def setting(self) -> tuple[str, int]:
+    def setting(self) -> Setting:
         """The finalist the shape's next forward takes."""
         return self.finalists[self.served % len(self.finalists)]
 
-    def observe(self, seconds: float) -> tuple[str, int] | None:
+    def observe(self, seconds: float) -> Setting | None:
         """The forward `setting` named took `seconds`: the fastest finalist once each has served `rounds`, else
         None."""
         self.seconds[self.served % len(self.finalists)].append(seconds)
@@ -296,7 +301,8 @@ class NativeStep:
         # by shape (1: one token, VERIFY_TOKENS: several), each mode's fastest at load, fastest first; and the
         # forwards served choosing among them (`serve`)
         self.finalists: dict[int, list[tuple[str, int]]] = {}
-        self.picks: dict[int, ServedPick] = {}
+        self.picks: dict[int, ServedPick[tuple[str, int]]] = {}
+        self.thread_picks: dict[int, ServedPick[int]] = {}  # by shape, the served choosing its threads (`serve`)
         capacity = cache.k.shape[3]  # [L, S, H, C, D]
         buffers = {"x": a.hidden, "h": a.hidden, "qkv": (a.heads + 2 * a.kv_heads) * a.head_dim,
                    "att": a.heads * a.head_dim, "up": 2 * a.ffn, "scores": a.heads * capacity}
@@ -347,14 +353,38 @@ class NativeStep:
         shape = self._prefetch(count)
         t0 = time.perf_counter()
         rc = call(self._model_ref, *args)
-        if shape and rc == 0:
-            self._served_took(shape, time.perf_counter() - t0)
+        if rc == 0 and (shape or self.thread_picks):
+            seconds = time.perf_counter() - t0
+            if shape:
+                self._served_took(shape, seconds)
+            self._served_threads_took(1 if count == 1 else VERIFY_TOKENS, seconds)
         return rc
 
     def serve(self) -> None:
         """From now on, each shape's forwards choose their prefetch among the finalists of the last
-        `calibrate_prefetch` (`ServedPick`; none where it left fewer than two)."""
+        `calibrate_prefetch` (`ServedPick`; none where it left fewer than two), and where load chose fewer threads
+        than all of torch's for a shape, between those and all (load times each count back to back; served, the
+        other model's forwards come between, and an idle OpenMP worker waits differently)."""
         self.picks = {shape: ServedPick(list(f)) for shape, f in self.finalists.items() if len(f) > 1}
+        self.thread_picks = {shape: ServedPick([chosen, 0]) for shape, chosen in
+                             ((1, self.threads_one), (VERIFY_TOKENS, self.threads_many)) if chosen}
+
+    def _served_threads_took(self, shape: int, seconds: float) -> None:
+        """A forward of `shape` took `seconds`: where its threads are being chosen by the forwards served, once both
+        counts have served their rounds, the faster is kept (logged)."""
+        pick = self.thread_picks.get(shape)
+        if pick is None:
+            return
+        chosen = pick.observe(seconds)
+        if chosen is None:
+            return
+        self._set_threads(shape, chosen)
+        del self.thread_picks[shape]
+        all_threads = torch.get_num_threads()
+        log.info("native threads for forwards of %s, chosen by %d served: %d (ms, medians: %s)",
+                 "one token" if shape == 1 else "several tokens", pick.served, self.threads(shape), ", ".join(
+                     f"{n or all_threads} {statistics.median(t) * 1e3:.3f}"
+                     for n, t in zip(pick.finalists, pick.seconds, strict=True)))
 
     def _served_took(self, shape: int, seconds: float) -> None:
         """A forward under `shape`'s pick took `seconds`; once its finalists have all served their rounds, the fastest
@@ -375,14 +405,18 @@ class NativeStep:
 
     def threads(self, count: int) -> int:
         """The threads a forward of `count` tokens takes (a greedy draft: its one-token steps'): as chosen
-        (`calibrate_threads`), within torch's."""
-        chosen = self.threads_one if count == 1 else self.threads_many
+        (`calibrate_threads`), or where the forwards served are choosing (`thread_picks`) each count in turn; within
+        torch's."""
+        pick = self.thread_picks.get(1 if count == 1 else VERIFY_TOKENS)
+        chosen = pick.setting() if pick is not None else self.threads_one if count == 1 else self.threads_many
         return min(chosen, torch.get_num_threads()) if chosen else torch.get_num_threads()
 
     def threads_note(self, count: int) -> str:
-        """", on N threads" where a forward of `count` tokens takes fewer than all of torch's, else empty."""
-        n = self.threads(count)
-        return f", on {n} thread{'s' if n > 1 else ''}" if n < torch.get_num_threads() else ""
+        """", on N threads" where forwards of `count` tokens were given fewer than all of torch's (as chosen, not
+        the count a served choice is trying), else empty."""
+        chosen, all_threads = self.threads_one if count == 1 else self.threads_many, torch.get_num_threads()
+        n = min(chosen, all_threads) if chosen else all_threads
+        return f", on {n} thread{'s' if n > 1 else ''}" if n < all_threads else ""
 
     def prefetch_label(self, count: int) -> str:
         """How a forward of `count` tokens prefetches: its mode, with its distance where it prefetches."""
@@ -487,6 +521,7 @@ class NativeStep:
         thread takes it). Writes K/V at positions below context + `VERIFY_TOKENS` of `slot`, which the caller holds
         empty. Returns the seconds by shape and threads (empty where there is one thread, or no room)."""
         candidates = thread_counts(torch.get_num_threads())
+        self.thread_picks = {}  # every forward below on the count being timed
         context = min(context, self.model.capacity - max(counts))
         if len(candidates) < 2 or context < 1:
             return {}
