@@ -154,6 +154,11 @@ AMX_TOKENS = (2, 3, VERIFY_TOKENS, 9, 16)
 drafts, and the tiles' full 16 tokens (a wider forward takes them 16 tokens at a time)."""
 
 
+def within_torch(threads: int) -> int:
+    """`threads` (0: all) as a forward takes them: at most torch's."""
+    return min(threads, torch.get_num_threads()) if threads else torch.get_num_threads()
+
+
 def thread_counts(threads: int) -> list[int]:
     """The threads a forward may take, as `calibrate_threads` tries them: all `threads`, then halved down to one."""
     counts = [max(1, threads)]
@@ -408,15 +413,17 @@ class NativeStep:
         (`calibrate_threads`), or where the forwards served are choosing (`thread_picks`) each count in turn; within
         torch's."""
         pick = self.thread_picks.get(1 if count == 1 else VERIFY_TOKENS)
-        chosen = pick.setting() if pick is not None else self.threads_one if count == 1 else self.threads_many
-        return min(chosen, torch.get_num_threads()) if chosen else torch.get_num_threads()
+        return within_torch(pick.setting() if pick is not None else self._given_threads(count))
+
+    def _given_threads(self, count: int) -> int:
+        """The threads chosen for forwards of `count` tokens (0: all of torch's)."""
+        return self.threads_one if count == 1 else self.threads_many
 
     def threads_note(self, count: int) -> str:
         """", on N threads" where forwards of `count` tokens were given fewer than all of torch's (as chosen, not
         the count a served choice is trying), else empty."""
-        chosen, all_threads = self.threads_one if count == 1 else self.threads_many, torch.get_num_threads()
-        n = min(chosen, all_threads) if chosen else all_threads
-        return f", on {n} thread{'s' if n > 1 else ''}" if n < all_threads else ""
+        n = within_torch(self._given_threads(count))
+        return f", on {n} thread{'s' if n > 1 else ''}" if n < torch.get_num_threads() else ""
 
     def prefetch_label(self, count: int) -> str:
         """How a forward of `count` tokens prefetches: its mode, with its distance where it prefetches."""
@@ -457,7 +464,8 @@ class NativeStep:
         context = min(context, self.model.capacity - VERIFY_TOKENS)
         if context < 1:
             return {}
-        self.picks = {}  # every forward below in the setting being timed
+        self.picks = {}  # every forward below in the setting being timed, on the threads chosen
+        self.thread_picks = {}
         ids = (torch.arange(context + VERIFY_TOKENS) * 7919) % self.vocab  # [context + VERIFY_TOKENS]
         self.run_chunks(ids[:context], 0, slot)
         settings = prefetch_settings()
