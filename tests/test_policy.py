@@ -250,6 +250,21 @@ def test_a_draft_costs_what_was_measured_at_its_length() -> None:
     assert policy.speedup(1) == pytest.approx(1.8 / 1.4)
 
 
+def test_the_table_a_step_reads_is_d_and_v_with_every_size_measured() -> None:
+    """With every size measured (as calibration leaves the tables), `ratios` reads each entry ÷ the target step: the
+    same values as `d` and `v`, while sizes go stale (a lone stream decoding plainly for long) and come back."""
+    costs = CostModel(target_step_s=1.0, draft_step_s=0.2, verify_s={n: 1.0 + 0.15 * (n - 1) for n in range(1, 10)},
+                      draft_s={k: 0.1 + 0.2 * k for k in range(1, 9)}, stale_after=4)
+    rng = random.Random(0)
+    for i in range(60):
+        width = 1 if i < 30 else rng.choice([1, 3, 5])  # first the others go stale, then some come back
+        costs.observe_target(width, 1.0 + 0.15 * (width - 1) + rng.uniform(-0.05, 0.05))
+        if i % 7 == 0:
+            costs.observe_draft(2, 0.5 + rng.uniform(-0.05, 0.05))
+        drafts, verifies = costs.ratios(8)
+        assert drafts == [costs.d(k) for k in range(9)] and verifies == [costs.v(k) for k in range(9)], i
+
+
 def test_the_table_a_step_reads_follows_every_change_of_the_costs() -> None:
     """`ratios` (what a step's planning reads every k from) equals `d` and `v` at each k after measurements, stale
     sizes read through their estimate, and writes straight into the tables (as calibration makes them)."""

@@ -89,6 +89,8 @@ class CostModel(Refined):
                                                       compare=False)  # by table, size → seconds before refining
     _ratios: tuple[tuple[Any, ...], list[float], list[float]] | None = field(
         default=None, repr=False, compare=False)  # `ratios`' last: the costs it was read from, D and V
+    _plans: dict[str, tuple[tuple[Any, ...], list[tuple[int, int, float | None]]]] = field(
+        default_factory=dict, repr=False, compare=False)  # by table, `_estimates`' last: what it held, and them
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         """A target forward over `tokens` positions (1 = plain decode, k+1 = verify) took `seconds`."""
@@ -111,7 +113,7 @@ class CostModel(Refined):
             self._shape = {"v": dict(self.verify_s), "d": dict(self.draft_s)}
         key, old = f"{kind}{size}", table.get(size)
         if old is not None and size in self._stale[kind]:
-            old = self._estimate(table, size, kind)
+            old = self._current(table, kind)[size]
             self._recent.pop(key, None)
         count = self._count[kind] = self._count[kind] + 1
         last = self._last[kind]
@@ -120,26 +122,41 @@ class CostModel(Refined):
         return self._refine(key, old, seconds)
 
     def _current(self, table: dict[int, float], kind: str) -> dict[int, float]:
-        """`table`'s seconds as read now: each fresh size's own, each stale one's `_estimate` (`table` itself where
-        none is stale)."""
-        stale = self._stale[kind]
-        if not stale:
+        """`table`'s seconds as read now: each fresh size's own, each stale one's estimate (`_estimates`; `table`
+        itself where none is stale)."""
+        if not self._stale[kind]:
             return table
-        fresh = sorted(n for n in table if n not in stale)
-        return {n: self._estimate(table, n, kind, fresh) if n in stale else s for n, s in table.items()}
+        current = dict(table)
+        for n, near, factor in self._estimates(table, kind):
+            current[n] = table[near] * factor if factor is not None else table[n]
+        return current
 
-    def _estimate(self, table: dict[int, float], size: int, kind: str, fresh: list[int] | None = None) -> float:
-        """A stale size's seconds: the nearest fresh size's (the larger of two as near; `fresh`, in order, where the
-        caller listed them) scaled by their ratio in the calibrated shape (by their sizes where the shape lacks
-        either); its own where no size is fresh."""
-        if fresh is None:
-            fresh = sorted(n for n in table if n not in self._stale[kind])
-        if not fresh:
-            return table[size]
-        near = nearest_in_order(fresh, size)
+    def _estimates(self, table: dict[int, float], kind: str) -> list[tuple[int, int, float | None]]:
+        """How each stale size of `table` is read: (size, the nearest fresh size (the larger of two as near), the
+        factor that one's seconds are scaled by: their ratio in the calibrated shape, by their sizes where the shape
+        lacks either; None where no size is fresh: its own seconds). They change only where a size goes stale or
+        fresh, or a new one is measured, so they are kept while the stale sizes and the table's sizes stay the same
+        (a step's planning reads the tables afresh after every measurement: 27 µs a plan with speculation off, int8,
+        2-core AMD EPYC Zen 4, each estimate worked out on every read, against 22 µs so)."""
+        stale = self._stale[kind]
+        key = (frozenset(stale), tuple(table))
+        kept = self._plans.get(kind)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        fresh = sorted(n for n in table if n not in stale)
         shape = self._shape[kind] if self._shape is not None else {}
-        mine, theirs = shape.get(size), shape.get(near)
-        return table[near] * (mine / theirs if mine and theirs else size / near)
+        plan: list[tuple[int, int, float | None]] = []
+        for n in table:
+            if n not in stale:
+                continue
+            if not fresh:
+                plan.append((n, n, None))
+                continue
+            near = nearest_in_order(fresh, n)
+            mine, theirs = shape.get(n), shape.get(near)
+            plan.append((n, near, mine / theirs if mine and theirs else n / near))
+        self._plans[kind] = (key, plan)
+        return plan
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A draft caught up on `tokens` tokens in `seconds`."""
@@ -183,11 +200,19 @@ class CostModel(Refined):
                  tuple(self.verify_s.items()), tuple(self.draft_s.items()))
         kept = self._ratios
         if kept is None or kept[0] != state or len(kept[1]) <= cap:
-            drafts, verifies = self._current(self.draft_s, "d"), self._current(self.verify_s, "v")
-            known = sorted(verifies)
-            kept = self._ratios = (state, [self._d(k, drafts) for k in range(cap + 1)],
-                                   [self._v(k, verifies, known) for k in range(cap + 1)])
+            kept = self._ratios = (state, *self._read(cap))
         return kept[1], kept[2]
+
+    def _read(self, cap: int) -> tuple[list[float], list[float]]:
+        """`ratios`' D and V for k = 0 .. cap, read afresh: where each table holds every size (measured, or a stale
+        one's estimate), each is its entry ÷ the target step, in one pass (as `d` and `v` read it)."""
+        drafts, verifies = self._current(self.draft_s, "d"), self._current(self.verify_s, "v")
+        step = self.target_step_s
+        if all(k in drafts for k in range(1, cap + 1)) and all(n in verifies for n in range(1, cap + 2)):
+            return ([0.0] + [drafts[k] / step for k in range(1, cap + 1)],
+                    [verifies[n] / step for n in range(1, cap + 2)])
+        known = sorted(verifies)
+        return [self._d(k, drafts) for k in range(cap + 1)], [self._v(k, verifies, known) for k in range(cap + 1)]
 
     @property
     def c(self) -> float:
