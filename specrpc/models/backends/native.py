@@ -171,6 +171,12 @@ SERVED_ROUNDS = 40
 """Forwards of its shape each finalist serves before the fastest is kept (`ServedPick`)."""
 
 
+def shape_of(count: int) -> int:
+    """The shape whose settings a forward of `count` tokens takes: 1 (decode steps, a draft's steps) or
+    `VERIFY_TOKENS` (verifies, batches, chunks)."""
+    return 1 if count == 1 else VERIFY_TOKENS
+
+
 Setting = TypeVar("Setting")
 
 
@@ -208,6 +214,20 @@ class ServedPick(Generic[Setting]):
         if self.served < self.rounds * len(self.finalists):
             return None
         return self.finalists[min(range(len(self.finalists)), key=lambda i: statistics.median(self.seconds[i]))]
+
+
+def decided(picks: dict[int, ServedPick[Setting]], shape: int, seconds: float
+            ) -> tuple[ServedPick[Setting], Setting] | None:
+    """A forward of `shape` took `seconds`: where `picks` has a pick choosing it, that pick learns it; once the pick
+    has its choice, it leaves `picks`, and the pick and its choice are returned (None otherwise)."""
+    pick = picks.get(shape)
+    if pick is None:
+        return None
+    chosen = pick.observe(seconds)
+    if chosen is None:
+        return None
+    del picks[shape]
+    return pick, chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,29 +360,23 @@ class NativeStep:
         another)."""
         return (self.prefetch_one, self.ahead_one) if count == 1 else (self.prefetch_many, self.ahead_many)
 
-    def _prefetch(self, count: int) -> int:
+    def _prefetch(self, count: int) -> None:
         """The prefetch mode and distance for a forward of `count` tokens into the struct (a hint: results are the
-        same bits): the chosen one, or where the forwards served are choosing (`picks`) the finalist in turn. Returns
-        the shape whose pick is to learn the forward's time (`_served_took`), 0 for none."""
-        shape = 1 if count == 1 else VERIFY_TOKENS
-        pick = self.picks.get(shape)
+        same bits): the chosen one, or where the forwards served are choosing (`picks`) the finalist in turn."""
+        pick = self.picks.get(shape_of(count))
         mode, ahead = pick.setting() if pick is not None else self._setting(count)
         self.model.prefetch = native.PREFETCH[mode]
         self.model.prefetch_ahead = ahead
-        return shape if pick is not None else 0
 
     def _native(self, count: int, call: Callable[..., int], *args: object) -> int:
         """`call(model, *args)`, a native forward of `count` tokens (for a greedy draft, its one-token steps), under
-        that shape's prefetch (`_prefetch`); where a pick is choosing it, the forward's time goes to it once the call
-        succeeded. Returns the call's status (0: done)."""
-        shape = self._prefetch(count)
+        that shape's prefetch (`_prefetch`); where the forwards served are choosing its settings, the forward's time
+        goes to them once the call succeeded (`_served_took`). Returns the call's status (0: done)."""
+        self._prefetch(count)
         t0 = time.perf_counter()
         rc = call(self._model_ref, *args)
-        if rc == 0 and (shape or self.thread_picks):
-            seconds = time.perf_counter() - t0
-            if shape:
-                self._served_took(shape, seconds)
-            self._served_threads_took(1 if count == 1 else VERIFY_TOKENS, seconds)
+        if rc == 0 and (self.picks or self.thread_picks):
+            self._served_took(shape_of(count), time.perf_counter() - t0)
         return rc
 
     def serve(self) -> None:
@@ -374,45 +388,33 @@ class NativeStep:
         self.thread_picks = {shape: ServedPick([chosen, 0]) for shape, chosen in
                              ((1, self.threads_one), (VERIFY_TOKENS, self.threads_many)) if chosen}
 
-    def _served_threads_took(self, shape: int, seconds: float) -> None:
-        """A forward of `shape` took `seconds`: where its threads are being chosen by the forwards served, once both
-        counts have served their rounds, the faster is kept (logged)."""
-        pick = self.thread_picks.get(shape)
-        if pick is None:
-            return
-        chosen = pick.observe(seconds)
-        if chosen is None:
-            return
-        self._set_threads(shape, chosen)
-        del self.thread_picks[shape]
-        all_threads = torch.get_num_threads()
-        log.info("native threads for forwards of %s, chosen by %d served: %d (ms, medians: %s)",
-                 "one token" if shape == 1 else "several tokens", pick.served, self.threads(shape), ", ".join(
-                     f"{n or all_threads} {statistics.median(t) * 1e3:.3f}"
-                     for n, t in zip(pick.finalists, pick.seconds, strict=True)))
-
     def _served_took(self, shape: int, seconds: float) -> None:
-        """A forward under `shape`'s pick took `seconds`; once its finalists have all served their rounds, the fastest
-        is the choice (logged)."""
-        pick = self.picks[shape]
-        chosen = pick.observe(seconds)
-        if chosen is None:
-            return
-        if shape == 1:
-            self.prefetch_one, self.ahead_one = chosen
-        else:
-            self.prefetch_many, self.ahead_many = chosen
-        del self.picks[shape]
-        log.info("native prefetch for forwards of %s, chosen by %d served: %s (ms, medians: %s)",
-                 "one token" if shape == 1 else "several tokens", pick.served, setting_label(*chosen), ", ".join(
-                     f"{setting_label(*f)} {statistics.median(t) * 1e3:.3f}"
-                     for f, t in zip(pick.finalists, pick.seconds, strict=True)))
+        """A forward of `shape` took `seconds`: where the forwards served are choosing its prefetch or its threads,
+        the pick learns it, and once its finalists have all served their rounds the fastest is the choice (logged)."""
+        of = "one token" if shape == 1 else "several tokens"
+        prefetch = decided(self.picks, shape, seconds)
+        if prefetch is not None:
+            pick, chosen = prefetch
+            if shape == 1:
+                self.prefetch_one, self.ahead_one = chosen
+            else:
+                self.prefetch_many, self.ahead_many = chosen
+            log.info("native prefetch for forwards of %s, chosen by %d served: %s (ms, medians: %s)", of, pick.served,
+                     setting_label(*chosen), ", ".join(f"{setting_label(*f)} {statistics.median(t) * 1e3:.3f}"
+                                                       for f, t in zip(pick.finalists, pick.seconds, strict=True)))
+        threads = decided(self.thread_picks, shape, seconds)
+        if threads is not None:
+            counts, n = threads
+            self._set_threads(shape, n)
+            log.info("native threads for forwards of %s, chosen by %d served: %d (ms, medians: %s)", of, counts.served,
+                     within_torch(n), ", ".join(f"{within_torch(f)} {statistics.median(t) * 1e3:.3f}"
+                                                for f, t in zip(counts.finalists, counts.seconds, strict=True)))
 
     def threads(self, count: int) -> int:
         """The threads a forward of `count` tokens takes (a greedy draft: its one-token steps'): as chosen
         (`calibrate_threads`), or where the forwards served are choosing (`thread_picks`) each count in turn; within
         torch's."""
-        pick = self.thread_picks.get(1 if count == 1 else VERIFY_TOKENS)
+        pick = self.thread_picks.get(shape_of(count))
         return within_torch(pick.setting() if pick is not None else self._given_threads(count))
 
     def _given_threads(self, count: int) -> int:
