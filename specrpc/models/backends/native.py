@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import torch
@@ -451,6 +451,26 @@ class NativeStep:
         self.model.amx_from = c.amx_from
         self.threads_one, self.threads_many = c.threads_one, c.threads_many
 
+    def _times(self, slot: int, context: int, counts: Sequence[int], settings: Sequence[Setting],
+               apply: Callable[[int, Setting], None], repeats: int) -> dict[int, list[float]]:
+        """What every calibration here measures: `context` (>= 1) positions of `slot` filled, then by each of
+        `counts`, the seconds of a forward of that many tokens after them under each of `settings` (`apply(count,
+        setting)` puts one in force), interleaved (`interleaved_times`, lower quartiles). Writes K/V at positions
+        below context + the widest count of `slot`, which the caller holds empty; leaves the last setting timed in
+        force."""
+        ids = (torch.arange(context + max(counts)) * 7919) % self.vocab  # [context + widest]
+        self.run_chunks(ids[:context], 0, slot)
+        times: dict[int, list[float]] = {}
+        for count in counts:
+            def step(setting: Setting, count: int = count) -> Callable[[], None]:
+                def run() -> None:
+                    apply(count, setting)
+                    self.run(ids[context : context + count], context, slot, count)
+                return run
+
+            times[count] = interleaved_times([step(setting) for setting in settings], repeats)
+        return times
+
     def calibrate_prefetch(self, slot: int = 0, context: int = CONTEXT, repeats: int = 5,
                            counts: tuple[int, ...] = (1, VERIFY_TOKENS)) -> dict[int, dict[str, float]]:
         """Time every prefetch mode (`native.PREFETCH`), each prefetching one at every distance of
@@ -468,19 +488,11 @@ class NativeStep:
             return {}
         self.picks = {}  # every forward below in the setting being timed, on the threads chosen
         self.thread_picks = {}
-        ids = (torch.arange(context + VERIFY_TOKENS) * 7919) % self.vocab  # [context + VERIFY_TOKENS]
-        self.run_chunks(ids[:context], 0, slot)
         settings = prefetch_settings()
         table: dict[int, dict[str, float]] = {}
         best = {1: (self.prefetch_one, self.ahead_one), VERIFY_TOKENS: (self.prefetch_many, self.ahead_many)}
-        for count in counts:
-            def step(mode: str, ahead: int, count: int = count) -> Callable[[], None]:
-                def run() -> None:
-                    self.prefetch_everywhere(mode, ahead)
-                    self.run(ids[context : context + count], context, slot, count)
-                return run
-
-            times = interleaved_times([step(mode, ahead) for mode, ahead in settings], repeats)
+        for count, times in self._times(slot, context, counts, settings,
+                                        lambda _, setting: self.prefetch_everywhere(*setting), repeats).items():
             table[count] = {setting_label(mode, ahead): t for (mode, ahead), t in zip(settings, times, strict=True)}
             best[count] = settings[min(range(len(settings)), key=times.__getitem__)]
             if count in (1, VERIFY_TOKENS):  # each mode at its fastest distance, the fastest first
@@ -504,18 +516,13 @@ class NativeStep:
         context = min(context, self.model.capacity - max(widths))
         if context < 1:
             return {}
-        ids = (torch.arange(context + max(widths)) * 7919) % self.vocab  # [context + widest]
-        self.run_chunks(ids[:context], 0, slot)
-        table: dict[int, dict[int, float]] = {}
-        for count in widths:
-            def step(cap: int, count: int = count) -> Callable[[], None]:
-                def run() -> None:
-                    self.passes[count] = cap
-                    self.run(ids[context : context + count], context, slot, count)
-                return run
 
-            table[count] = dict(zip(PASS_CAPS, interleaved_times([step(cap) for cap in PASS_CAPS], repeats),
-                                    strict=True))
+        def cap_at(count: int, cap: int) -> None:
+            self.passes[count] = cap
+
+        table: dict[int, dict[int, float]] = {}
+        for count, times in self._times(slot, context, widths, PASS_CAPS, cap_at, repeats).items():
+            table[count] = dict(zip(PASS_CAPS, times, strict=True))
             low = max((n for n in PASS_TOKENS if n < count), default=0) + 1  # the counts this width stands for
             high = MAX_TOKENS if count == PASS_TOKENS[-1] else count
             self.passes[low : high + 1] = min(table[count], key=table[count].__getitem__)
@@ -535,18 +542,9 @@ class NativeStep:
         context = min(context, self.model.capacity - max(counts))
         if len(candidates) < 2 or context < 1:
             return {}
-        ids = (torch.arange(context + max(counts)) * 7919) % self.vocab  # [context + widest]
-        self.run_chunks(ids[:context], 0, slot)
         table: dict[int, dict[int, float]] = {}
-        for count in counts:
-            def step(threads: int, count: int = count) -> Callable[[], None]:
-                def run() -> None:
-                    self._set_threads(count, threads)
-                    self.run(ids[context : context + count], context, slot, count)
-                return run
-
-            table[count] = dict(zip(candidates, interleaved_times([step(n) for n in candidates], repeats),
-                                    strict=True))
+        for count, times in self._times(slot, context, counts, candidates, self._set_threads, repeats).items():
+            table[count] = dict(zip(candidates, times, strict=True))
             fastest = min(table[count], key=table[count].__getitem__)
             self._set_threads(count, 0 if fastest == candidates[0] else fastest)
         return table
@@ -569,18 +567,11 @@ class NativeStep:
         context = min(context, self.model.capacity - AMX_TOKENS[-1])
         if not self.int8 or context < 1 or not native.amx_available():
             return {}
-        ids = (torch.arange(context + AMX_TOKENS[-1]) * 7919) % self.vocab  # [context + widest]
-        self.run_chunks(ids[:context], 0, slot)
-        table: dict[int, tuple[float, float]] = {}
-        for count in AMX_TOKENS:
-            def step(amx_from: int, count: int = count) -> Callable[[], None]:
-                def run() -> None:
-                    self.model.amx_from = amx_from
-                    self.run(ids[context : context + count], context, slot, count)
-                return run
+        def tiles_at(count: int, tiles: bool) -> None:
+            self.model.amx_from = count if tiles else 0
 
-            vnni, amx = interleaved_times([step(0), step(count)], repeats)
-            table[count] = (vnni, amx)
+        table = {count: (vnni, amx) for count, (vnni, amx) in
+                 self._times(slot, context, AMX_TOKENS, (False, True), tiles_at, repeats).items()}
         self.model.amx_from = 0
         for count in reversed(AMX_TOKENS):
             vnni, amx = table[count]
