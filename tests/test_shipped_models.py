@@ -153,9 +153,10 @@ def test_deterministic_greedy_is_identical_across_draft_lengths_and_batchmates()
     target = load_model(TARGET, device=cpu, dtype=f32, num_slots=4, max_context=512 + 9, native_decode=True,
                         deterministic=True)
     draft = load_model(DRAFT, device=cpu, dtype=f32, num_slots=4, max_context=512 + 9, native_decode=True)
-    wider = f"{native_step.MAX_TOKENS + 1}+"
-    assert isinstance(target, LlamaLM) and target.deterministic and target.execution()[-1] == (wider,
-                                                                                               "native in chunks")
+    wider, path = target.execution()[-1]
+    # the thread count load measured may follow the path (", on 1 thread" on a machine where one thread was faster)
+    assert isinstance(target, LlamaLM) and target.deterministic
+    assert wider == f"{native_step.MAX_TOKENS + 1}+" and path.startswith("native in chunks"), target.execution()
     engine = Engine(target, draft, EngineConfig(max_sessions=4, max_context=512, max_draft_tokens=8))
     tok = load_tokenizer(TARGET)
     prompts = [tok(text).input_ids for text in PROMPTS[:8]]
