@@ -268,6 +268,14 @@ def tiny_llama(path: Path) -> Path:
 def stalled_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                  stalls: Callable[[native_step.NativeStep, int], bool]) -> native_step.NativeStep:
     """A tiny model's native step whose one-row calls of `count` tokens `stall` where `stalls(step, count)`."""
+    step = stalled_model(tmp_path, monkeypatch, stalls).native
+    assert step is not None
+    return step
+
+
+def stalled_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                  stalls: Callable[[native_step.NativeStep, int], bool]) -> LlamaLM:
+    """`stalled_step`'s model."""
     requires_native()
     lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
                     max_context=64, native_decode=True)
@@ -283,7 +291,7 @@ def stalled_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         return int(fast_row(*args))
 
     monkeypatch.setattr(step, "_row", row)
-    return step
+    return lm
 
 
 @pytest.mark.parametrize("stalled", list(native.PREFETCH))
@@ -359,49 +367,75 @@ def test_a_prefetch_slow_as_served_is_not_kept_though_fastest_at_load(slow: str,
 @pytest.mark.parametrize("on_threads", [2], indirect=True)
 def test_a_stalled_thread_count_is_never_chosen(stalled: int, on_threads: int, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whichever number of threads is slowed by an injected stall (every native call on that many) is chosen at
-    neither shape, one token nor a verify, and the forwards then run on the other; the table names every count."""
+    """Whichever number of threads is slowed by an injected stall (every native call on that many) is chosen at no
+    shape, one token, a verify nor a wide forward, and the forwards then run on the other; the table names every
+    count."""
     step = stalled_step(tmp_path, monkeypatch, lambda step, count: step.threads(count) == stalled)
     table = step.calibrate_threads()
-    assert {shape: sorted(times) for shape, times in table.items()} == {1: [1, 2], native_step.VERIFY_TOKENS: [1, 2]}
-    assert step.threads(1) != stalled and step.threads(native_step.VERIFY_TOKENS) != stalled, table
-    assert step.choices().threads_one == (1 if stalled == 2 else 0)  # 0: all of torch's
+    shapes = (1, native_step.VERIFY_TOKENS, native_step.WIDE_TOKENS)
+    assert {shape: sorted(times) for shape, times in table.items()} == {shape: [1, 2] for shape in shapes}
+    assert all(step.threads(count) != stalled for count in (*shapes, native_step.MAX_TOKENS)), table
+    chosen = step.choices()
+    assert chosen.threads_one == chosen.threads_many == chosen.threads_wide == (1 if stalled == 2 else 0)  # 0: all
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("on_threads", [2], indirect=True)
+def test_the_threads_a_verify_takes_do_not_decide_a_prompt_chunks(on_threads: int, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verifies slow on all threads (as where two vCPUs share a core) take one, while forwards of `WIDE_TOKENS`
+    and more (prompt chunks, wide batches), timed apart and slow on one, keep all: a 5-token verify's choice does
+    not halve a prefill's threads. The execution table names each range's count."""
+    def stalls(step: native_step.NativeStep, count: int) -> bool:
+        verify = native_step.thread_shape(count) == native_step.VERIFY_TOKENS
+        return step.threads(count) == (on_threads if verify else 1)
+
+    lm = stalled_model(tmp_path, monkeypatch, stalls)
+    step = lm.native
+    assert step is not None
+    step.calibrate_threads()
+    assert [step.threads(count) for count in (1, 2, native_step.WIDE_TOKENS - 1, native_step.WIDE_TOKENS,
+                                              native_step.MAX_TOKENS)] == [2, 1, 1, 2, 2]
+    lm.native_rows = native_step.MAX_TOKENS
+    assert [row for row in lm.execution() if row[0] != "1"][:2] == [
+        (f"2-{native_step.WIDE_TOKENS - 1}", f"native, prefetch {step.prefetch_label(2)}, on 1 thread"),
+        (f"{native_step.WIDE_TOKENS}-{native_step.MAX_TOKENS}", f"native, prefetch {step.prefetch_label(2)}")]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, native_step.WIDE_TOKENS + 4])
 @pytest.mark.parametrize("on_threads", [2], indirect=True)
 def test_fewer_threads_slow_as_served_are_not_kept_though_fastest_at_load(tokens: int, on_threads: int,
                                                                          tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Where load chose fewer threads than all for a shape (here all of them stalled at load), the forwards served
     take that count and all in turn and keep the faster: one thread stalling only as served is not kept. A shape that
-    load gave all threads is left to them (no served choice); the other shape's choice is its own."""
+    load gave all threads (here one thread stalled) is left to them (no served choice)."""
     serving = False
 
     def stalls(step: native_step.NativeStep, count: int) -> bool:
-        if (count > 1) != (tokens > 1):
-            return False
+        if native_step.thread_shape(count) != native_step.thread_shape(tokens):
+            return step.threads(count) == 1
         return step.threads(count) == 1 if serving else step.threads(count) == on_threads
 
     step = stalled_step(tmp_path, monkeypatch, stalls)
     step.calibrate_threads()
-    shape = 1 if tokens == 1 else native_step.VERIFY_TOKENS
+    shape = native_step.thread_shape(tokens)
     assert step.threads(shape) == 1
     serving = True
     step.serve()
-    assert shape in step.thread_picks
+    assert set(step.thread_picks) == {shape}  # the shapes load gave all threads serve on them
     ids = torch.arange(3, 3 + tokens)
     while shape in step.thread_picks:
         step.run(ids, 0, 0, tokens)
     assert step.threads(shape) == on_threads
-    assert (step.threads_one if shape == 1 else step.threads_many) == 0  # all of torch's, whatever they become
+    chosen = step.choices()
+    assert (chosen.threads_one, chosen.threads_many, chosen.threads_wide) == (0, 0, 0)  # all of torch's
 
 
 def test_no_served_choice_of_threads_where_load_gave_a_shape_all() -> None:
     """A step whose every shape runs on all of torch's threads (as load leaves it where all win) serves on them from
     the first forward: no forward served on fewer."""
     step = native_draft_step(False)
-    step.threads_one = step.threads_many = 0  # all of torch's at both shapes, whatever this machine's load chose
+    step.threads_one = step.threads_many = step.threads_wide = 0  # all of torch's at every shape, whatever load chose
     step.serve()
     assert step.thread_picks == {}
 

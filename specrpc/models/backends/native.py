@@ -172,9 +172,26 @@ SERVED_ROUNDS = 40
 
 
 def shape_of(count: int) -> int:
-    """The shape whose settings a forward of `count` tokens takes: 1 (decode steps, a draft's steps) or
+    """The shape whose prefetch a forward of `count` tokens takes: 1 (decode steps, a draft's steps) or
     `VERIFY_TOKENS` (verifies, batches, chunks)."""
     return 1 if count == 1 else VERIFY_TOKENS
+
+
+WIDE_TOKENS = 16
+"""The forward shape `calibrate_threads` times for wide forwards (prompt chunks, wide batches: this many tokens and
+more) apart from verifies: where a 5-token verify is faster on fewer threads (two vCPUs sharing a core, or a noisy
+neighbour at load), a 64-token chunk, bound by its multiplies, may still want every thread, and a prefill on half of
+them would double the time to a first token."""
+
+
+def thread_shape(count: int) -> int:
+    """The shape whose threads a forward of `count` tokens takes: 1, `VERIFY_TOKENS` (2 .. `WIDE_TOKENS` - 1) or
+    `WIDE_TOKENS` (that many and more)."""
+    return 1 if count == 1 else VERIFY_TOKENS if count < WIDE_TOKENS else WIDE_TOKENS
+
+
+THREAD_SHAPES = {1: "one token", VERIFY_TOKENS: f"2-{WIDE_TOKENS - 1} tokens", WIDE_TOKENS: f"{WIDE_TOKENS}+ tokens"}
+"""Each `thread_shape` as logs name the forwards it stands for."""
 
 
 Setting = TypeVar("Setting")
@@ -243,6 +260,7 @@ class Choices:
     amx_from: int
     threads_one: int = 0  # 0: all of torch's threads
     threads_many: int = 0
+    threads_wide: int = 0
 
 
 class NativeStep:
@@ -322,7 +340,8 @@ class NativeStep:
         self.prefetch_one = guess  # the `native.PREFETCH` mode of one-token forwards (decode steps, greedy drafts)
         self.prefetch_many = guess  # and of forwards of more tokens (verifies, batches, chunks)
         self.ahead_one = self.ahead_many = PREFETCH_AHEAD  # their prefetch distances, bytes
-        self.threads_one = self.threads_many = 0  # the threads each shape's forwards take (0: all of torch's)
+        # the threads each shape's forwards take (`thread_shape`; 0: all of torch's)
+        self.threads_one = self.threads_many = self.threads_wide = 0
         # by shape (1: one token, VERIFY_TOKENS: several), each mode's fastest at load, fastest first; and the
         # forwards served choosing among them (`serve`)
         self.finalists: dict[int, list[tuple[str, int]]] = {}
@@ -376,7 +395,7 @@ class NativeStep:
         t0 = time.perf_counter()
         rc = call(self._model_ref, *args)
         if rc == 0 and (self.picks or self.thread_picks):
-            self._served_took(shape_of(count), time.perf_counter() - t0)
+            self._served_took(count, time.perf_counter() - t0)
         return rc
 
     def serve(self) -> None:
@@ -385,41 +404,44 @@ class NativeStep:
         than all of torch's for a shape, between those and all (load times each count back to back; served, the
         other model's forwards come between, and an idle OpenMP worker waits differently)."""
         self.picks = {shape: ServedPick(list(f)) for shape, f in self.finalists.items() if len(f) > 1}
-        self.thread_picks = {shape: ServedPick([chosen, 0]) for shape, chosen in
-                             ((1, self.threads_one), (VERIFY_TOKENS, self.threads_many)) if chosen}
+        self.thread_picks = {shape: ServedPick([chosen, 0]) for shape in (1, VERIFY_TOKENS, WIDE_TOKENS)
+                             if (chosen := self._given_threads(shape))}
 
-    def _served_took(self, shape: int, seconds: float) -> None:
-        """A forward of `shape` took `seconds`: where the forwards served are choosing its prefetch or its threads,
-        the pick learns it, and once its finalists have all served their rounds the fastest is the choice (logged)."""
-        of = "one token" if shape == 1 else "several tokens"
-        prefetch = decided(self.picks, shape, seconds)
+    def _served_took(self, count: int, seconds: float) -> None:
+        """A forward of `count` tokens took `seconds`: where the forwards served are choosing its shape's prefetch
+        (`shape_of`) or threads (`thread_shape`), the pick learns it, and once its finalists have all served their
+        rounds the fastest is the choice (logged)."""
+        prefetch = decided(self.picks, shape_of(count), seconds)
         if prefetch is not None:
             pick, chosen = prefetch
-            if shape == 1:
+            if count == 1:
                 self.prefetch_one, self.ahead_one = chosen
             else:
                 self.prefetch_many, self.ahead_many = chosen
-            log.info("native prefetch for forwards of %s, chosen by %d served: %s (ms, medians: %s)", of, pick.served,
-                     setting_label(*chosen), ", ".join(f"{setting_label(*f)} {statistics.median(t) * 1e3:.3f}"
-                                                       for f, t in zip(pick.finalists, pick.seconds, strict=True)))
-        threads = decided(self.thread_picks, shape, seconds)
+            log.info("native prefetch for forwards of %s, chosen by %d served: %s (ms, medians: %s)",
+                     "one token" if count == 1 else "several tokens", pick.served, setting_label(*chosen),
+                     ", ".join(f"{setting_label(*f)} {statistics.median(t) * 1e3:.3f}"
+                               for f, t in zip(pick.finalists, pick.seconds, strict=True)))
+        threads = decided(self.thread_picks, thread_shape(count), seconds)
         if threads is not None:
             counts, n = threads
-            self._set_threads(shape, n)
-            log.info("native threads for forwards of %s, chosen by %d served: %d (ms, medians: %s)", of, counts.served,
-                     within_torch(n), ", ".join(f"{within_torch(f)} {statistics.median(t) * 1e3:.3f}"
-                                                for f, t in zip(counts.finalists, counts.seconds, strict=True)))
+            self._set_threads(count, n)
+            log.info("native threads for forwards of %s, chosen by %d served: %d (ms, medians: %s)",
+                     THREAD_SHAPES[thread_shape(count)], counts.served, within_torch(n),
+                     ", ".join(f"{within_torch(f)} {statistics.median(t) * 1e3:.3f}"
+                               for f, t in zip(counts.finalists, counts.seconds, strict=True)))
 
     def threads(self, count: int) -> int:
         """The threads a forward of `count` tokens takes (a greedy draft: its one-token steps'): as chosen
         (`calibrate_threads`), or where the forwards served are choosing (`thread_picks`) each count in turn; within
         torch's."""
-        pick = self.thread_picks.get(shape_of(count))
+        pick = self.thread_picks.get(thread_shape(count))
         return within_torch(pick.setting() if pick is not None else self._given_threads(count))
 
     def _given_threads(self, count: int) -> int:
-        """The threads chosen for forwards of `count` tokens (0: all of torch's)."""
-        return self.threads_one if count == 1 else self.threads_many
+        """The threads chosen for forwards of `count` tokens (`thread_shape`; 0: all of torch's)."""
+        shape = thread_shape(count)
+        return self.threads_one if shape == 1 else self.threads_many if shape == VERIFY_TOKENS else self.threads_wide
 
     def threads_note(self, count: int) -> str:
         """", on N threads" where forwards of `count` tokens were given fewer than all of torch's (as chosen, not
@@ -441,7 +463,7 @@ class NativeStep:
         """The settings the calibrations chose (or the guesses where none has run)."""
         return Choices(self.prefetch_one, self.ahead_one, self.prefetch_many, self.ahead_many,
                        tuple(int(n) for n in self.passes.tolist()), int(self.model.amx_from), self.threads_one,
-                       self.threads_many)
+                       self.threads_many, self.threads_wide)
 
     def choose(self, c: Choices) -> None:
         """Put back settings `choices` returned."""
@@ -449,7 +471,7 @@ class NativeStep:
             c.prefetch_one, c.ahead_one, c.prefetch_many, c.ahead_many)
         self.passes[:] = torch.tensor(c.passes, dtype=torch.int64)
         self.model.amx_from = c.amx_from
-        self.threads_one, self.threads_many = c.threads_one, c.threads_many
+        self.threads_one, self.threads_many, self.threads_wide = c.threads_one, c.threads_many, c.threads_wide
 
     def _times(self, slot: int, context: int, counts: Sequence[int], settings: Sequence[Setting],
                apply: Callable[[int, Setting], None], repeats: int) -> dict[int, list[float]]:
@@ -529,10 +551,11 @@ class NativeStep:
         return table
 
     def calibrate_threads(self, slot: int = 0, context: int = CONTEXT, repeats: int = 9,
-                          counts: tuple[int, ...] = (1, VERIFY_TOKENS)) -> dict[int, dict[int, float]]:
-        """Time forwards of one token (decode steps, a draft's steps) and of `VERIFY_TOKENS` (verifies, batches,
-        chunks), or of `counts`, on each of `thread_counts` threads, interleaved (`interleaved_times`, lower
-        quartiles), and keep the fastest for each shape (`threads_one`, `threads_many`): where two vCPUs share a
+                          counts: tuple[int, ...] = (1, VERIFY_TOKENS, WIDE_TOKENS)) -> dict[int, dict[int, float]]:
+        """Time forwards of one token (decode steps, a draft's steps), of `VERIFY_TOKENS` (verifies, narrow batches)
+        and of `WIDE_TOKENS` (prompt chunks, wide batches), or of `counts`, on each of `thread_counts` threads,
+        interleaved (`interleaved_times`, lower quartiles), and keep the fastest for each shape (`thread_shape`:
+        `threads_one`, `threads_many`, `threads_wide`): where two vCPUs share a
         core, or a small model's products are too short to pay for the barriers between them, fewer threads can
         win; the results are the same bits on any (each output and each query is computed the same way whichever
         thread takes it). Writes K/V at positions below context + `VERIFY_TOKENS` of `slot`, which the caller holds
@@ -550,11 +573,14 @@ class NativeStep:
         return table
 
     def _set_threads(self, count: int, threads: int) -> None:
-        """Forwards of `count` tokens' shape (one, or several) on `threads` threads (0: all of torch's)."""
-        if count == 1:
+        """Forwards of `count` tokens' shape (`thread_shape`) on `threads` threads (0: all of torch's)."""
+        shape = thread_shape(count)
+        if shape == 1:
             self.threads_one = threads
-        else:
+        elif shape == VERIFY_TOKENS:
             self.threads_many = threads
+        else:
+            self.threads_wide = threads
 
     def calibrate_amx(self, slot: int = 0, context: int = CONTEXT, repeats: int = 9) -> dict[int, tuple[float, float]]:
         """Where int8 products may run on AMX tiles (`native.amx_available`: same bits as VNNI, a speed choice only),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import statistics
 import time
@@ -346,7 +347,7 @@ class LlamaLM:
 
         return [*(functools.partial(prefetch, count=count) for count in (1, native.VERIFY_TOKENS)),
                 *(functools.partial(passes, count=count) for count in native.PASS_TOKENS), amx,
-                *(functools.partial(threads, count=count) for count in (1, native.VERIFY_TOKENS)),
+                *(functools.partial(threads, count=count) for count in (1, native.VERIFY_TOKENS, native.WIDE_TOKENS)),
                 *(self._row_phases() if rows else [])]
 
     def _row_phases(self) -> list[Callable[[int], None]]:
@@ -608,15 +609,28 @@ class LlamaLM:
         amx_from = step.model.amx_from if 1 < step.model.amx_from <= rows else 0
         if rows > 1 and amx_from:  # the int8 products of these forwards on AMX tiles (the same bits as VNNI)
             if amx_from > 2:
-                out.append((f"2-{amx_from - 1}" if amx_from > 3 else "2",
-                            f"native, prefetch {step.prefetch_label(2)}{step.threads_note(2)}"))
-            out.append((f"{amx_from}-{rows}" if rows > amx_from else f"{rows}",
-                        f"native, prefetch {step.prefetch_label(2)}, AMX{step.threads_note(2)}"))
+                out += self._spans(2, amx_from - 1, f"native, prefetch {step.prefetch_label(2)}")
+            out += self._spans(amx_from, rows, f"native, prefetch {step.prefetch_label(2)}, AMX")
         elif rows > 1:
-            out.append((f"2-{rows}" if rows > 2 else "2",
-                        f"native, prefetch {step.prefetch_label(2)}{step.threads_note(2)}"))
+            out += self._spans(2, rows, f"native, prefetch {step.prefetch_label(2)}")
         longer = ("native in chunks" + (", AMX" if 0 < step.model.amx_from <= native.MAX_TOKENS else "")
-                  + step.threads_note(2) if self.chunks_native() else torch_path)
+                  + step.threads_note(native.MAX_TOKENS) if self.chunks_native() else torch_path)
         out.append((f"{rows + 1}+", longer))
         return out
+
+    def _spans(self, lo: int, hi: int, path: str) -> list[tuple[str, str]]:
+        """`execution` rows for native forwards of lo..hi tokens on `path`, each with the threads its forwards take
+        where fewer than all (`NativeStep.threads_note`): one row, or one a thread shape (`native.thread_shape`) where
+        the shapes in the range take different counts."""
+        step = self.native
+        assert step is not None
+        cuts = [lo, *((native.WIDE_TOKENS,) if lo < native.WIDE_TOKENS <= hi else ()), hi + 1]
+        spans: list[tuple[int, int, str]] = []  # first and last tokens, note
+        for a, b in itertools.pairwise(cuts):
+            note = step.threads_note(a)
+            if spans and spans[-1][2] == note:
+                spans[-1] = (spans[-1][0], b - 1, note)
+            else:
+                spans.append((a, b - 1, note))
+        return [(f"{a}-{b}" if b > a else f"{a}", path + note) for a, b, note in spans]
 
