@@ -72,9 +72,24 @@ def test_host_time_around_the_forwards_counts() -> None:
     assert policy.choose() == 0
     # lookup's host time not measured yet: a plain step's, not free
     assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / (1.2 + 0.2))
-    policy.host.observe("lookup", 0.1)
-    assert policy.host.of("lookup") == pytest.approx(0.1)
-    assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / (1.2 + 0.1))
+    policy.host.observe("lookup", 0.25)
+    assert policy.host.of("lookup") == pytest.approx(0.25)
+    assert policy.speedup(2, "lookup3", alpha=0.9) == pytest.approx(2.71 * 1.2 / (1.2 + 0.25))
+
+
+def test_a_plain_steps_host_time_is_never_read_above_a_drafted_steps() -> None:
+    """A drafted step does all a plain one does and more: a plain step's host time a stall inflated (its first
+    steps: 3 target steps) reads as the drafted steps' measured 0.2, so drafting that does not pay at that host time
+    (S(1) = 1.75 · 1.2 / 3.7 = 0.57) is not kept for good by a stale plain time no plain step comes to correct."""
+    model = costs(c=0.5, v_per_token=2.0)
+    policy = AdaptivePolicy(max_k=8, costs=model, acceptance={"draft": AcceptanceEstimate(75, 100)})
+    policy.host.observe("plain", 3.0)
+    assert policy.host.of("plain") == pytest.approx(3.0) and policy.choose() > 0  # S(1) = 1.75 · 4 / 6.5
+    for _ in range(policy.host.min_window):
+        policy.host.observe("draft", 0.2)
+    assert policy.host.of("plain") == pytest.approx(0.2) and policy.host.of("draft") == pytest.approx(0.2)
+    assert policy.speedup(1) == pytest.approx(1.75 * 1.2 / 3.7)
+    assert policy.choose() == 0
 
 
 def test_an_unmeasured_kind_of_step_is_not_taken_for_free_host_time() -> None:

@@ -255,8 +255,12 @@ class HostTimes(Refined):
     def of(self, kind: str) -> float:
         """Host seconds of a step of `kind`; until measured, a plain step's (a drafted step does all a plain one
         does and more: taking it as free would make drafting look best exactly when nothing is known of it, and
-        start it with a catch-up on the whole prompt), 0 before that."""
+        start it with a catch-up on the whole prompt), 0 before that. For the same reason a plain step's is never
+        read above a drafted kind's measured one: a plain time a stall inflated (its first steps, before a median
+        forms) would make drafting look best, and while a stream drafts no plain step comes to correct it."""
         seconds = self.seconds.get(kind)
+        if kind == "plain":
+            return min(self.seconds.values()) if "plain" in self.seconds else 0.0
         return self.seconds.get("plain", 0.0) if seconds is None else seconds
 
 
