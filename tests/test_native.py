@@ -776,10 +776,11 @@ def test_amx_products_give_the_vnni_bits_and_a_slower_path_is_never_chosen(tmp_p
 
 NATIVE_NUMERICAL_TESTS = ("(native or panel or prefetch_mode or int8) and not stalled and not amx and not build_is "
                           "and not compiler and not bandwidth and not cannot_take and not need_the_lean and not "
-                          "older_cpu and not (wide_batches and float32)")
+                          "older_cpu and not (wide_batches and float32) and not (threads and not logits)")
 """The native step's numerical tests (verify = decode bit for bit, batches = solo rows, close to transformers and to
-the torch int8 forward, prefetch a hint), not the ones about building, timing or AMX, nor the shipped float32
-target's wide batches (11 s; the int8 and deterministic cases of that test run)."""
+the torch int8 forward, prefetch and threads a hint), not the ones about building, timing (the threads each shape
+takes included) or AMX, nor the shipped float32 target's wide batches (11 s; the int8 and deterministic cases of that
+test run)."""
 
 
 @pytest.mark.parametrize(("march", "needs"), [("haswell", {"avx2", "fma"}),
