@@ -555,11 +555,11 @@ class NativeStep:
         """Time forwards of one token (decode steps, a draft's steps), of `VERIFY_TOKENS` (verifies, narrow batches)
         and of `WIDE_TOKENS` (prompt chunks, wide batches), or of `counts`, on each of `thread_counts` threads,
         interleaved (`interleaved_times`, lower quartiles), and keep the fastest for each shape (`thread_shape`:
-        `threads_one`, `threads_many`, `threads_wide`): where two vCPUs share a
-        core, or a small model's products are too short to pay for the barriers between them, fewer threads can
-        win; the results are the same bits on any (each output and each query is computed the same way whichever
-        thread takes it). Writes K/V at positions below context + `VERIFY_TOKENS` of `slot`, which the caller holds
-        empty. Returns the seconds by shape and threads (empty where there is one thread, or no room)."""
+        `threads_one`, `threads_many`, `threads_wide`): where two vCPUs share a core, or a small model's products are
+        too short to pay for the barriers between them, fewer threads can win; the results are the same bits on any
+        (each output and each query is computed the same way whichever thread takes it). Writes K/V at positions
+        below context + the widest of `counts` of `slot`, which the caller holds empty. Returns the seconds by shape
+        and threads (empty where there is one thread, or no room)."""
         candidates = thread_counts(torch.get_num_threads())
         self.thread_picks = {}  # every forward below on the count being timed
         context = min(context, self.model.capacity - max(counts))
