@@ -212,7 +212,7 @@ def test_the_threads_a_forward_takes_never_change_the_logits(int8: bool, on_thre
     ids = torch.tensor([(i * 7919) % 4000 for i in range(30)])
     seen = []
     for threads in native_step.thread_counts(on_threads):
-        step.threads_one = step.threads_many = threads
+        step.threads_chosen = dict.fromkeys(native_step.THREAD_SHAPES, threads)
         assert step.threads(1) == step.threads(5) == threads
         step.run(ids[:16], 0, 0)
         seen.append((step.run(ids[16:17], 16, 0), step.run(ids[16:21], 16, 0, num_logits=5),
@@ -435,7 +435,7 @@ def test_no_served_choice_of_threads_where_load_gave_a_shape_all() -> None:
     """A step whose every shape runs on all of torch's threads (as load leaves it where all win) serves on them from
     the first forward: no forward served on fewer."""
     step = native_draft_step(False)
-    step.threads_one = step.threads_many = step.threads_wide = 0  # all of torch's at every shape, whatever load chose
+    step.threads_chosen = dict.fromkeys(native_step.THREAD_SHAPES, 0)  # all of torch's everywhere, whatever load chose
     step.serve()
     assert step.thread_picks == {}
 

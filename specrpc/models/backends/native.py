@@ -340,8 +340,8 @@ class NativeStep:
         self.prefetch_one = guess  # the `native.PREFETCH` mode of one-token forwards (decode steps, greedy drafts)
         self.prefetch_many = guess  # and of forwards of more tokens (verifies, batches, chunks)
         self.ahead_one = self.ahead_many = PREFETCH_AHEAD  # their prefetch distances, bytes
-        # the threads each shape's forwards take (`thread_shape`; 0: all of torch's)
-        self.threads_one = self.threads_many = self.threads_wide = 0
+        # by `thread_shape`, the threads its forwards take (0: all of torch's)
+        self.threads_chosen: dict[int, int] = dict.fromkeys(THREAD_SHAPES, 0)
         # by shape (1: one token, VERIFY_TOKENS: several), each mode's fastest at load, fastest first; and the
         # forwards served choosing among them (`serve`)
         self.finalists: dict[int, list[tuple[str, int]]] = {}
@@ -404,8 +404,7 @@ class NativeStep:
         than all of torch's for a shape, between those and all (load times each count back to back; served, the
         other model's forwards come between, and an idle OpenMP worker waits differently)."""
         self.picks = {shape: ServedPick(list(f)) for shape, f in self.finalists.items() if len(f) > 1}
-        self.thread_picks = {shape: ServedPick([chosen, 0]) for shape in (1, VERIFY_TOKENS, WIDE_TOKENS)
-                             if (chosen := self._given_threads(shape))}
+        self.thread_picks = {shape: ServedPick([chosen, 0]) for shape, chosen in self.threads_chosen.items() if chosen}
 
     def _served_took(self, count: int, seconds: float) -> None:
         """A forward of `count` tokens took `seconds`: where the forwards served are choosing its shape's prefetch
@@ -440,8 +439,7 @@ class NativeStep:
 
     def _given_threads(self, count: int) -> int:
         """The threads chosen for forwards of `count` tokens (`thread_shape`; 0: all of torch's)."""
-        shape = thread_shape(count)
-        return self.threads_one if shape == 1 else self.threads_many if shape == VERIFY_TOKENS else self.threads_wide
+        return self.threads_chosen[thread_shape(count)]
 
     def threads_note(self, count: int) -> str:
         """", on N threads" where forwards of `count` tokens were given fewer than all of torch's (as chosen, not
@@ -462,8 +460,8 @@ class NativeStep:
     def choices(self) -> Choices:
         """The settings the calibrations chose (or the guesses where none has run)."""
         return Choices(self.prefetch_one, self.ahead_one, self.prefetch_many, self.ahead_many,
-                       tuple(int(n) for n in self.passes.tolist()), int(self.model.amx_from), self.threads_one,
-                       self.threads_many, self.threads_wide)
+                       tuple(int(n) for n in self.passes.tolist()), int(self.model.amx_from), self.threads_chosen[1],
+                       self.threads_chosen[VERIFY_TOKENS], self.threads_chosen[WIDE_TOKENS])
 
     def choose(self, c: Choices) -> None:
         """Put back settings `choices` returned."""
@@ -471,7 +469,7 @@ class NativeStep:
             c.prefetch_one, c.ahead_one, c.prefetch_many, c.ahead_many)
         self.passes[:] = torch.tensor(c.passes, dtype=torch.int64)
         self.model.amx_from = c.amx_from
-        self.threads_one, self.threads_many, self.threads_wide = c.threads_one, c.threads_many, c.threads_wide
+        self.threads_chosen = {1: c.threads_one, VERIFY_TOKENS: c.threads_many, WIDE_TOKENS: c.threads_wide}
 
     def _times(self, slot: int, context: int, counts: Sequence[int], settings: Sequence[Setting],
                apply: Callable[[int, Setting], None], repeats: int) -> dict[int, list[float]]:
@@ -554,12 +552,12 @@ class NativeStep:
                           counts: tuple[int, ...] = (1, VERIFY_TOKENS, WIDE_TOKENS)) -> dict[int, dict[int, float]]:
         """Time forwards of one token (decode steps, a draft's steps), of `VERIFY_TOKENS` (verifies, narrow batches)
         and of `WIDE_TOKENS` (prompt chunks, wide batches), or of `counts`, on each of `thread_counts` threads,
-        interleaved (`interleaved_times`, lower quartiles), and keep the fastest for each shape (`thread_shape`:
-        `threads_one`, `threads_many`, `threads_wide`): where two vCPUs share a core, or a small model's products are
-        too short to pay for the barriers between them, fewer threads can win; the results are the same bits on any
-        (each output and each query is computed the same way whichever thread takes it). Writes K/V at positions
-        below context + the widest of `counts` of `slot`, which the caller holds empty. Returns the seconds by shape
-        and threads (empty where there is one thread, or no room)."""
+        interleaved (`interleaved_times`, lower quartiles), and keep the fastest for each shape (`thread_shape`,
+        `threads_chosen`): where two vCPUs share a core, or a small model's products are too short to pay for the
+        barriers between them, fewer threads can win; the results are the same bits on any (each output and each
+        query is computed the same way whichever thread takes it). Writes K/V at positions below context + the widest
+        of `counts` of `slot`, which the caller holds empty. Returns the seconds by shape and threads (empty where
+        there is one thread, or no room)."""
         candidates = thread_counts(torch.get_num_threads())
         self.thread_picks = {}  # every forward below on the count being timed
         context = min(context, self.model.capacity - max(counts))
@@ -574,13 +572,7 @@ class NativeStep:
 
     def _set_threads(self, count: int, threads: int) -> None:
         """Forwards of `count` tokens' shape (`thread_shape`) on `threads` threads (0: all of torch's)."""
-        shape = thread_shape(count)
-        if shape == 1:
-            self.threads_one = threads
-        elif shape == VERIFY_TOKENS:
-            self.threads_many = threads
-        else:
-            self.threads_wide = threads
+        self.threads_chosen[thread_shape(count)] = threads
 
     def calibrate_amx(self, slot: int = 0, context: int = CONTEXT, repeats: int = 9) -> dict[int, tuple[float, float]]:
         """Where int8 products may run on AMX tiles (`native.amx_available`: same bits as VNNI, a speed choice only),

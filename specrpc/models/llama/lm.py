@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import logging
 import statistics
 import time
@@ -624,13 +623,8 @@ class LlamaLM:
         the shapes in the range take different counts."""
         step = self.native
         assert step is not None
-        cuts = [lo, *((native.WIDE_TOKENS,) if lo < native.WIDE_TOKENS <= hi else ()), hi + 1]
-        spans: list[tuple[int, int, str]] = []  # first and last tokens, note
-        for a, b in itertools.pairwise(cuts):
-            note = step.threads_note(a)
-            if spans and spans[-1][2] == note:
-                spans[-1] = (spans[-1][0], b - 1, note)
-            else:
-                spans.append((a, b - 1, note))
-        return [(f"{a}-{b}" if b > a else f"{a}", path + note) for a, b, note in spans]
+        wide = native.WIDE_TOKENS
+        split = lo < wide <= hi and step.threads_note(lo) != step.threads_note(wide)
+        spans = [(lo, wide - 1), (wide, hi)] if split else [(lo, hi)]
+        return [(f"{a}-{b}" if b > a else f"{a}", path + step.threads_note(a)) for a, b in spans]
 
