@@ -35,6 +35,7 @@ class EngineConfig:
     speculation: str = "adaptive"
     proposer: str = "combined"
     prefill_chunk: int = 512
+    draft_window: int = 128
     batching: str = "on"  # off: round-robin, one stream's step at a time (docs/benchmarks.md, issue 18)
     lean: bool = True
     threads: int = 0
@@ -119,6 +120,9 @@ HELP: dict[str, str] = {
     "proposer": "default proposer: combined (prompt lookup when it matches, else the draft model), draft or lookup",
     "prefill_chunk": "prompt tokens per prefill forward (long prompts are prefilled in chunks; while other streams "
                      "decode, fewer: their step stays within 4x its plain cost)",
+    "draft_window": "the draft model catches up on at most the last this many tokens of a context (a new prompt, "
+                    "steps it sat out): what it sees changes only the speed, since the target verifies every token; "
+                    "0: all of it",
     "batching": "on: each device step runs every runnable stream together (one batched draft and target forward, "
                 "prefill chunks mixed in); off: one stream's step at a time, round-robin",
     "lean": "use specrpc's lean Llama-family forward when the architecture allows (else transformers)",
@@ -274,6 +278,7 @@ def validate(config: Config) -> None:
         (e.speculation in {"adaptive", "fixed", "off"}, "--speculation must be adaptive, fixed or off"),
         (e.proposer in {"draft", "lookup", "combined"}, "--proposer must be draft, lookup or combined"),
         (e.prefill_chunk >= 16, "--prefill-chunk must be >= 16"),
+        (e.draft_window == 0 or e.draft_window >= 16, "--draft-window must be 0 (the whole context) or >= 16"),
         (e.batching in {"on", "off"}, "--batching must be on or off"),
         (e.recheck_s >= 0, "--recheck-s must be >= 0 (0: never)"),
         (e.fim_template in ("", *template_names()),

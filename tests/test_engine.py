@@ -340,32 +340,35 @@ def chi_square_pvalue(counts: dict[tuple[int, ...], int], probs: dict[tuple[int,
 
 
 @pytest.mark.parametrize(
-    ("params", "draft_int8"),
+    ("params", "draft_int8", "window"),
     [
-        (SamplingParams(temperature=1.0), False),
-        (SamplingParams(temperature=0.7, top_p=0.9), False),
-        (SamplingParams(temperature=1.0, top_k=5), False),
-        (SamplingParams(temperature=1.0), True),
+        (SamplingParams(temperature=1.0), False, 0),
+        (SamplingParams(temperature=0.7, top_p=0.9), False, 0),
+        (SamplingParams(temperature=1.0, top_k=5), False, 0),
+        (SamplingParams(temperature=1.0), True, 0),
+        (SamplingParams(temperature=1.0), False, 16),
     ],
-    ids=["t1", "t0.7-p0.9", "k5", "t1-int8-draft"],
+    ids=["t1", "t0.7-p0.9", "k5", "t1-int8-draft", "t1-draft-window"],
 )
 def test_sampled_sequences_follow_the_target_distribution(pair: tuple[Path, Path], params: SamplingParams,
-                                                          draft_int8: bool) -> None:
+                                                          draft_int8: bool, window: int) -> None:
     """3-token continuations (216 cells) sampled with k = 2 speculation vs exact target probabilities.
 
     Each run generates 4 tokens, so that the verify step after the prefill's first token has room for k = 2 drafts
     (k stops one short of max_new_tokens for the bonus token); tokens 2 and 3 come from that step, and the first 3
     tokens of a run are distributed as the target's 3-token continuations. False-alarm rate: 1e-4 per test (seeds
     are fixed, so the outcome is deterministic). The same samples must be rejected against the draft's own
-    distribution, so the test can fail."""
-    engine = make_engine(pair, draft_int8=draft_int8)
-    prompt = [3, 1, 4]
+    distribution, so the test can fail. With a draft window, on a prompt longer than it: the draft's
+    probabilities are those of the context's last 16 tokens (of 21 at the verify)."""
+    engine = make_engine(pair, draft_int8=draft_int8, draft_window=window, prefill_chunk=32)
+    prompt = [3, 1, 4] if not window else [3, 1, 4, 1, 5, 0, 2, 3, 5, 4, 1, 2, 0, 3, 1, 4, 5, 2, 1, 3]
     n = 5000
     counts: dict[tuple[int, ...], int] = {}
     for i in range(n):
         gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, 4, replace(params, seed=i), 2, "draft"))
         steps = [engine.step_one(gen) for _ in range(2)]
         assert [s.proposed for s in steps] == [0, 2], "the verify step after the first token drafts k = 2"
+        assert engine.draft is not None and engine.draft.offset[0] == (len(prompt) + 1 - window if window else 0)
         third = engine.step_one(gen).token_ids if not gen.finished else []
         seq = tuple((steps[0].token_ids + steps[1].token_ids + third)[:3])
         counts[seq] = counts.get(seq, 0) + 1
@@ -514,7 +517,8 @@ def test_seeded_sampling_in_a_batch_reproduces_its_solo_run(pair: tuple[Path, Pa
         for name in names:  # "combined" picks lookup or the draft by costs: measured ones would follow the host
             monkeypatch.setattr(costs, name, lambda *args: None)
     engine = make_engine(pair, slots=3, native=native)
-    for model in (engine.target, engine.draft):
+    assert engine.draft is not None
+    for model in (engine.target, engine.draft.model):
         if native:
             assert isinstance(model, LlamaLM) and model.native is not None
             model.native_rows = native_step.MAX_TOKENS  # no batch here exceeds it: all native
@@ -1009,3 +1013,87 @@ def test_batched_drafts_report_a_catch_up_apart_from_drafting(pair: tuple[Path, 
         engine.draft.truncate(slot, len(request.tokens) - 2)
     _, timings, catch_up_s = engine.drafter.propose_batch(steady)
     assert catch_up_s == 0.0 and [rows for rows, _ in timings] == [2, 2]
+
+
+LONG_PROMPT = [(i * 7 + i // 5) % VOCAB for i in range(40)]
+"""40 tokens: longer than the draft windows below."""
+
+
+def test_a_draft_window_bounds_the_catch_up_and_keeps_greedy_exact(pair: tuple[Path, Path]) -> None:
+    """With a window of 16, a lone stream's draft catches up on the context's last 16 tokens, held from its slot's
+    first position, not on the 41 before its first verify; greedy output is the target's alone, with the fused
+    greedy path (lean) and with the transformers fallback's step by step drafting."""
+    for lean in (True, False):
+        engine = make_engine(pair, lean=lean, draft_window=16)
+        assert engine.draft is not None
+        inner = engine.draft.model
+        fed: list[int] = []
+        forward = inner.forward
+        inner.forward = lambda ids, *a, **kw: (fed.append(ids.shape[0]), forward(ids, *a, **kw))[1]  # type: ignore
+        if lean:
+            fused = inner.feed_greedy  # type: ignore[attr-defined]
+            inner.feed_greedy = lambda ids, *a, **kw: (fed.append(ids.shape[0]), fused(ids, *a, **kw))[1]  # type: ignore
+        gen = engine.start(engine.new_slot(0), GenerationRequest(LONG_PROMPT, 12, GREEDY, 3, "draft"))
+        out: list[int] = []
+        while not out:  # the prompt's chunks of 16, then its first token: the draft has not run
+            out += engine.step_one(gen).token_ids
+        assert fed == [] and engine.draft.length(0) == 0
+        out += engine.step_one(gen).token_ids
+        assert fed[0] == 16 and engine.draft.offset[0] == len(LONG_PROMPT) + 1 - 16
+        while not gen.finished:
+            out += engine.step_one(gen).token_ids
+        assert max(fed) == 16 and engine.draft.offset[0] == 25, (lean, fed)
+        assert engine.draft.length(0) == inner.length(0) + 25 <= len(LONG_PROMPT) + len(out)
+        assert out == run(engine, LONG_PROMPT, 12, GREEDY, 0), lean
+
+
+def test_a_batched_prefill_feeds_the_draft_from_the_chunk_its_window_begins_in(pair: tuple[Path, Path]) -> None:
+    """A batched prefill skips the draft on chunks before its window and starts the slot over at the chunk the
+    window begins in: 40 prompt tokens in chunks of 16, a window of 16 (from position 24), so the draft takes
+    positions 16-39 in two chunks; the output is the target's alone."""
+    engine = make_engine(pair, slots=3, draft_window=16)
+    engine.batch_guard = measured_guard([2], 1.0, 4.0)
+    requests = [GenerationRequest(LONG_PROMPT, 8, GREEDY, 3, "draft"), GenerationRequest(LONG_PROMPT, 8, GREEDY, 0)]
+    gens = [engine.start(engine.new_slot(i), r) for i, r in enumerate(requests)]
+    assert engine.draft is not None
+    engine.step(gens)
+    assert engine.draft.length(0) == 0  # [0, 16) lies before the window
+    engine.step(gens)
+    assert (engine.draft.offset[0], engine.draft.length(0)) == (16, 32)
+    engine.step(gens)
+    assert (engine.draft.offset[0], engine.draft.length(0), engine.draft.model.length(0)) == (16, 40, 24)
+    out, _ = decode_together(engine, [(engine.new_slot(i), r, 0) for i, r in enumerate(requests)])
+    assert out == [run(engine, LONG_PROMPT, 8, GREEDY, 0)] * 2
+
+
+def test_a_prefix_cut_into_the_draft_window_starts_it_over(pair: tuple[Path, Path]) -> None:
+    """A slot whose draft holds a window keeps what the next prompt shares of it and catches up from there where
+    that and the new tokens make a window; where they make less (a shorter prompt), or the shared prefix ends
+    before the window, the draft starts over on the new context's window; a slot copying another's prefix takes its
+    window. Every output is the target's alone."""
+    engine = make_engine(pair, slots=3, draft_window=16)
+    draft = engine.draft
+    assert draft is not None
+    slot = engine.new_slot(0)
+    run(engine, LONG_PROMPT, 8, GREEDY, 3, slot=slot)
+    assert draft.offset[0] == 25  # the window of the first verify's 41 tokens
+    # (shared prefix, prompt length): the draft's (length, offset) once prefix reuse cut it, its offset after
+    cases = ((30, 40, (30, 25), 25), (30, 34, (30, 25), 19), (10, 40, (10, 10), 25))
+    for shift, (cut, size, kept, after) in enumerate(cases, 1):  # (each prompt shares `cut` with the one before)
+        prompt = LONG_PROMPT[:cut] + [(t + shift) % VOCAB for t in LONG_PROMPT[cut:size]]
+        gen = engine.start(slot, GenerationRequest(prompt, 6, GREEDY, 3, "draft"))
+        out = list(engine.step_one(gen).token_ids)  # (the prefix reuse, a prefill chunk)
+        assert (draft.length(0), draft.offset[0]) == kept, cut
+        while not gen.finished:
+            out += engine.step_one(gen).token_ids
+        assert draft.offset[0] == after, (cut, size)
+        assert out == run(engine, prompt, 6, GREEDY, 0, slot=engine.new_slot(1)), (cut, size)
+    first = run(engine, LONG_PROMPT, 8, GREEDY, 3, slot=engine.new_slot(2))  # slot 2's draft: from position 25
+    prompt = LONG_PROMPT + [(first[0] + 1) % VOCAB, 2]
+    gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, 6, GREEDY, 3, "draft"))
+    out = list(engine.step_one(gen).token_ids)
+    assert gen.stats.cached_prompt_tokens == len(LONG_PROMPT)
+    assert (draft.length(0), draft.offset[0]) == (len(LONG_PROMPT), 25)  # slot 2's window, copied
+    while not gen.finished:
+        out += engine.step_one(gen).token_ids
+    assert out == run(engine, prompt, 6, GREEDY, 0, slot=engine.new_slot(1))

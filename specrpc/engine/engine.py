@@ -30,6 +30,7 @@ from specrpc.engine.proposers import (
 )
 from specrpc.engine.sampling import SamplingParams
 from specrpc.engine.verify import VerifyResult, accept_greedy, verify
+from specrpc.engine.window import DraftWindow
 from specrpc.models import BatchRow, CausalLM, Drift
 
 Verifier = Callable[
@@ -82,7 +83,7 @@ class Engine:
                  verifier: Verifier = verify) -> None:
         """`verifier`: the acceptance decision; `verify` (exact) except in benchmarks that simulate acceptance."""
         self.target = target
-        self.draft = draft
+        self.draft = DraftWindow(draft, config.draft_window) if draft is not None else None
         self.config = config
         self.verifier = verifier
         self.stall: Stall | None = None  # test hook, see Stall
@@ -93,8 +94,8 @@ class Engine:
         self.batch_costs = BatchCosts()  # batched steps' costs by total tokens, shared by every stream
         self.batch_guard = BatchGuard()  # whether speculating pays in fact, per batch width
         self.slots: dict[int, Slot] = {}  # each index's slot state (`new_slot`): where a prompt's prefix may be cached
-        self.drafter = DraftModelProposer(draft, config.prefill_chunk) if draft is not None else None
-        self.drafting = Drafting(self.max_k, draft, self.drafter, PromptLookupProposer())
+        self.drafter = DraftModelProposer(self.draft, config.prefill_chunk) if self.draft is not None else None
+        self.drafting = Drafting(self.max_k, self.draft, self.drafter, PromptLookupProposer())
         # "combined": each step, prompt lookup when it finds a match worth verifying, else the draft model
         self.proposers = frozenset({"lookup", "draft", "combined"} if draft is not None else {"lookup"})
         self.default_proposer = config.proposer if config.proposer in self.proposers else "lookup"
@@ -315,8 +316,10 @@ class Engine:
             return
         guard, draft = self.batch_guard, self.draft
         policy = guard.drafting_on(len(gens)) and not guard.draft_idle(len(gens))
-        chunks = [i for i in rows if gens[i].proposer != "lookup" and draft.length(rows[i].slot) == rows[i].start
-                  and (policy if (k := gens[i].fixed_k) is None else k > 0)]
+        chunks = [i for i in rows if gens[i].proposer != "lookup"
+                  and (policy if (k := gens[i].fixed_k) is None else k > 0)
+                  and draft.takes_chunk(rows[i].slot, rows[i].start, rows[i].ids.shape[0],
+                                        len(gens[i].request.prompt_ids))]
         if not chunks:
             return
         batch = [rows[i] for i in chunks]
@@ -474,7 +477,7 @@ class Engine:
         if gen.request.prefill_only and result.finish == FINISH_LENGTH:
             prompt, slot = gen.request.prompt_ids, gen.slot.index
             if self.draft is not None and self.max_k > 0:
-                start = self.draft.length(slot)
+                start = self.draft.catch_up_from(slot, len(prompt))
                 if start < len(prompt):
                     feed(self.draft, slot, prompt[start:], start, self.config.prefill_chunk)
             gen.stats.tokens_cached = self.target.length(slot)

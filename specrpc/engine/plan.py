@@ -15,7 +15,7 @@ from specrpc.engine.proposers import (
     Proposal,
     Proposer,
 )
-from specrpc.models import CausalLM
+from specrpc.engine.window import DraftWindow
 
 MAX_SUGGESTION_TOKENS = 64
 """Most tokens of the session's last suggestion (drafted whole: the editor already shows it) or of a request's
@@ -54,15 +54,15 @@ class Drafting:
     """What planning needs of the engine: the largest k, the draft model (None without one) and the proposers."""
 
     max_k: int
-    draft: CausalLM | None
+    draft: DraftWindow | None
     drafter: DraftModelProposer | None
     lookup: PromptLookupProposer
 
 
 def draft_lag(drafting: Drafting, gen: Generation) -> int:
-    """Tokens of the stream's context the draft's cache has not seen."""
+    """Tokens of the stream's context the draft's catch-up would feed (at most its window)."""
     assert drafting.draft is not None
-    return len(gen.slot.tokens) - drafting.draft.length(gen.slot.index)
+    return drafting.draft.lag(gen.slot.index, len(gen.slot.tokens))
 
 
 def plan(drafting: Drafting, gen: Generation, load: BatchLoad | None) -> Plan:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from specrpc.engine.generation import Slot
+from specrpc.engine.window import DraftWindow
 from specrpc.models import CausalLM
 
 
@@ -37,7 +38,7 @@ def prefix_source(target: CausalLM, slots: Iterable[Slot], index: int, prompt: l
     return best
 
 
-def reuse_prefix(target: CausalLM, draft: CausalLM | None, slots: Iterable[Slot], slot: Slot,
+def reuse_prefix(target: CausalLM, draft: DraftWindow | None, slots: Iterable[Slot], slot: Slot,
                  prompt: list[int]) -> int:
     """Cut `slot`'s caches to the prefix they share with `prompt`, extended by a copy from another slot's cache
     where that one holds more of it. Returns the prompt tokens now in the target's cache: at least the last one is

@@ -16,6 +16,7 @@ from specrpc import native
 from specrpc.engine.constraint import MAX_REFUSED, Constraint
 from specrpc.engine.logits_transform import Cursor, LogitsTransform
 from specrpc.engine.sampling import SamplingParams, logits_to_probs, sample
+from specrpc.engine.window import DraftWindow
 from specrpc.models import BatchRow, CausalLM
 
 
@@ -251,7 +252,7 @@ class DraftModelProposer:
 
     name = "draft"
 
-    def __init__(self, model: CausalLM, prefill_chunk: int) -> None:
+    def __init__(self, model: DraftWindow, prefill_chunk: int) -> None:
         self.model = model
         self.prefill_chunk = prefill_chunk
 
@@ -265,7 +266,7 @@ class DraftModelProposer:
         (`_Stream.force`) and go into the draft's cache with the token before them, in one forward."""
         if k == 0:
             return EMPTY
-        start = self.model.length(slot)
+        start = self.model.catch_up_from(slot, len(tokens))
         t0 = time.perf_counter()
         steady = len(tokens) - start <= STEADY_CATCH_UP
         plain = params.greedy and constraint is None and transform is None  # the fused greedy paths may serve
@@ -314,7 +315,7 @@ class DraftModelProposer:
         steady = True
         t_catch = time.perf_counter()
         for r in requests:
-            start = model.length(r.slot)
+            start = model.catch_up_from(r.slot, len(r.tokens))
             rest = r.tokens[start:]
             if len(rest) > self.prefill_chunk:
                 skip = len(rest) - self.prefill_chunk
@@ -358,21 +359,13 @@ class DraftModelProposer:
         """The catch-up on tokens[start:] and k greedy drafts [k] in one call of the model's (a lean model's native
         step on CPU), each the argmax of the logits as `transform` leaves them where given, or None where it has
         none."""
-        fused = getattr(self.model, "feed_greedy", None)  # optional: not part of the CausalLM protocol
-        if fused is None:
-            return None
         ids = torch.tensor(tokens[start:], dtype=torch.long, device=self.model.device)  # [F]
-        drafted: torch.Tensor | None = fused(ids, start, slot, k, transform)
-        return drafted
+        return self.model.feed_greedy(ids, start, slot, k, transform)
 
     def _greedy_loop(self, logits: torch.Tensor, position: int, slot: int, k: int) -> torch.Tensor | None:
         """k greedy tokens [k] from one replay of the model's captured k-step loop (a lean model on CUDA), or None
         where the model has none (then the caller drafts step by step)."""
-        loop = getattr(self.model, "greedy_draft", None)  # optional: not part of the CausalLM protocol
-        if loop is None:
-            return None
-        tokens: torch.Tensor | None = loop(logits, position, slot, k)
-        return tokens
+        return self.model.greedy_draft(logits, position, slot, k)
 
 
 @dataclass
