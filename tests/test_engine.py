@@ -1019,32 +1019,37 @@ LONG_PROMPT = [(i * 7 + i // 5) % VOCAB for i in range(40)]
 """40 tokens: longer than the draft windows below."""
 
 
-def test_a_draft_window_bounds_the_catch_up_and_keeps_greedy_exact(pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_a_draft_window_bounds_the_catch_up_and_keeps_greedy_exact(pair: tuple[Path, Path], lean: bool) -> None:
     """With a window of 16, a lone stream's draft catches up on the context's last 16 tokens, held from its slot's
     first position, not on the 41 before its first verify; greedy output is the target's alone, with the fused
     greedy path (lean) and with the transformers fallback's step by step drafting."""
-    for lean in (True, False):
-        engine = make_engine(pair, lean=lean, draft_window=16)
-        assert engine.draft is not None
-        inner = engine.draft.model
-        fed: list[int] = []
-        forward = inner.forward
-        inner.forward = lambda ids, *a, **kw: (fed.append(ids.shape[0]), forward(ids, *a, **kw))[1]  # type: ignore
-        if lean:
-            fused = inner.feed_greedy  # type: ignore[attr-defined]
-            inner.feed_greedy = lambda ids, *a, **kw: (fed.append(ids.shape[0]), fused(ids, *a, **kw))[1]  # type: ignore
-        gen = engine.start(engine.new_slot(0), GenerationRequest(LONG_PROMPT, 12, GREEDY, 3, "draft"))
-        out: list[int] = []
-        while not out:  # the prompt's chunks of 16, then its first token: the draft has not run
-            out += engine.step_one(gen).token_ids
-        assert fed == [] and engine.draft.length(0) == 0
+    engine = make_engine(pair, lean=lean, draft_window=16)
+    assert engine.draft is not None
+    inner = engine.draft.model
+    fed: list[int] = []  # tokens each of the draft's calls took
+
+    def counted(call: Any) -> Any:
+        def counting(ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            fed.append(ids.shape[0])
+            return call(ids, *args, **kwargs)
+        return counting
+
+    inner.forward = counted(inner.forward)  # type: ignore[method-assign]
+    if lean:
+        inner.feed_greedy = counted(inner.feed_greedy)  # type: ignore[attr-defined]
+    gen = engine.start(engine.new_slot(0), GenerationRequest(LONG_PROMPT, 12, GREEDY, 3, "draft"))
+    out: list[int] = []
+    while not out:  # the prompt's chunks of 16, then its first token: the draft has not run
         out += engine.step_one(gen).token_ids
-        assert fed[0] == 16 and engine.draft.offset[0] == len(LONG_PROMPT) + 1 - 16
-        while not gen.finished:
-            out += engine.step_one(gen).token_ids
-        assert max(fed) == 16 and engine.draft.offset[0] == 25, (lean, fed)
-        assert engine.draft.length(0) == inner.length(0) + 25 <= len(LONG_PROMPT) + len(out)
-        assert out == run(engine, LONG_PROMPT, 12, GREEDY, 0), lean
+    assert fed == [] and engine.draft.length(0) == 0
+    out += engine.step_one(gen).token_ids
+    assert fed[0] == 16 and engine.draft.offset[0] == len(LONG_PROMPT) + 1 - 16
+    while not gen.finished:
+        out += engine.step_one(gen).token_ids
+    assert max(fed) == 16 and engine.draft.offset[0] == 25, fed
+    assert engine.draft.length(0) == inner.length(0) + 25 <= len(LONG_PROMPT) + len(out)
+    assert out == run(engine, LONG_PROMPT, 12, GREEDY, 0)
 
 
 def test_a_batched_prefill_feeds_the_draft_from_the_chunk_its_window_begins_in(pair: tuple[Path, Path]) -> None:
@@ -1089,7 +1094,7 @@ def test_a_prefix_cut_into_the_draft_window_starts_it_over(pair: tuple[Path, Pat
         assert draft.offset[0] == after, (cut, size)
         assert out == run(engine, prompt, 6, GREEDY, 0, slot=engine.new_slot(1)), (cut, size)
     first = run(engine, LONG_PROMPT, 8, GREEDY, 3, slot=engine.new_slot(2))  # slot 2's draft: from position 25
-    prompt = LONG_PROMPT + [(first[0] + 1) % VOCAB, 2]
+    prompt = [*LONG_PROMPT, (first[0] + 1) % VOCAB, 2]
     gen = engine.start(engine.new_slot(0), GenerationRequest(prompt, 6, GREEDY, 3, "draft"))
     out = list(engine.step_one(gen).token_ids)
     assert gen.stats.cached_prompt_tokens == len(LONG_PROMPT)
@@ -1097,3 +1102,5 @@ def test_a_prefix_cut_into_the_draft_window_starts_it_over(pair: tuple[Path, Pat
     while not gen.finished:
         out += engine.step_one(gen).token_ids
     assert out == run(engine, prompt, 6, GREEDY, 0, slot=engine.new_slot(1))
+    engine.calibrate(slot=0, context=20, repeats=1, max_repeats=1)  # forwards from position 0: the window starts over
+    assert draft.offset[0] == 0 and draft.length(0) == 0

@@ -98,10 +98,10 @@ class DraftWindow:
         return self.model.cache
 
     def _at(self, slot: int, start: int) -> int:
-        """Context position `start` of `slot` as its cache position."""
+        """Context position `start` of `slot` as its cache position, for a forward from there: one from before the
+        slot's window (a caller rewriting the slot from its start, as calibration does) starts it over there."""
         if start < self.offset[slot]:
-            raise ValueError(f"position {start} of slot {slot} lies before its draft window (from "
-                             f"{self.offset[slot]})")
+            self._start_over(slot, start)
         return start - self.offset[slot]
 
     def forward(self, ids: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
