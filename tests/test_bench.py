@@ -24,10 +24,11 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
                  "--concurrency", "1,2", "--sweep-rounds", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     contenders = results["contenders"]
-    expected = {"target-only", "adaptive", "adaptive draft only", "k=2", "prompt lookup only", "hf generate",
-                "hf assisted"}
+    expected = {"target-only", "adaptive", "adaptive draft only", "adaptive, draft on the whole context", "k=2",
+                "prompt lookup only", "hf generate", "hf assisted"}
     assert expected <= set(contenders)
-    for name in ("adaptive", "adaptive draft only", "k=2", "prompt lookup only"):
+    for name in ("adaptive", "adaptive draft only", "adaptive, draft on the whole context", "k=2",
+                 "prompt lookup only"):
         assert contenders[name]["identical"] == 1.0, name  # greedy: token-for-token the target-only output
     for name, entry in contenders.items():  # each request's figures beside the summary, one per case
         requests = entry["requests"]

@@ -50,15 +50,23 @@ def decode_rate(run: Run) -> float:
 
 
 def engine_runner(engine: Engine, k: int | None, proposer: str, stop_token_ids: frozenset[int] = frozenset(),
-                  slot_index: int = 0) -> Runner:
+                  slot_index: int = 0, draft_window: int | None = None) -> Runner:
     """This engine with a fixed k (None: adaptive policy) and proposer, on a slot emptied per request. Its policy
     carries over from request to request, as a server slot's does. Without `stop_token_ids` it decodes all n
-    tokens (like `generate` with min_new_tokens); with the server's, it stops where the server would."""
+    tokens (like `generate` with min_new_tokens); with the server's, it stops where the server would.
+    `draft_window`: the draft's window during its requests (`--draft-window`; None: the engine's)."""
     policy = engine.new_policy(shared=False)  # judged by its own steps: contenders do not judge by each other's
 
     def run(prompt: list[int], n: int, params: SamplingParams) -> Run:
-        return measure(engine, slot_index, policy, GenerationRequest(
-            prompt, n, params, num_draft_tokens=k, proposer=proposer, stop_token_ids=stop_token_ids))
+        request = GenerationRequest(prompt, n, params, num_draft_tokens=k, proposer=proposer,
+                                    stop_token_ids=stop_token_ids)
+        if draft_window is None or engine.draft is None:
+            return measure(engine, slot_index, policy, request)
+        kept, engine.draft.window = engine.draft.window, draft_window
+        try:
+            return measure(engine, slot_index, policy, request)
+        finally:
+            engine.draft.window = kept
 
     return run
 

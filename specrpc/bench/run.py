@@ -388,6 +388,18 @@ def point_figures(results: list[list[Run]], wall: float, streams: int, runtime: 
     }
 
 
+def with_context(cases: list[Case], n: int) -> list[Case]:
+    """Each case with the prompts of the next n - 1 cases of its workload (in turn) before its own, a blank line
+    apart: the same completions after a longer context, as an editor's other open files."""
+    out: list[Case] = []
+    for case in cases:
+        peers = [c for c in cases if c.workload == case.workload]
+        i = next(j for j, c in enumerate(peers) if c is case)
+        before = [peers[(i + j) % len(peers)].prompt for j in range(1, min(n, len(peers)))]
+        out.append(replace(case, prompt="\n\n".join([*before, case.prompt])))
+    return out
+
+
 def bound_tokens_per_s(runs: list[Run], streams: int, costs: BatchCosts, chunk: int) -> float:
     """The aggregate tokens/s plain batched decoding would give `runs`' work at `streams` streams, from the measured
     batch costs: every token after a request's first at `streams` tokens a forward of `streams` tokens, and each
@@ -594,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
                              "q8_0")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--max-new-tokens", type=int, default=0, help="override every case's length (0: keep)")
+    parser.add_argument("--context-cases", type=int, default=1,
+                        help="each case's prompt preceded by the prompts of the next N - 1 cases of its workload: a "
+                             "longer context, as an editor's other open files (1: the case alone)")
     parser.add_argument("--max-prompt-tokens", type=int, default=0,
                         help="cut every case's prompt to its last N tokens (0: keep): a large model's prefill on a CPU")
     parser.add_argument("--workloads", default="code,infill,text", help="comma-separated subset of code,infill,text")
@@ -685,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",") if k]
     widest = max([int(c) for c in args.concurrency.split(",") if c] or [1])
-    engine_config = EngineConfig(target=args.target, draft=args.draft, max_sessions=max(8, widest), max_context=1024,
+    context = max(1024, 512 * args.context_cases)  # the code cases' prompts are up to 500 tokens
+    engine_config = EngineConfig(target=args.target, draft=args.draft, max_sessions=max(8, widest), max_context=context,
                                  max_draft_tokens=max([*ks, 8]), threads=args.threads, dtype=args.dtype,
                                  weights=args.weights, recheck_s=NO_RECHECK, remember_execution=False)
     config = Config(engine=engine_config, server=ServerConfig(port=0, log_format="console", log_level="warning"),
@@ -701,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = build_cases(args.cases, workloads=tuple(w for w in args.workloads.split(",") if w))
     if args.max_new_tokens:
         cases = [replace(c, max_new_tokens=args.max_new_tokens) for c in cases]
+    if args.context_cases > 1:
+        cases = with_context(cases, args.context_cases)
     if args.max_prompt_tokens:
         cases = [replace(c, prompt=runtime.decode_text(runtime.encode(c.prompt)[-args.max_prompt_tokens :]))
                  for c in cases]
@@ -709,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     contenders: dict[str, Runner] = {"target-only": engine_runner(engine, 0, "draft"),
                                      "adaptive": engine_runner(engine, None, engine.default_proposer),
                                      "adaptive draft only": engine_runner(engine, None, "draft")}
+    if engine.draft is not None and engine.draft.window:  # what the draft's window gives (docs/how-it-works.md)
+        contenders["adaptive, draft on the whole context"] = engine_runner(engine, None, engine.default_proposer,
+                                                                           draft_window=0)
     contenders.update({f"k={k}": engine_runner(engine, k, "draft") for k in ks})
     contenders["prompt lookup only"] = engine_runner(engine, None, "lookup")
     if not args.no_hf:
