@@ -1,10 +1,9 @@
 """The draft's window: on a long context the draft model catches up on the last `window` tokens alone, not on all of
 them. Only the speed depends on what the draft sees (every token it proposes is verified by the target), and a
-draft's catch-up on a new prompt is what it costs beside decoding: on the shipped pair a 300-500-token prompt's
-catch-up took a quarter of a 64-token request's speculative decode. Held to the window, the catch-up is at most
-`window` tokens whatever the prompt's length, as drafts with a sliding window of the KV cache do for long contexts
-(MagicDec, TriForce); on held-out code the shipped draft agreed with the target's greedy token 75.5 % of the time
-with 128 tokens of context against 76.3 % with all of it (docs/how-it-works.md).
+draft's catch-up on a new prompt is what it costs beside decoding, growing with the prompt. Held to the window, the
+catch-up is at most `window` tokens whatever the prompt's length, as drafts over a sliding window of the KV cache do
+for long contexts (MagicDec, TriForce); on the shipped pair the acceptance stays where it was (docs/benchmarks.md,
+"The draft's window").
 
 A slot that holds a window holds it from its first cache position: context position p is cache position
 p - offset, as if the context began there. With rotary position embeddings attention sees the same relative
@@ -95,6 +94,7 @@ class DraftWindow:
 
     @property
     def cache(self) -> SlotLengths:
+        """The model's own (its lengths are cache positions)."""
         return self.model.cache
 
     def _at(self, slot: int, start: int) -> int:
