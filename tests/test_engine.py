@@ -16,7 +16,7 @@ from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specrpc.bench.simulated import simulated_verifier
-from specrpc.config import ASSETS, EngineConfig
+from specrpc.config import ASSETS, EngineConfig, build_config, validate
 from specrpc.engine import engine as engine_module
 from specrpc.engine.engine import PREFILL_STALL, Engine, Stall
 from specrpc.engine.generation import GenerationRequest, GenerationStats, Slot, StepResult, TokenLogprob
@@ -1104,3 +1104,17 @@ def test_a_prefix_cut_into_the_draft_window_starts_it_over(pair: tuple[Path, Pat
     assert out == run(engine, prompt, 6, GREEDY, 0, slot=engine.new_slot(1))
     engine.calibrate(slot=0, context=20, repeats=1, max_repeats=1)  # forwards from position 0: the window starts over
     assert draft.offset[0] == 0 and draft.length(0) == 0
+
+
+def test_the_draft_window_setting_is_checked_and_zero_keeps_the_whole_context(pair: tuple[Path, Path]) -> None:
+    """`--draft-window` (SPECRPC_DRAFT_WINDOW) takes 0 or at least 16; at 0 the draft holds every context position
+    from its slot's first, however long the prompt."""
+    assert build_config(None, env={}).engine.draft_window == 128
+    validate(build_config(None, env={"SPECRPC_DRAFT_WINDOW": "0"}))
+    with pytest.raises(ValueError, match="--draft-window must be 0"):
+        validate(build_config(None, env={"SPECRPC_DRAFT_WINDOW": "8"}))
+    engine = make_engine(pair, draft_window=0)
+    assert engine.draft is not None
+    out = run(engine, LONG_PROMPT, 8, GREEDY, 3)
+    assert engine.draft.offset[0] == 0 and engine.draft.model.length(0) == engine.draft.length(0) >= len(LONG_PROMPT)
+    assert out == run(engine, LONG_PROMPT, 8, GREEDY, 0)
