@@ -35,7 +35,7 @@ class EngineConfig:
     speculation: str = "adaptive"
     proposer: str = "combined"
     prefill_chunk: int = 512
-    draft_window: int = 128
+    draft_window: int = 256
     batching: str = "on"  # off: round-robin, one stream's step at a time (docs/benchmarks.md, issue 18)
     lean: bool = True
     threads: int = 0

@@ -1109,7 +1109,7 @@ def test_a_prefix_cut_into_the_draft_window_starts_it_over(pair: tuple[Path, Pat
 def test_the_draft_window_setting_is_checked_and_zero_keeps_the_whole_context(pair: tuple[Path, Path]) -> None:
     """`--draft-window` (SPECRPC_DRAFT_WINDOW) takes 0 or at least 16; at 0 the draft holds every context position
     from its slot's first, however long the prompt."""
-    assert build_config(None, env={}).engine.draft_window == 128
+    assert build_config(None, env={}).engine.draft_window == 256
     validate(build_config(None, env={"SPECRPC_DRAFT_WINDOW": "0"}))
     with pytest.raises(ValueError, match="--draft-window must be 0"):
         validate(build_config(None, env={"SPECRPC_DRAFT_WINDOW": "8"}))
