@@ -48,21 +48,27 @@ class DraftWindow:
         self.offset[slot] = at
         self.model.truncate(slot, 0)
 
-    def catch_up_from(self, slot: int, context: int) -> int:
-        """Where the draft's catch-up on a context of `context` tokens starts (the slot's length after this): where
-        its cache ends, unless the catch-up would be longer than the window or the slot holds less than a window's
-        context before its end (a prefix cut into the window); then the slot starts over on the window."""
+    def _restart(self, slot: int, context: int) -> int | None:
+        """Where the slot starts over for a catch-up on a context of `context` tokens (None: it catches up from where
+        its cache ends): the window's start, where the catch-up would be longer than the window or the slot holds
+        less than a window's context before its end (a prefix cut into the window)."""
         start = self._window_start(context)
         if self.window and (self.length(slot) < start or self.offset[slot] > start):
-            self._start_over(slot, start)
+            return start
+        return None
+
+    def catch_up_from(self, slot: int, context: int) -> int:
+        """Where the draft's catch-up on a context of `context` tokens starts (the slot's length after this): where
+        its cache ends, or the window's start where the slot starts over there (`_restart`)."""
+        restart = self._restart(slot, context)
+        if restart is not None:
+            self._start_over(slot, restart)
         return self.length(slot)
 
     def lag(self, slot: int, context: int) -> int:
         """Tokens `catch_up_from` would leave the catch-up to feed (changing nothing)."""
-        start = self._window_start(context)
-        if self.window and (self.length(slot) < start or self.offset[slot] > start):
-            return context - start
-        return context - self.length(slot)
+        restart = self._restart(slot, context)
+        return context - (self.length(slot) if restart is None else restart)
 
     def takes_chunk(self, slot: int, start: int, size: int, context: int) -> bool:
         """Whether a prompt chunk at context positions [start, start + size) of a prompt of `context` tokens goes
