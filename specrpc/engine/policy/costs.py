@@ -258,9 +258,9 @@ class HostTimes(Refined):
         start it with a catch-up on the whole prompt), 0 before that. For the same reason a plain step's is never
         read above a drafted kind's measured one: a plain time a stall inflated (its first steps, before a median
         forms) would make drafting look best, and while a stream drafts no plain step comes to correct it."""
-        seconds = self.seconds.get(kind)
         if kind == "plain":
             return min(self.seconds.values()) if "plain" in self.seconds else 0.0
+        seconds = self.seconds.get(kind)
         return self.seconds.get("plain", 0.0) if seconds is None else seconds
 
 
