@@ -334,12 +334,16 @@ async def test_llama_infill_streams_when_asked(http: httpx2.AsyncClient, server:
 
 
 async def test_llama_speculative_n_max_caps_each_steps_draft_and_0_is_target_only(
-    http: httpx2.AsyncClient, client: openai.AsyncOpenAI, stub: Stub, stream_interval: Callable[[float], None]
+    http: httpx2.AsyncClient, client: openai.AsyncOpenAI, stub: Stub
 ) -> None:
     """llama.cpp's per-request `speculative.n_max`: 0 decodes target-only (gRPC num_draft_tokens 0's tokens, and no
     `draft_n` in `timings`, as llama.cpp leaves it out when nothing was drafted); 3 verifies at most 3 draft tokens
-    a step (a streamed event is one step's tokens: at most 4) with the same greedy tokens. The OpenAI routes take
-    it as an extra body field."""
+    a step with the same greedy tokens. The OpenAI routes take it as an extra body field.
+
+    Steps are counted from `timings`, not from streamed events: a reader that falls behind gets the steps it missed
+    as one event, whatever the stream interval. The first token comes from the prefill and each verify step gives its
+    accepted tokens and one more (the last at least one), so `predicted_n` >= 1 + (steps - 1) + 1 + accepted - 3,
+    i.e. steps <= predicted_n - accepted + 2, and a cap of 3 keeps draft_n <= 3 * steps within that."""
     prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
     body = {"prompt": prompt, "n_predict": 40, "temperature": 0}
     off = (await http.post("/completion", json={**body, "speculative.n_max": 0})).json()
@@ -349,7 +353,6 @@ async def test_llama_speculative_n_max_caps_each_steps_draft_and_0_is_target_onl
         speculation=pb.SpeculationParams(num_draft_tokens=0))))
     assert off["content"] == "".join(c.text for c in chunks) and summary.speculation.draft_tokens_proposed == 0
     events = []
-    stream_interval(0.0)  # each step's tokens in their own event
     async with http.stream("POST", "/completion", json={**body, "speculative.n_max": 3, "stream": True}) as response:
         async for line in response.aiter_lines():
             if line.startswith("data: "):
@@ -357,8 +360,9 @@ async def test_llama_speculative_n_max_caps_each_steps_draft_and_0_is_target_onl
     timings = events[-1]["timings"]
     assert "".join(e["content"] for e in events) == off["content"]
     assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
-    assert max(len(e["tokens"]) for e in events[:-1]) <= 4 and events[-1]["generation_settings"][
-        "speculative.n_max"] == 3
+    assert sum(len(e["tokens"]) for e in events) == timings["predicted_n"] == 40
+    assert timings["draft_n"] <= 3 * (timings["predicted_n"] - timings["draft_n_accepted"] + 2)
+    assert events[-1]["generation_settings"]["speculative.n_max"] == 3
     sdk = await client.completions.create(model="any", prompt=prompt, max_tokens=40, temperature=0,
                                           extra_body={"speculative.n_max": 0, "speculative.n_min": 0})
     assert sdk.choices[0].text == off["content"]
