@@ -512,6 +512,7 @@ def test_a_restart_takes_the_choice_it_remembers_and_computes_the_same(tmp_path:
     assert first.chosen == "measured" and second.chosen.startswith("remembered from an earlier start"), second.chosen
     assert second.native is not None and first.native is not None
     assert second.native.choices() == first.native.choices() and second.native_rows == first.native_rows
+    assert second.native_chunks == first.native_chunks
     ids = torch.tensor([5, 17, 3, 99, 42])
     assert torch.equal(first.forward(ids, 0, 0, num_logits=5), second.forward(ids, 0, 0, num_logits=5))
     other = load_model(tmp_path / "tiny", device=torch.device("cpu"), dtype=torch.float32, num_slots=2,
@@ -647,7 +648,7 @@ def test_model_info_during_a_re_measure_names_the_settings_served_not_the_ones_t
         seen.append((lm.execution(), lm._execution()))
         step.choose(chosen)
 
-    lm._native_phases = lambda rows: [phase]  # type: ignore[method-assign]
+    lm._native_phases = lambda rows, chunks: [phase]  # type: ignore[method-assign]
     lm.drift.settled(1e-9)  # the next two checks read as drifted
     assert not lm.recheck(0, lambda: False) and lm.recheck(0, lambda: False)
     assert len(seen) == 1 and seen[0][1] != served, "the phase timed another setting"
@@ -663,7 +664,7 @@ def test_a_check_stops_for_a_request_and_puts_every_setting_back(tmp_path: Path,
     lm, _ = slowed_after_load(tmp_path, monkeypatch)
     assert lm.native is not None
     lm.forward(torch.arange(3, 13), 0, 0)
-    before, settings, rows = cached(lm, 0), lm.native.choices(), lm.native_rows
+    before, settings, rows, chunks = cached(lm, 0), lm.native.choices(), lm.native_rows, lm.native_chunks
     assert not lm.recheck(0, lambda: False)
     asked = [0]
 
@@ -673,7 +674,7 @@ def test_a_check_stops_for_a_request_and_puts_every_setting_back(tmp_path: Path,
 
     assert not lm.recheck(0, busy)
     assert asked[0] == 13, "stopped at the first round after the request came"
-    assert lm.native.choices() == settings and lm.native_rows == rows
+    assert lm.native.choices() == settings and lm.native_rows == rows and lm.native_chunks == chunks
     assert same_cache(cached(lm, 0), before)
     checked = lm.drift.last_s
     assert "one-token forwards took" in lm.recheck(0, lambda: False) and lm.drift.last_s == checked
@@ -694,6 +695,45 @@ def test_a_stalled_torch_forward_is_chosen_at_no_count(tmp_path: Path, monkeypat
     lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
                     max_context=native_step.MAX_TOKENS + 2, native_decode=True)  # room to compare every count
     assert isinstance(lm, LlamaLM) and lm.native is not None and lm.native_rows == native_step.MAX_TOKENS
+
+
+@pytest.mark.parametrize("stalled", ["native chunks", "torch"])
+@pytest.mark.usefixtures("one_thread")
+def test_a_stalled_path_for_long_forwards_is_never_chosen(stalled: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forwards longer than the native step takes: whichever of its chunks and the torch forward is slowed by an
+    injected stall (on those forwards alone) is not chosen at load, the execution table says which serves them, and
+    a long forward then calls only the other."""
+    requires_native()
+    calls: list[str] = []
+    fast_chunks, fast_eager = native_step.NativeStep.run_chunks, eager.run
+
+    def chunks(self: native_step.NativeStep, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append("native chunks")
+        if stalled == "native chunks":
+            stall()
+        return fast_chunks(self, *args, **kwargs)
+
+    def whole(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if args[2].shape[0] > native_step.MAX_TOKENS:
+            calls.append("torch")
+            if stalled == "torch":
+                stall()
+        return fast_eager(*args, **kwargs)
+
+    monkeypatch.setattr(native_step.NativeStep, "run_chunks", chunks)
+    monkeypatch.setattr(eager, "run", whole)
+    lm = load_model(tiny_llama(tmp_path), device=torch.device("cpu"), dtype=torch.float32, num_slots=1,
+                    max_context=native_step.SCRATCH_POSITIONS, native_decode=True)  # room to compare
+    assert isinstance(lm, LlamaLM) and lm.native is not None
+    assert set(calls) == {"native chunks", "torch"}, "both timed at load"
+    assert lm.native_chunks is (stalled == "torch")
+    longest = lm.execution()[-1]
+    assert longest[0] == f"{native_step.MAX_TOKENS + 1}+" and longest[1].startswith(
+        "torch" if stalled == "native chunks" else "native in chunks"), lm.execution()
+    calls.clear()
+    lm.forward(torch.arange(native_step.MAX_TOKENS + 30) % 101, 0, 0)
+    assert calls == ["torch" if stalled == "native chunks" else "native chunks"]
 
 
 @pytest.mark.parametrize("on_threads", [1, 3], indirect=True)

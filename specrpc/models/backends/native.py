@@ -98,7 +98,10 @@ CONTEXT = 32
 """Positions of a slot a timing fills before the forwards it times (the calibrations here, `LlamaLM`'s at load and
 between requests): few, so that attention weighs little beside the products compared."""
 
-SCRATCH_POSITIONS = CONTEXT + MAX_TOKENS
+CHUNK_TOKENS = 2 * MAX_TOKENS
+"""The prompt shape `LlamaLM` times native chunks against the torch forward on (two whole chunks after `CONTEXT`)."""
+
+SCRATCH_POSITIONS = CONTEXT + CHUNK_TOKENS
 """The most positions of a slot a timing writes: what a check between requests borrows (`KVCache.borrowed`)."""
 
 STREAM_BYTES = 32 << 20

@@ -101,6 +101,7 @@ class LlamaLM:
         self.graphs: cuda_graphs.GraphedForward | None = None
         self.native: native.NativeStep | None = None  # forwards of up to `native_rows` tokens, when `use_native` can
         self.native_rows = 1
+        self.native_chunks: bool | None = None  # forwards past MAX_TOKENS in native chunks (`_compare_chunks`)
         self.deterministic = False  # every forward through the native step's per-token products (`use_native`)
         self.drift = Drift()  # when the native step's paths are measured again (`recheck`)
         self._remeasure: list[Callable[[int], None]] = []  # a re-measure's phases still to run (`recheck`)
@@ -191,8 +192,9 @@ class LlamaLM:
         """Build the native step (specrpc/native) if it supports this model here, pick its fastest weight prefetch
         (`NativeStep.calibrate_prefetch`), and run forwards of up to `native_rows` tokens through it: the most before
         the torch forward (its one-token path tuned first, `tune_decode`) is as fast, measured from one token up,
-        0 where torch wins a one-token step. Longer forwards keep the oneDNN copy, so where the native step takes any
-        the float [K, N] copy is dropped where one exists. Returns whether the native step was built (why not is
+        0 where torch wins a one-token step; forwards longer than the native step takes run in its chunks where those
+        are faster than torch (`_compare_chunks`). Torch keeps the oneDNN copy, so where the native step takes any
+        forward the float [K, N] copy is dropped where one exists. Returns whether the native step was built (why not is
         logged). `deterministic`: every forward through the native step (ValueError where it cannot run): each token
         goes through the same products whatever shares its forward, so a stream's logits never depend on its draft
         length, its batchmates or how its prompt was split (batch-invariant, at the native step's speed for every
@@ -227,6 +229,8 @@ class LlamaLM:
                 phase(0)
             if self.native_rows > 0:
                 self._drop_float_copy()
+        if not deterministic:
+            self._compare_chunks(0)
         self.drift.settled(self._one_token_s(0))
         self._keep()
         self.chosen = self.chosen or "measured"
@@ -252,7 +256,8 @@ class LlamaLM:
         """The native step's choice and the one-token forward's time through it, kept for the next start (`memo`)."""
         if self.memo is not None and self.native is not None:
             self.memo.keep({"choices": dataclasses.asdict(self.native.choices()), "native_rows": self.native_rows,
-                            "packed_decode": self._packed_decode, "one_token_s": self.drift.reference_s})
+                            "native_chunks": self.native_chunks, "packed_decode": self._packed_decode,
+                            "one_token_s": self.drift.reference_s})
 
     def _recall(self, deterministic: bool) -> bool:
         """Take the choice an earlier start kept (`memo`) where a one-token forward through it takes what it took
@@ -265,13 +270,14 @@ class LlamaLM:
         try:
             choices = native.Choices(**{**entry["choices"], "passes": tuple(entry["choices"]["passes"])})
             rows, packed, then = int(entry["native_rows"]), entry["packed_decode"], float(entry["one_token_s"])
+            chunks = entry["native_chunks"]
         except (KeyError, TypeError, ValueError):
             return False
-        if len(choices.passes) != len(step.passes) or then <= 0.0:
+        if len(choices.passes) != len(step.passes) or then <= 0.0 or chunks not in (None, True, False):
             return False
         weights, before = self.weights, step.choices()
         step.choose(choices)
-        self.native_rows, self.deterministic = rows, deterministic
+        self.native_rows, self.native_chunks, self.deterministic = rows, chunks, deterministic
         if packed is not None and self.decode_tunable():
             self.weights = with_packed_decode(self.weights, bool(packed))
         for _ in range(RECALL_CHECKS):  # a burst, or the first forwards after packing, only adds time: a slower
@@ -281,7 +287,7 @@ class LlamaLM:
         if not self.drift.within(now, then):
             self.chosen = (f"measured: the paths an earlier start chose took {now * 1e3:.2f} ms a one-token forward, "
                            f"{then * 1e3:.2f} ms then")
-            self.weights, self.native_rows, self.deterministic = weights, 1, False
+            self.weights, self.native_rows, self.native_chunks, self.deterministic = weights, 1, None, False
             step.choose(before)
             return False
         if packed and self.decode_tunable():  # as `tune_decode` leaves it
@@ -293,7 +299,7 @@ class LlamaLM:
         self.remembered = True
         # The one-token check cannot see another width a noisy start chose badly: the whole choice is measured again
         # in the first idle checks (`recheck`: in phases a request stops) and the memo rewritten with it.
-        self._remeasure = self._native_phases(rows=not self.rows_fixed())
+        self._remeasure = self._native_phases(rows=not self.rows_fixed(), chunks=not deterministic)
         self._remeasure_why = "the choice remembered from an earlier start, measured again as a whole"
         self.chosen = (f"remembered from an earlier start: a one-token forward {now * 1e3:.2f} ms, {then * 1e3:.2f} ms "
                        f"then")
@@ -304,12 +310,13 @@ class LlamaLM:
         `deterministic`, and with int8 weights alone (no float copy for torch)."""
         return self.deterministic or all(p.wt is None and p.packed is None for p in self.weights.linears())
 
-    def _native_phases(self, rows: bool) -> list[Callable[[int], None]]:
+    def _native_phases(self, rows: bool, chunks: bool = False) -> list[Callable[[int], None]]:
         """The measurements that choose how the native step runs, in order, each taking the slot it may write to
         (empty, or `KVCache.borrowed`) and logging its table in one line: its weight prefetch at each shape
         (`NativeStep.calibrate_prefetch`), the tokens a pass over the weights takes at each width
         (`calibrate_passes`), AMX tiles (`calibrate_amx`), the threads each shape takes (`calibrate_threads`), and
-        with `rows` which forwards it takes (`_row_phases`).
+        with `rows` which forwards it takes (`_row_phases`), with `chunks` whether longer ones run in its chunks
+        (`_compare_chunks`).
         Each leaves the settings it timed at their chosen values, so that the step serves between any two, and
         each takes about half a second at most (the shipped float32 target's longest, on a 2-core AMD EPYC Zen 3:
         0.53 s, `tools/recheck_cost.py`), so that a re-measure between requests gets through the gaps between them
@@ -347,7 +354,7 @@ class LlamaLM:
         return [*(functools.partial(prefetch, count=count) for count in (1, native.VERIFY_TOKENS)),
                 *(functools.partial(passes, count=count) for count in native.PASS_TOKENS), amx,
                 *(functools.partial(threads, count=count) for count in (1, native.VERIFY_TOKENS, native.WIDE_TOKENS)),
-                *(self._row_phases() if rows else [])]
+                *(self._row_phases() if rows else []), *([self._compare_chunks] if chunks else [])]
 
     def _row_phases(self) -> list[Callable[[int], None]]:
         """`native_rows` measured (`_compare_rows`) in pieces of `ROWS_PIECE` token counts, so that a measurement
@@ -402,7 +409,7 @@ class LlamaLM:
                 if not self._remeasure:
                     if not self.drift.drifted(self._one_token_s(slot)):
                         return ""
-                    self._remeasure = self._native_phases(rows=not self.rows_fixed())
+                    self._remeasure = self._native_phases(rows=not self.rows_fixed(), chunks=not self.deterministic)
                     self._remeasure_why = (f"one-token forwards took {self.drift.last_s * 1e3:.2f} ms, "
                                            f"{self.drift.reference_s * 1e3:.2f} ms after the paths were chosen")
                 while self._remeasure:
@@ -495,10 +502,45 @@ class LlamaLM:
         return packed
 
     def chunks_native(self) -> bool:
-        """Whether forwards longer than the native step takes run in native chunks rather than through torch: with
-        int8 weights (half torch's time on dequantized weights, and the same arithmetic as decoding) and under
-        `deterministic`."""
-        return self.native is not None and (self.native.int8 or self.deterministic)
+        """Whether forwards longer than the native step takes (`MAX_TOKENS`) run in native chunks rather than through
+        torch: always under `deterministic`; else as measured (`_compare_chunks`), and where that found no room in
+        the cache, with int8 weights (half torch's time on dequantized weights)."""
+        step = self.native
+        if step is None:
+            return False
+        if self.deterministic:
+            return True
+        return step.int8 if self.native_chunks is None else self.native_chunks
+
+    def _compare_chunks(self, slot: int, context: int = native.CONTEXT, repeats: int = 4) -> None:
+        """Native chunks against the torch forward on a prompt of `CHUNK_TOKENS` tokens after `context` positions of
+        `slot` (left empty), interleaved (`interleaved_times`), and the faster kept for every forward longer than
+        `MAX_TOKENS` (`native_chunks`; logged in one line); left as it was where the cache has no room. No warm-up
+        call: a forward this long reads every weight more than once. On the shipped float32 target (a 2-core AMD
+        EPYC Zen 4) native chunks took 0.81-0.89x torch's time from 65 to 355 tokens, after 32 to 1,100 positions."""
+        count = native.CHUNK_TOKENS
+        if self.native is None or context + count > self.max_context:
+            return
+        ids = (torch.arange(context + count, device=self.device) * 7919) % self.vocab_size  # [context + count]
+        serving = self.native_chunks
+        self.forward(ids[:context], 0, slot)
+
+        def forward(chunks: bool) -> Callable[[], object]:
+            def run() -> None:
+                self.truncate(slot, context)
+                self.native_chunks = chunks
+                self.forward(ids[context:], context, slot)
+            return run
+
+        try:
+            chunked, whole = interleaved_times([forward(True), forward(False)], repeats, warm=0)
+        finally:
+            self.native_chunks = serving
+            self.truncate(slot, 0)
+        self.native_chunks = chunked < whole
+        log.info("%s: forwards of more than %d tokens %s (ms for %d tokens after %d: native chunks %.2f, torch "
+                 "%.2f)", self.name, native.MAX_TOKENS, "in native chunks" if self.native_chunks else "through torch",
+                 count, context, chunked * 1e3, whole * 1e3)
 
     def forward(self, ids: torch.Tensor, start: int, slot: int, num_logits: int = 1) -> torch.Tensor:
         """ids [T] at positions start..start+T-1 of `slot` → float32 logits [num_logits, V] of the last positions."""
@@ -513,9 +555,10 @@ class LlamaLM:
                 logits = self.graphs.forward(ids, start, slot, num_logits)
         elif self.native is not None and count <= self.native_rows:
             logits = self.native.run(ids, start, slot, num_logits)  # [num_logits, V]
-        elif self.native is not None and self.chunks_native() and num_logits <= native.MAX_TOKENS:
-            # int8 prefill: native chunks take half the time of torch's products on dequantized weights, and
-            # compute as decoding does (which --deterministic needs too)
+        elif count > native.MAX_TOKENS and self.chunks_native() and num_logits <= native.MAX_TOKENS:
+            # a prompt in native chunks, where they were measured faster (`_compare_chunks`) or --deterministic
+            # wants every token computed as decoding does
+            assert self.native is not None
             logits = self.native.run_chunks(ids, start, slot, num_logits)  # [num_logits, V]
         else:
             with torch.inference_mode():
@@ -534,8 +577,10 @@ class LlamaLM:
         for r in rows:
             self.cache.begin_write(r.slot, r.start, r.ids.shape[0])
         step = self.native
-        if step is not None and (sum(r.ids.shape[0] for r in rows) <= self.native_rows or (
-                self.chunks_native() and all(r.num_logits <= native.MAX_TOKENS for r in rows))):
+        total = sum(r.ids.shape[0] for r in rows)
+        if step is not None and (total <= self.native_rows or (total > native.MAX_TOKENS and self.chunks_native()
+                                                               and all(r.num_logits <= native.MAX_TOKENS
+                                                                       for r in rows))):
             logits = step.run_rows(rows)  # each row's tokens through the products they take alone
         else:
             with torch.inference_mode():
@@ -612,8 +657,12 @@ class LlamaLM:
             out += self._spans(amx_from, rows, f"native, prefetch {step.prefetch_label(2)}, AMX")
         elif rows > 1:
             out += self._spans(2, rows, f"native, prefetch {step.prefetch_label(2)}")
+        chunks = self.chunks_native()
+        if chunks and rows < native.MAX_TOKENS:  # torch between what the native step takes and its chunks
+            out += [(f"{rows + 1}-{native.MAX_TOKENS}" if rows + 1 < native.MAX_TOKENS else f"{rows + 1}", torch_path)]
+            rows = native.MAX_TOKENS
         longer = ("native in chunks" + (", AMX" if 0 < step.model.amx_from <= native.MAX_TOKENS else "")
-                  + step.threads_note(native.MAX_TOKENS) if self.chunks_native() else torch_path)
+                  + step.threads_note(native.MAX_TOKENS) if chunks else torch_path)
         out.append((f"{rows + 1}+", longer))
         return out
 
