@@ -728,8 +728,8 @@ def test_a_stalled_path_for_long_forwards_is_never_chosen(stalled: str, tmp_path
     assert isinstance(lm, LlamaLM) and lm.native is not None
     assert set(calls) == {"native chunks", "torch"}, "both timed at load"
     assert lm.native_chunks is (stalled == "torch")
-    longest = lm.execution()[-1]
-    assert longest[0] == f"{native_step.MAX_TOKENS + 1}+" and longest[1].startswith(
+    longest = lm.execution()[-1]  # "N+" (N = 65 where the native step takes up to 64 tokens, less where torch won)
+    assert longest[0].endswith("+") and int(longest[0][:-1]) <= native_step.MAX_TOKENS + 1 and longest[1].startswith(
         "torch" if stalled == "native chunks" else "native in chunks"), lm.execution()
     calls.clear()
     lm.forward(torch.arange(native_step.MAX_TOKENS + 30) % 101, 0, 0)
