@@ -371,6 +371,10 @@ class LlamaLM:
 
         return [*pieces, chosen]
 
+    def _timing_ids(self, count: int) -> torch.Tensor:
+        """`count` token ids [count] for the forwards a timing runs: spread over the vocabulary, the same each time."""
+        return (torch.arange(count, device=self.device) * 7919) % self.vocab_size  # [count]
+
     def _one_token_s(self, slot: int, context: int = native.CONTEXT, repeats: int = 7) -> float:
         """Seconds of a one-token forward at `context` positions of `slot` (empty, or `KVCache.borrowed`) through
         the paths chosen, the lower quartile of `repeats` (`interleaved_times`); 0 where the cache has no room.
@@ -378,7 +382,7 @@ class LlamaLM:
         context = min(context, self.max_context - 1)
         if context < 1:
             return 0.0
-        ids = (torch.arange(context + 1, device=self.device) * 7919) % self.vocab_size  # [context + 1]
+        ids = self._timing_ids(context + 1)  # [context + 1]
         self.forward(ids[:context], 0, slot)
 
         def one() -> None:
@@ -448,7 +452,7 @@ class LlamaLM:
         if found.next >= min(upto, len(counts)):
             return
         serving = self.native_rows
-        ids = (torch.arange(context + most, device=self.device) * 7919) % self.vocab_size  # [context + most]
+        ids = self._timing_ids(context + most)  # [context + most]
         self.native_rows = 0
         self.forward(ids[:context], 0, slot)
 
@@ -484,7 +488,7 @@ class LlamaLM:
         if context < 1:
             return False
         variants = [with_packed_decode(self.weights, on) for on in (False, True)]
-        ids = (torch.arange(context + 1, device=self.device) * 7919) % self.vocab_size  # [context + 1]
+        ids = self._timing_ids(context + 1)  # [context + 1]
         self.forward(ids[:context], 0, 0)
         times: list[list[float]] = [[], []]
         for i in range(2 * (repeats + 1)):
@@ -521,7 +525,7 @@ class LlamaLM:
         count = native.CHUNK_TOKENS
         if self.native is None or context + count > self.max_context:
             return
-        ids = (torch.arange(context + count, device=self.device) * 7919) % self.vocab_size  # [context + count]
+        ids = self._timing_ids(context + count)  # [context + count]
         serving = self.native_chunks
         self.forward(ids[:context], 0, slot)
 
