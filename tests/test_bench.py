@@ -388,6 +388,8 @@ def test_floor_bench_reports_every_path_at_every_shape_beside_the_read_bandwidth
     assert "| model | weights | path | MB a step | 1 | 3 | 2×2 |" in table and "| buffer | size | GB/s |" in table
     assert "× floor" in table and "GB/s of its bytes" in table and results["machine"] in table
     assert "| instruction | GMAC/s |" in table and "multiply floor ms" in table and "floor ÷ step" in table
+    if "int8" in results["multiply"]:  # named as this build multiplies (AVX-512 VNNI, AVX2, AVX-VNNI)
+        assert f"int8 products' integer multiply-adds ({floor.INT8_DOTS[results['int8_dot']]})" in table
     assert floor.READERS[results["reader"]] in table
     for m in results["models"]:  # where the fastest native path's one-stream forwards spend their time
         if not built:

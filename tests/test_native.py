@@ -814,6 +814,67 @@ def test_amx_products_give_the_vnni_bits_and_a_slower_path_is_never_chosen(tmp_p
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-2000:]
 
 
+INT8_BITS = """
+import hashlib, sys, tempfile
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from specrpc import native
+from specrpc.config import ASSETS
+from specrpc.models import BatchRow, load_model
+
+digest = hashlib.sha256()
+with tempfile.TemporaryDirectory() as odd:  # rows that leave panels partly empty, head_dim 64 and 18
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=72, intermediate_size=100, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=18,
+                                 max_position_embeddings=128)).save_pretrained(odd)
+    for path in (ASSETS / "target", ASSETS / "draft", odd):
+        lm = load_model(path, device=torch.device("cpu"), dtype=torch.float32, num_slots=2, max_context=128,
+                        int8_weights=True, native_decode=True)
+        step = lm.native
+        ids = torch.tensor([(i * 7919) % 100 for i in range(128)])
+        step.run_chunks(ids[:40], 0, 0)
+        for count in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64):
+            digest.update(step.run(ids[40 : 40 + count], 40, 0, count).numpy().tobytes())
+        step.run_chunks(ids[:20], 0, 1)
+        rows = [BatchRow(ids[40:45], 40, 0, 5), BatchRow(ids[20:23], 20, 1, 3)]
+        digest.update(b"".join(t.numpy().tobytes() for t in step.run_batch(rows)))
+print(native.library().specrpc_int8_dot(), digest.hexdigest())
+"""
+
+
+def test_avx_vnni_products_give_avx2s_bits() -> None:
+    """The int8 products an AVX2 CPU with AVX-VNNI builds (vpdpbusd on 8-lane registers: its instruction emulated by
+    SPECRPC_AVXVNNI_EMULATE, so any AVX2 CPU runs them) give every logit of forwards of 1-9, 16, 17, 33 and 64 tokens
+    and of a batch of two rows, of the shipped target and draft and of a model whose rows leave panels partly empty,
+    the same bits as AVX2's byte multiply-adds (SPECRPC_NATIVE_MARCH=haswell): the same exact integer sums."""
+    requires_native()
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    printed = []
+    for emulate in ("0", "1"):
+        env = {**os.environ, "SPECRPC_NATIVE_MARCH": "haswell", "SPECRPC_AVXVNNI_EMULATE": emulate,
+               "SPECRPC_NATIVE_CACHE": str(native.cache_dir())}
+        done = subprocess.run([sys.executable, "-c", INT8_BITS], cwd=Path(__file__).parents[1], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        printed.append(done.stdout.strip().splitlines()[-1].split())
+    (avx2, avx2_bits), (avx_vnni, avx_vnni_bits) = printed
+    assert (avx2, avx_vnni) == ("2", "3")  # what each build's products multiply with (`specrpc_int8_dot`)
+    assert avx_vnni_bits == avx2_bits
+
+
+def test_an_avx_vnni_cpus_build_compiles() -> None:
+    """The build an AVX2 CPU with AVX-VNNI makes (-march=alderlake: vpdpbusd on 8-lane registers, VEX-encoded) compiles
+    with this toolchain, where this CPU cannot run it (`test_avx_vnni_products_give_avx2s_bits` runs its products)."""
+    requires_native()
+    env = {**os.environ, "SPECRPC_NATIVE_MARCH": "alderlake", "SPECRPC_NATIVE_CACHE": str(native.cache_dir())}
+    done = subprocess.run([sys.executable, "-c", "from specrpc import native; print(native.build())"],
+                          cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=600)
+    built = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "None"
+    assert done.returncode == 0 and built != "None" and Path(built).exists(), done.stdout[-2000:] + done.stderr[-2000:]
+
+
 NATIVE_NUMERICAL_TESTS = ("(native or panel or prefetch_mode or int8) and not stalled and not amx and not build_is "
                           "and not compiler and not bandwidth and not cannot_take and not need_the_lean and not "
                           "older_cpu and not (wide_batches and float32) and not (threads and not logits)")
@@ -841,7 +902,10 @@ def test_an_older_cpus_build_passes_the_native_steps_numerical_tests(march: str,
                            "tests/test_native.py", "tests/test_models.py", "-k", NATIVE_NUMERICAL_TESTS],
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
-    probe = subprocess.run([sys.executable, "-c", "from specrpc import native; print(native.library()."
-                            "specrpc_int8_group())"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    # int8 activations on AVX2 (groups of 4 columns), int8 weights widened to float on AVX-512 without VNNI
-    assert probe.stdout.strip().splitlines()[-1] == ("4" if march == "haswell" else "1"), probe.stdout + probe.stderr
+    probe = subprocess.run([sys.executable, "-c", "from specrpc import native; lib = native.library(); print("
+                            "lib.specrpc_int8_group(), lib.specrpc_int8_dot())"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=300)
+    # int8 activations on AVX2 (groups of 4 columns, byte multiply-adds), int8 weights widened to float on AVX-512
+    # without VNNI
+    expected = "4 2" if march == "haswell" else "1 0"
+    assert probe.stdout.strip().splitlines()[-1] == expected, probe.stdout + probe.stderr

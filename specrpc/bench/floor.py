@@ -68,8 +68,10 @@ SYS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
 READ_PER_CALL = 64 << 20
 """Bytes one timed call of the bandwidth sum reads at least: a cache-sized buffer is read that many times over."""
 MULTIPLIES = {"float": "16-lane fused multiply-adds (float products)",
-              "int8": "int8 products' integer multiply-adds (VNNI's vpdpbusd; AVX2's vpmaddubsw sequence)"}
-"""The instructions whose rate is measured (`multiply_rates`), by `Route.multiplies`."""
+              "int8": "int8 products' integer multiply-adds ({})"}
+"""The instructions whose rate is measured (`multiply_rates`), by `Route.multiplies` (int8: named by `INT8_DOTS`)."""
+INT8_DOTS = {1: "AVX-512 VNNI's vpdpbusd", 2: "AVX2's vpmaddubsw sequence", 3: "AVX-VNNI's vpdpbusd"}
+"""What the build's int8 products multiply with, by `specrpc_int8_dot`."""
 MULTIPLY_ROUNDS = 2_000_000
 """Rounds of one timed call of the multiply loop (multiply.cpp): a few milliseconds."""
 
@@ -476,7 +478,9 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", f"Multiply rate: multiply.cpp's loop of each instruction from registers, {threads} threads, median "
               f"of {results['repeats']} interleaved rounds.", "", "| instruction | GMAC/s |", "| --- | --- |"]
     rates = results["multiply"]
-    lines += [f"| {MULTIPLIES[k]} | {r:.1f} |" for k, r in rates.items()] or ["| (native library not built) | - |"]
+    dot = INT8_DOTS.get(results.get("int8_dot", 0), "-")
+    rows = [f"| {MULTIPLIES[k].format(dot)} | {r:.1f} |" for k, r in rates.items()]
+    lines += rows or ["| (native library not built) | - |"]
     labels = results["shapes"]
     lines += ["", "Weight bytes read per second, effective (each path's projection bytes at its precision ÷ the median "
               "step, which also reads K/V and activations: the weights are read at least this fast): GB/s (ms a "
@@ -598,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     own = [(weights_buffer(m), m["paths"][fastest(m["paths"], first)][first]["bytes"]) for m in results["models"]]
     results["bandwidth"], results["reader"] = read_rates(buffers(levels, args.memory_mib) + own, args.repeats)
     results["multiply"] = multiply_rates(args.repeats)
+    lib = native_lib.library()
+    results["int8_dot"] = lib.specrpc_int8_dot() if lib is not None else 0
     for m in results["models"]:
         m["floors"] = [floor(m, s, levels, results["bandwidth"], threads, results["multiply"]) for s in shapes
                        if s.rows == 1]

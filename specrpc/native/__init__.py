@@ -63,10 +63,13 @@ def _cpu_flags() -> str:
 def _flags() -> tuple[str, ...]:
     """FLAGS, for the CPU $SPECRPC_NATIVE_MARCH names where set (g++'s -march: `haswell` builds the AVX2 step on any
     CPU that runs it, for a fleet's oldest machines or tests of that path), with the AMX tile instructions emulated
-    where $SPECRPC_AMX_EMULATE is 1 (tests of the AMX products on CPUs without AMX: much slower, never for serving)."""
+    where $SPECRPC_AMX_EMULATE is 1 and AVX-VNNI's where $SPECRPC_AVXVNNI_EMULATE is 1 (tests of those products on
+    CPUs without them: slower, never for serving)."""
     march = os.environ.get("SPECRPC_NATIVE_MARCH")
     flags = tuple(f"-march={march}" if f == "-march=native" and march else f for f in FLAGS)
-    return flags + (("-DSPECRPC_AMX_EMULATE",) if os.environ.get("SPECRPC_AMX_EMULATE") == "1" else ())
+    emulated = tuple(f"-DSPECRPC_{name}_EMULATE" for name in ("AMX", "AVXVNNI")
+                     if os.environ.get(f"SPECRPC_{name}_EMULATE") == "1")
+    return flags + emulated
 
 
 def build_key(cxx: str) -> str:
@@ -212,7 +215,7 @@ def library() -> ctypes.CDLL | None:
     for name in ("specrpc_multiply_float", "specrpc_multiply_int8"):
         getattr(lib, name).argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
         getattr(lib, name).restype = ctypes.c_double
-    for name in ("specrpc_int8_group", "specrpc_int8_block", "specrpc_amx_enable"):
+    for name in ("specrpc_int8_group", "specrpc_int8_block", "specrpc_int8_dot", "specrpc_amx_enable"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
     lib.specrpc_amx_check.argtypes = [ctypes.c_int]
@@ -264,8 +267,9 @@ def read_sum(lib: ctypes.CDLL, x: torch.Tensor, passes: int) -> float:
 
 def multiply(lib: ctypes.CDLL, kind: str, rounds: int) -> float:
     """Multiply-adds done by multiply.cpp's loop of the products' instruction (`kind` "float": 16-lane fused
-    multiply-adds; "int8": VNNI's vpdpbusd, or AVX2's byte multiply-adds, 0 where int8 products widen to float) for
-    `rounds` rounds on torch's threads, from registers: what `specrpc bench floor` times as the multiply rate."""
+    multiply-adds; "int8": VNNI's vpdpbusd (AVX-512's, or AVX-VNNI's on AVX2), else AVX2's byte multiply-adds, 0
+    where int8 products widen to float) for `rounds` rounds on torch's threads, from registers: what `specrpc bench
+    floor` times as the multiply rate."""
     fn = lib.specrpc_multiply_float if kind == "float" else lib.specrpc_multiply_int8
     sink = ctypes.c_double()
     return float(fn(rounds, torch.get_num_threads(), ctypes.byref(sink)))

@@ -238,9 +238,12 @@ static inline void tiles(int64_t T, int64_t rows, int64_t most, Tile tile) {  //
 }
 
 // How int8 products multiply int8 activations: 1, VNNI's vpdpbusd (AVX-512); 2, AVX2's byte multiply-adds on a CPU
-// without AVX-512 (vpmaddubsw, as llama.cpp's q8_0 products there); 0, not at all (the weights widened to float).
+// without AVX-512 (vpmaddubsw, as llama.cpp's q8_0 products there); 3, AVX-VNNI's vpdpbusd on AVX2's registers
+// (`dpbusd8`); 0, not at all (the weights widened to float).
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define SPECRPC_INT8_DOT 1
+#elif defined(__AVX2__) && !defined(__AVX512F__) && SPECRPC_AVX_VNNI
+#define SPECRPC_INT8_DOT 3
 #elif defined(__AVX2__) && !defined(__AVX512F__)
 #define SPECRPC_INT8_DOT 2
 #else
@@ -354,6 +357,67 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
         for (int t = 0; t < TT; ++t) {
             float v[LANES];
             _mm512_storeu_ps(v, facc[r][t]);
+            float* out = y + t * rows + n;
+            for (int64_t j = 0; j < valid; ++j) {
+                const float value = v[j] * scale[n + j] + (b ? b[n + j] : 0.0f);
+                out[j] = add ? out[j] + value : value;
+            }
+        }
+    }
+}
+
+#elif SPECRPC_INT8_DOT == 3
+// (AVX-VNNI: the products above on AVX2's 16 registers of 8 lanes, a panel's 16 rows in two halves of 8: the same
+// exact integer sums, scaled and accumulated in float in the same order, so the same bits.)
+constexpr int QREGS = 16;
+template <int R, int TT>
+constexpr bool q_fits = 2 * R * TT + 2 * R + 1 <= QREGS;  // sums; a group of each panel; activations
+
+template <int R, int TT, int PF>
+static inline void panels_q(const uint8_t* __restrict w, const float* __restrict scale, const float* __restrict b,
+                            const int8_t* __restrict xq, const float* __restrict xs, const int32_t* __restrict xsum,
+                            int64_t kq, float* __restrict y, int64_t rows, int64_t groups, int64_t n0, bool add,
+                            int64_t ahead) {
+    constexpr int64_t per_block = QBLOCK / INT8_GROUP;
+    const int64_t nb = kq / QBLOCK;
+    __m256 facc[R][TT][2];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < TT; ++t) facc[r][t][0] = facc[r][t][1] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < groups; k0 += per_block) {
+        const int64_t blk = k0 / per_block;
+        __m256i acc[R][TT][2];  // rows 0-7 and 8-15, from the offset's correction: exact integers
+        for (int t = 0; t < TT; ++t) {
+            const __m256i offset = _mm256_set1_epi32(-128 * xsum[t * nb + blk]);
+            for (int r = 0; r < R; ++r) acc[r][t][0] = acc[r][t][1] = offset;
+        }
+        for (int64_t k = k0; k < k0 + per_block; ++k) {
+            __m256i wr[R][2];
+            for (int r = 0; r < R; ++r) {
+                const uint8_t* col = w + (r * groups + k) * LANES * INT8_GROUP;
+                prefetch<PF>(col + ahead);
+                for (int h = 0; h < 2; ++h) wr[r][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + 32 * h));
+            }
+            for (int t = 0; t < TT; ++t) {
+                int32_t four;
+                std::memcpy(&four, xq + t * kq + k * INT8_GROUP, sizeof four);
+                const __m256i xb = _mm256_set1_epi32(four);
+                for (int r = 0; r < R; ++r)
+                    for (int h = 0; h < 2; ++h) acc[r][t][h] = dpbusd8(acc[r][t][h], wr[r][h], xb);
+            }
+        }
+        for (int t = 0; t < TT; ++t) {
+            const __m256 sx = _mm256_set1_ps(xs[t * nb + blk]);
+            for (int r = 0; r < R; ++r)
+                for (int h = 0; h < 2; ++h)
+                    facc[r][t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][t][h]), sx, facc[r][t][h]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const int64_t n = n0 + r * LANES, valid = rows - n < LANES ? rows - n : LANES;
+        for (int t = 0; t < TT; ++t) {
+            float v[LANES];
+            _mm256_storeu_ps(v, facc[r][t][0]);
+            _mm256_storeu_ps(v + 8, facc[r][t][1]);
             float* out = y + t * rows + n;
             for (int64_t j = 0; j < valid; ++j) {
                 const float value = v[j] * scale[n + j] + (b ? b[n + j] : 0.0f);
@@ -1187,6 +1251,10 @@ static int forward(const Model* m, const int64_t* tokens, const int64_t* pos_of,
 // Columns per group of an int8 panel (`pack_int8_groups`): 4 where int8 products multiply int8 activations (VNNI,
 // AVX2), else 1.
 extern "C" int specrpc_int8_group() { return INT8_GROUP; }
+
+// What int8 products multiply with in this build (SPECRPC_INT8_DOT): 1 AVX-512 VNNI, 2 AVX2's byte multiply-adds, 3
+// AVX-VNNI, 0 none (the weights widened to float).
+extern "C" int specrpc_int8_dot() { return SPECRPC_INT8_DOT; }
 
 // Columns an int8 panel's rows are padded to a multiple of (`pack_int8_groups`): the activation block, else 1.
 extern "C" int specrpc_int8_block() { return QBLOCK; }

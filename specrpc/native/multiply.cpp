@@ -3,8 +3,8 @@
 // that only its throughput sets the pace. A forward's multiply-adds ÷ this rate bound its time from below, as its
 // weight bytes ÷ the read rate do: a verify of several tokens reads the weights once but multiplies each token. Float
 // products: 16-lane fused multiply-adds (one AVX-512 register, two AVX2 ones); int8 products with VNNI: vpdpbusd, 64
-// multiply-adds an instruction; on AVX2: `dot_bytes`, 32. Built into the same library as decode.cpp
-// (specrpc/native/__init__.py).
+// multiply-adds an instruction; on AVX2: AVX-VNNI's vpdpbusd (`dpbusd8`), else `dot_bytes`, 32. Built into the same
+// library as decode.cpp (specrpc/native/__init__.py).
 #include <omp.h>
 
 #include <cstdint>
@@ -36,8 +36,8 @@ extern "C" double specrpc_multiply_float(int64_t rounds, int threads, double* si
 }
 
 // As `specrpc_multiply_float` for the instructions the int8 products multiply with, 64 multiply-adds a chain and
-// round: VNNI's vpdpbusd; on AVX2 without AVX-512, `dot_bytes` on two halves of 32 (its sign taken from the chain's
-// own sums, so that no step can be hoisted out of the loop). 0 where this build's int8 products do not multiply int8
+// round: VNNI's vpdpbusd; on AVX2 without AVX-512, AVX-VNNI's (`dpbusd8`) or else `dot_bytes` on two halves of 32
+// (its sign taken from the chain's own sums, so that no step can be hoisted out of the loop). 0 where this build's int8 products do not multiply int8
 // activations (AVX-512 without VNNI: they widen the weights to float, the float rate).
 extern "C" double specrpc_multiply_int8(int64_t rounds, int threads, double* sink) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -50,7 +50,13 @@ extern "C" double specrpc_multiply_int8(int64_t rounds, int threads, double* sin
         for (int c = 0; c < CHAINS; ++c) acc[c][0] = acc[c][1] = _mm256_set1_epi32(c - 5);
         for (int64_t r = 0; r < rounds; ++r) {
             for (int c = 0; c < CHAINS; ++c)
-                for (int h = 0; h < 2; ++h) acc[c][h] = dot_bytes(acc[c][h], wa, x, acc[c][h]);
+                for (int h = 0; h < 2; ++h) {
+#if SPECRPC_AVX_VNNI
+                    acc[c][h] = dpbusd8(acc[c][h], wa, x);
+#else
+                    acc[c][h] = dot_bytes(acc[c][h], wa, x, acc[c][h]);
+#endif
+                }
         }
         for (int c = 0; c < CHAINS; ++c)
             for (int h = 0; h < 2; ++h) {

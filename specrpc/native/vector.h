@@ -77,6 +77,29 @@ static inline __m256i dot_bytes(__m256i acc, __m256i w_abs, __m256i x, __m256i w
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+// AVX2 CPUs with AVX-VNNI (Intel's since Alder Lake, without AVX-512) multiply int8 products with vpdpbusd on 8-lane
+// registers (`dpbusd8`), one instruction where `dot_bytes` takes three. SPECRPC_AVXVNNI_EMULATE: that instruction as
+// AVX2 code with its documented semantics, for tests of the path on CPUs without AVX-VNNI (slower, never for serving).
+#if defined(__AVXVNNI__) || defined(SPECRPC_AVXVNNI_EMULATE)
+#define SPECRPC_AVX_VNNI 1
+
+// acc + the sums of 4 neighbouring byte products a lane, unsigned u × signed s, exact (no saturation): vpdpbusd.
+static inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
+#if defined(SPECRPC_AVXVNNI_EMULATE)
+    // bytes 0, 2 and 1, 3 of each lane widened to 16 bits: each product fits (|255 × -128| < 2^15), vpmaddwd adds
+    // a lane's two of each into 32 bits
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi16(0x00FF);
+    const __m256i even = _mm256_mullo_epi16(_mm256_and_si256(u, low), _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8));
+    const __m256i odd = _mm256_mullo_epi16(_mm256_srli_epi16(u, 8), _mm256_srai_epi16(s, 8));
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(even, ones), _mm256_madd_epi16(odd, ones)));
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#else
+#define SPECRPC_AVX_VNNI 0
+#endif
+
 static inline v16 exp2i16(v16 n) {  // 2^n lane by lane for whole numbers n in -126 .. 127
     const __m256i one = _mm256_set1_epi32(127);
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n.lo), one), 23)),
