@@ -190,10 +190,17 @@ static inline Pass pass_shape(int64_t T, int64_t most) {
             tokens = most >= 6 && TWICE ? 6 : most >= 4 ? 4 : 2;
         if constexpr (TWICE) return {tokens, tokens == 2 ? 6 : tokens == 4 ? 3 : tokens == 6 ? 2 : 1};
         return {tokens, tokens == 2 ? 8 : tokens == 4 ? 6 : 3};
-    } else if constexpr (TWICE) {  // AVX2's integer products: at most 4 tokens, 2 panels for one
+    } else if constexpr (TWICE) {
+#if SPECRPC_AVX_VNNI  // AVX-VNNI's integer products: up to 6 tokens (a 5-token verify reads the weights once), 2 panels
+                      // for one or two
+        int64_t tokens = T <= 6 ? T : T <= 8 ? 4 : 6;
+        if (most > 0 && tokens > most && tokens > 2) tokens = most >= 4 ? 4 : 2;
+        return {tokens, tokens <= 2 ? 2 : 1};
+#else  // AVX2's integer products: at most 4 tokens, 2 panels for one
         int64_t tokens = T <= 4 ? T : T <= 6 ? 3 : 4;
         if (most > 0 && tokens > most && tokens > 2) tokens = 2;
         return {tokens, tokens == 1 ? 2 : 1};
+#endif
     } else {
         // AVX2's float products: passes of 3 tokens over 2 panels, but a verify of 5 to 7 tokens in one pass of one
         // panel at a time (0.85-1.00x the time at 5 tokens, 0.79-0.85x at 7, 1.03-1.18x at 3 on a Zen 3, three rounds)
