@@ -37,8 +37,9 @@ extern "C" double specrpc_multiply_float(int64_t rounds, int threads, double* si
 
 // As `specrpc_multiply_float` for the instructions the int8 products multiply with, 64 multiply-adds a chain and
 // round: VNNI's vpdpbusd; on AVX2 without AVX-512, AVX-VNNI's (`dpbusd8`) or else `dot_bytes` on two halves of 32
-// (its sign taken from the chain's own sums, so that no step can be hoisted out of the loop). 0 where this build's int8 products do not multiply int8
-// activations (AVX-512 without VNNI: they widen the weights to float, the float rate).
+// (its sign taken from the chain's own sums, so that no step can be hoisted out of the loop). 0 where this build's
+// int8 products do not multiply int8 activations (AVX-512 without VNNI: they widen the weights to float, the float
+// rate).
 extern "C" double specrpc_multiply_int8(int64_t rounds, int threads, double* sink) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
     double total = 0.0, done = 0.0;
