@@ -402,7 +402,8 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
             for (int r = 0; r < R; ++r) {
                 const uint8_t* col = w + (r * groups + k) * LANES * INT8_GROUP;
                 prefetch<PF>(col + ahead);
-                for (int h = 0; h < 2; ++h) wr[r][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + 32 * h));
+                for (int h = 0; h < 2; ++h)
+                    wr[r][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + 32 * h));
             }
             for (int t = 0; t < TT; ++t) {
                 int32_t four;
