@@ -192,10 +192,11 @@ static inline Pass pass_shape(int64_t T, int64_t most) {
         return {tokens, tokens == 2 ? 8 : tokens == 4 ? 6 : 3};
     } else if constexpr (TWICE) {
 #if SPECRPC_AVX_VNNI  // AVX-VNNI's integer products: up to 6 tokens (a 5-token verify reads the weights once), 2 panels
-                      // for one or two
+                      // for one (two tokens over 2 panels took 1.2x one token's time, over one panel 1.0x, on a Zen 4
+                      // with the same products EVEX-encoded)
         int64_t tokens = T <= 6 ? T : T <= 8 ? 4 : 6;
         if (most > 0 && tokens > most && tokens > 2) tokens = most >= 4 ? 4 : 2;
-        return {tokens, tokens <= 2 ? 2 : 1};
+        return {tokens, tokens == 1 ? 2 : 1};
 #else  // AVX2's integer products: at most 4 tokens, 2 panels for one
         int64_t tokens = T <= 4 ? T : T <= 6 ? 3 : 4;
         if (most > 0 && tokens > most && tokens > 2) tokens = 2;
