@@ -374,104 +374,57 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
     }
 }
 
-#elif SPECRPC_INT8_DOT == 3
-// (AVX-VNNI: the products above on AVX2's 16 registers of 8 lanes, a panel's 16 rows in two halves of 8: the same
-// exact integer sums, scaled and accumulated in float in the same order, so the same bits.)
-constexpr int QREGS = 16;
-template <int R, int TT>
-constexpr bool q_fits = 2 * R * TT + 2 * R + 1 <= QREGS;  // sums; a group of each panel; activations
-
-template <int R, int TT, int PF>
-static inline void panels_q(const uint8_t* __restrict w, const float* __restrict scale, const float* __restrict b,
-                            const int8_t* __restrict xq, const float* __restrict xs, const int32_t* __restrict xsum,
-                            int64_t kq, float* __restrict y, int64_t rows, int64_t groups, int64_t n0, bool add,
-                            int64_t ahead) {
-    constexpr int64_t per_block = QBLOCK / INT8_GROUP;
-    const int64_t nb = kq / QBLOCK;
-    __m256 facc[R][TT][2];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < TT; ++t) facc[r][t][0] = facc[r][t][1] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < groups; k0 += per_block) {
-        const int64_t blk = k0 / per_block;
-        __m256i acc[R][TT][2];  // rows 0-7 and 8-15, from the offset's correction: exact integers
-        for (int t = 0; t < TT; ++t) {
-            const __m256i offset = _mm256_set1_epi32(-128 * xsum[t * nb + blk]);
-            for (int r = 0; r < R; ++r) acc[r][t][0] = acc[r][t][1] = offset;
-        }
-        for (int64_t k = k0; k < k0 + per_block; ++k) {
-            __m256i wr[R][2];
-            for (int r = 0; r < R; ++r) {
-                const uint8_t* col = w + (r * groups + k) * LANES * INT8_GROUP;
-                prefetch<PF>(col + ahead);
-                for (int h = 0; h < 2; ++h)
-                    wr[r][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + 32 * h));
-            }
-            for (int t = 0; t < TT; ++t) {
-                int32_t four;
-                std::memcpy(&four, xq + t * kq + k * INT8_GROUP, sizeof four);
-                const __m256i xb = _mm256_set1_epi32(four);
-                for (int r = 0; r < R; ++r)
-                    for (int h = 0; h < 2; ++h) acc[r][t][h] = dpbusd8(acc[r][t][h], wr[r][h], xb);
-            }
-        }
-        for (int t = 0; t < TT; ++t) {
-            const __m256 sx = _mm256_set1_ps(xs[t * nb + blk]);
-            for (int r = 0; r < R; ++r)
-                for (int h = 0; h < 2; ++h)
-                    facc[r][t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][t][h]), sx, facc[r][t][h]);
-        }
-    }
-    for (int r = 0; r < R; ++r) {
-        const int64_t n = n0 + r * LANES, valid = rows - n < LANES ? rows - n : LANES;
-        for (int t = 0; t < TT; ++t) {
-            float v[LANES];
-            _mm256_storeu_ps(v, facc[r][t][0]);
-            _mm256_storeu_ps(v + 8, facc[r][t][1]);
-            float* out = y + t * rows + n;
-            for (int64_t j = 0; j < valid; ++j) {
-                const float value = v[j] * scale[n + j] + (b ? b[n + j] : 0.0f);
-                out[j] = add ? out[j] + value : value;
-            }
-        }
-    }
-}
-
 #else
-// (AVX2, 16 registers of 8 lanes: a panel's 16 rows in two halves of 8.) The weights go back to signed (w + 128 with
-// its top bit flipped) and `dot_bytes` multiplies their absolute values by the activations carrying their sign: each
-// lane one row's exact sum over a group of 4 columns, as VNNI's. The block's sums are the same exact integers as
-// VNNI's (which add the offset's correction to the sums of w + 128), and are scaled and accumulated in float as
-// there: the same bits.
+// (AVX2, 16 registers of 8 lanes: a panel's 16 rows in two halves of 8.) With AVX-VNNI (SPECRPC_INT8_DOT 3) the
+// products above on these registers: vpdpbusd (`dpbusd8`) on the weights as stored, each block's sums from the offset's
+// correction. Without it the weights go back to signed (w + 128 with its top bit flipped) and `dot_bytes` multiplies
+// their absolute values by the activations carrying their sign: each lane one row's exact sum over a group of 4
+// columns, as VNNI's. Either way the block's sums are the same exact integers as VNNI's, and are scaled and accumulated
+// in float as there: the same bits.
 constexpr int QREGS = 16;
 template <int R, int TT>
-constexpr bool q_fits = 2 * R * TT + 4 * R + 3 <= QREGS;  // sums; signed and absolute weights; activations, constants
+constexpr bool q_fits = SPECRPC_INT8_DOT == 3 ? 2 * R * TT + 2 * R + 1 <= QREGS  // sums; each panel's group; x
+                                              : 2 * R * TT + 4 * R + 3 <= QREGS;  // signed and absolute; constants
 
 template <int R, int TT, int PF>
 static inline void panels_q(const uint8_t* __restrict w, const float* __restrict scale, const float* __restrict b,
                             const int8_t* __restrict xq, const float* __restrict xs, const int32_t* __restrict xsum,
                             int64_t kq, float* __restrict y, int64_t rows, int64_t groups, int64_t n0, bool add,
                             int64_t ahead) {
-    (void)xsum;  // signed weights need no offset's correction
     constexpr int64_t per_block = QBLOCK / INT8_GROUP;
     const int64_t nb = kq / QBLOCK;
+#if SPECRPC_INT8_DOT != 3
+    (void)xsum;  // signed weights need no offset's correction
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#endif
     __m256 facc[R][TT][2];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < TT; ++t) facc[r][t][0] = facc[r][t][1] = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < groups; k0 += per_block) {
         const int64_t blk = k0 / per_block;
         __m256i acc[R][TT][2];  // the block's exact integer sums, rows 0-7 and 8-15
-        for (int r = 0; r < R; ++r)
-            for (int t = 0; t < TT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_si256();
+        for (int t = 0; t < TT; ++t) {
+#if SPECRPC_INT8_DOT == 3
+            const __m256i start = _mm256_set1_epi32(-128 * xsum[t * nb + blk]);  // the offset's correction
+#else
+            const __m256i start = _mm256_setzero_si256();
+#endif
+            for (int r = 0; r < R; ++r) acc[r][t][0] = acc[r][t][1] = start;
+        }
         for (int64_t k = k0; k < k0 + per_block; ++k) {
-            __m256i ws[R][2], wa[R][2];  // the group's weights, signed and absolute
+            __m256i ws[R][2];  // the group's weights: as stored (AVX-VNNI), else signed
+#if SPECRPC_INT8_DOT != 3
+            __m256i wa[R][2];  // and absolute
+#endif
             for (int r = 0; r < R; ++r) {
                 const uint8_t* col = w + (r * groups + k) * LANES * INT8_GROUP;
                 prefetch<PF>(col + ahead);
                 for (int h = 0; h < 2; ++h) {
-                    ws[r][h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + 32 * h)),
-                                                flip);
+                    ws[r][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + 32 * h));
+#if SPECRPC_INT8_DOT != 3
+                    ws[r][h] = _mm256_xor_si256(ws[r][h], flip);
                     wa[r][h] = _mm256_abs_epi8(ws[r][h]);
+#endif
                 }
             }
             for (int t = 0; t < TT; ++t) {
@@ -479,7 +432,13 @@ static inline void panels_q(const uint8_t* __restrict w, const float* __restrict
                 std::memcpy(&four, xq + t * kq + k * INT8_GROUP, sizeof four);
                 const __m256i xb = _mm256_set1_epi32(four);
                 for (int r = 0; r < R; ++r)
-                    for (int h = 0; h < 2; ++h) acc[r][t][h] = dot_bytes(acc[r][t][h], wa[r][h], xb, ws[r][h]);
+                    for (int h = 0; h < 2; ++h) {
+#if SPECRPC_INT8_DOT == 3
+                        acc[r][t][h] = dpbusd8(acc[r][t][h], ws[r][h], xb);
+#else
+                        acc[r][t][h] = dot_bytes(acc[r][t][h], wa[r][h], xb, ws[r][h]);
+#endif
+                    }
             }
         }
         for (int t = 0; t < TT; ++t) {
