@@ -54,7 +54,7 @@ from specrpc.bench.common import machine_line, pair_line, write_results
 from specrpc.config import EngineConfig
 from specrpc.models import BatchRow
 from specrpc.models.backends import eager, native
-from specrpc.models.backends.timing import interleaved_samples
+from specrpc.models.backends.timing import interleaved_samples, timing_ids
 from specrpc.models.kv_cache import KVCache
 from specrpc.models.llama import LEAN_MODEL_TYPES, Linear, LlamaArgs, LlamaLM, LlamaWeights
 from specrpc.models.llama.checkpoint import load_llama_weights
@@ -374,7 +374,7 @@ def measure_model(lm: LlamaLM, shapes: list[Shape], context: int, repeats: int) 
     token."""
     found, native_state = routes(lm)
     most = max(s.tokens for s in shapes)
-    ids = (torch.arange(context + most) * 7919) % lm.vocab_size  # [context + most]
+    ids = timing_ids(context + most, lm.vocab_size)  # [context + most]
     paths: dict[str, dict[str, Any]] = {r.name: {} for r in found}
     with torch.inference_mode():
         for slot in range(lm.num_slots):

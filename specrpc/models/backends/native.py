@@ -16,7 +16,7 @@ import torch
 
 from specrpc import native
 from specrpc.models import huge_pages
-from specrpc.models.backends.timing import interleaved_times
+from specrpc.models.backends.timing import interleaved_times, timing_ids
 from specrpc.models.batch import BatchRow
 from specrpc.models.kv_cache import KVCache
 from specrpc.models.llama.weights import Linear, LlamaWeights
@@ -481,7 +481,7 @@ class NativeStep:
         setting)` puts one in force), interleaved (`interleaved_times`, lower quartiles). Writes K/V at positions
         below context + the widest count of `slot`, which the caller holds empty; leaves the last setting timed in
         force."""
-        ids = (torch.arange(context + max(counts)) * 7919) % self.vocab  # [context + widest]
+        ids = timing_ids(context + max(counts), self.vocab)  # [context + widest]
         self.run_chunks(ids[:context], 0, slot)
         times: dict[int, list[float]] = {}
         for count in counts:

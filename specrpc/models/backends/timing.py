@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 _busy: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("busy", default=None)
 
 
@@ -28,6 +30,11 @@ def interruptible(busy: Callable[[], bool]) -> Iterator[None]:
         yield
     finally:
         _busy.reset(token)
+
+
+def timing_ids(count: int, vocab: int, device: torch.device | None = None) -> torch.Tensor:
+    """`count` token ids [count] for the forwards a timing runs: spread over the vocabulary, the same each time."""
+    return (torch.arange(count, device=device) * 7919) % vocab  # [count]
 
 
 def interleaved_samples(runs: Sequence[Callable[[], object]], repeats: int, warm: int = 1) -> list[list[float]]:

@@ -18,7 +18,7 @@ import torch
 
 from specrpc.models.backends import cuda_graphs, eager, native
 from specrpc.models.backends.memo import Memo
-from specrpc.models.backends.timing import Drift, Interrupted, interleaved_times, interruptible
+from specrpc.models.backends.timing import Drift, Interrupted, interleaved_times, interruptible, timing_ids
 from specrpc.models.batch import BatchRow, check_rows
 from specrpc.models.kv_cache import KVCache
 from specrpc.models.llama.checkpoint import load_llama_weights
@@ -371,10 +371,6 @@ class LlamaLM:
 
         return [*pieces, chosen]
 
-    def _timing_ids(self, count: int) -> torch.Tensor:
-        """`count` token ids [count] for the forwards a timing runs: spread over the vocabulary, the same each time."""
-        return (torch.arange(count, device=self.device) * 7919) % self.vocab_size  # [count]
-
     def _one_token_s(self, slot: int, context: int = native.CONTEXT, repeats: int = 7) -> float:
         """Seconds of a one-token forward at `context` positions of `slot` (empty, or `KVCache.borrowed`) through
         the paths chosen, the lower quartile of `repeats` (`interleaved_times`); 0 where the cache has no room.
@@ -382,7 +378,7 @@ class LlamaLM:
         context = min(context, self.max_context - 1)
         if context < 1:
             return 0.0
-        ids = self._timing_ids(context + 1)  # [context + 1]
+        ids = timing_ids(context + 1, self.vocab_size, self.device)  # [context + 1]
         self.forward(ids[:context], 0, slot)
 
         def one() -> None:
@@ -452,7 +448,7 @@ class LlamaLM:
         if found.next >= min(upto, len(counts)):
             return
         serving = self.native_rows
-        ids = self._timing_ids(context + most)  # [context + most]
+        ids = timing_ids(context + most, self.vocab_size, self.device)  # [context + most]
         self.native_rows = 0
         self.forward(ids[:context], 0, slot)
 
@@ -488,7 +484,7 @@ class LlamaLM:
         if context < 1:
             return False
         variants = [with_packed_decode(self.weights, on) for on in (False, True)]
-        ids = self._timing_ids(context + 1)  # [context + 1]
+        ids = timing_ids(context + 1, self.vocab_size, self.device)  # [context + 1]
         self.forward(ids[:context], 0, 0)
         times: list[list[float]] = [[], []]
         for i in range(2 * (repeats + 1)):
@@ -525,7 +521,7 @@ class LlamaLM:
         count = native.CHUNK_TOKENS
         if self.native is None or context + count > self.max_context:
             return
-        ids = self._timing_ids(context + count)  # [context + count]
+        ids = timing_ids(context + count, self.vocab_size, self.device)  # [context + count]
         serving = self.native_chunks
         self.forward(ids[:context], 0, slot)
 
