@@ -768,6 +768,14 @@ def test_the_multiply_loop_counts_the_multiply_adds_of_every_thread(on_threads: 
     assert native.multiply(lib, "int8", 1000) == (1000 * 10 * 64 * on_threads if lib.specrpc_int8_group() > 1 else 0)
 
 
+def in_variant(args: list[str], timeout: float, **settings: str) -> subprocess.CompletedProcess[str]:
+    """`python args` from the repository root, its native library built as `settings` say (SPECRPC_NATIVE_MARCH, a
+    SPECRPC_*_EMULATE), in this process's library cache: another variant of the native step, run in its own process."""
+    env = {**os.environ, **settings, "SPECRPC_NATIVE_CACHE": str(native.cache_dir())}
+    return subprocess.run([sys.executable, *args], cwd=Path(__file__).parents[1], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 AMX_EMULATED = """
 import torch
 from specrpc import native
@@ -808,14 +816,12 @@ def test_amx_products_give_the_vnni_bits_and_a_slower_path_is_never_chosen(tmp_p
     assert lib is not None
     if not {"avx512f", "avx512_vnni"} <= cpu_flags():
         pytest.skip("no AVX-512 VNNI here: the AMX products are checked against VNNI's")
-    env = {**os.environ, "SPECRPC_AMX_EMULATE": "1", "SPECRPC_NATIVE_CACHE": str(native.cache_dir())}
-    done = subprocess.run([sys.executable, "-c", AMX_EMULATED], cwd=Path(__file__).parents[1], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = in_variant(["-c", AMX_EMULATED], 600, SPECRPC_AMX_EMULATE="1")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-2000:]
 
 
 INT8_BITS = """
-import hashlib, sys, tempfile
+import hashlib, tempfile
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from specrpc import native
@@ -853,10 +859,7 @@ def test_avx_vnni_products_give_avx2s_bits() -> None:
         pytest.skip("this CPU cannot run an AVX2 build")
     printed = []
     for emulate in ("0", "1"):
-        env = {**os.environ, "SPECRPC_NATIVE_MARCH": "haswell", "SPECRPC_AVXVNNI_EMULATE": emulate,
-               "SPECRPC_NATIVE_CACHE": str(native.cache_dir())}
-        done = subprocess.run([sys.executable, "-c", INT8_BITS], cwd=Path(__file__).parents[1], env=env,
-                              capture_output=True, text=True, timeout=600)
+        done = in_variant(["-c", INT8_BITS], 600, SPECRPC_NATIVE_MARCH="haswell", SPECRPC_AVXVNNI_EMULATE=emulate)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         printed.append(done.stdout.strip().splitlines()[-1].split())
     (avx2, avx2_bits), (avx_vnni, avx_vnni_bits) = printed
@@ -868,9 +871,8 @@ def test_an_avx_vnni_cpus_build_compiles() -> None:
     """The build an AVX2 CPU with AVX-VNNI makes (-march=alderlake: vpdpbusd on 8-lane registers, VEX-encoded) compiles
     with this toolchain, where this CPU cannot run it (`test_avx_vnni_products_give_avx2s_bits` runs its products)."""
     requires_native()
-    env = {**os.environ, "SPECRPC_NATIVE_MARCH": "alderlake", "SPECRPC_NATIVE_CACHE": str(native.cache_dir())}
-    done = subprocess.run([sys.executable, "-c", "from specrpc import native; print(native.build())"],
-                          cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=600)
+    done = in_variant(["-c", "from specrpc import native; print(native.build())"], 600,
+                      SPECRPC_NATIVE_MARCH="alderlake")
     built = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "None"
     assert done.returncode == 0 and built != "None" and Path(built).exists(), done.stdout[-2000:] + done.stderr[-2000:]
 
@@ -896,15 +898,11 @@ def test_an_older_cpus_build_passes_the_native_steps_numerical_tests(march: str,
         pytest.skip(f"this CPU cannot run a {march} build")
     if march == "haswell" and "avx512f" not in cpu_flags():
         pytest.skip("this CPU's own build is the AVX2 step (no AVX-512): the rest of the suite runs these tests on it")
-    env = {**os.environ, "SPECRPC_NATIVE_MARCH": march, "SPECRPC_NATIVE_CACHE": str(native.cache_dir())}
-    root = Path(__file__).parents[1]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                           "tests/test_native.py", "tests/test_models.py", "-k", NATIVE_NUMERICAL_TESTS],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    done = in_variant(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "tests/test_native.py",
+                       "tests/test_models.py", "-k", NATIVE_NUMERICAL_TESTS], 900, SPECRPC_NATIVE_MARCH=march)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
-    probe = subprocess.run([sys.executable, "-c", "from specrpc import native; lib = native.library(); print("
-                            "lib.specrpc_int8_group(), lib.specrpc_int8_dot())"], cwd=root, env=env,
-                           capture_output=True, text=True, timeout=300)
+    probe = in_variant(["-c", "from specrpc import native; lib = native.library(); print(lib.specrpc_int8_group(), "
+                        "lib.specrpc_int8_dot())"], 300, SPECRPC_NATIVE_MARCH=march)
     # int8 activations on AVX2 (groups of 4 columns, byte multiply-adds), int8 weights widened to float on AVX-512
     # without VNNI
     expected = "4 2" if march == "haswell" else "1 0"
