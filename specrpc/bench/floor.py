@@ -478,7 +478,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", f"Multiply rate: multiply.cpp's loop of each instruction from registers, {threads} threads, median "
               f"of {results['repeats']} interleaved rounds.", "", "| instruction | GMAC/s |", "| --- | --- |"]
     rates = results["multiply"]
-    dot = INT8_DOTS.get(results.get("int8_dot", 0), "-")
+    dot = INT8_DOTS.get(results["int8_dot"], "-")
     rows = [f"| {MULTIPLIES[k].format(dot)} | {r:.1f} |" for k, r in rates.items()]
     lines += rows or ["| (native library not built) | - |"]
     labels = results["shapes"]
