@@ -879,11 +879,15 @@ def test_an_avx_vnni_cpus_build_compiles() -> None:
 
 NATIVE_NUMERICAL_TESTS = ("(native or panel or prefetch_mode or int8) and not stalled and not amx and not build_is "
                           "and not compiler and not bandwidth and not cannot_take and not need_the_lean and not "
-                          "older_cpu and not (wide_batches and float32) and not (threads and not logits)")
+                          "older_cpu and not avx_vnni and not (wide_batches and float32) and not (threads and not "
+                          "logits) and not slow_as_served and not slowed_after_load and not remembered and not "
+                          "restart_takes and not drift and not re_measure and not served_pick and not check_stops "
+                          "and not parts_left_out")
 """The native step's numerical tests (verify = decode bit for bit, batches = solo rows, close to transformers and to
-the torch int8 forward, prefetch and threads a hint), not the ones about building, timing (the threads each shape
-takes included) or AMX, nor the shipped float32 target's wide batches (11 s; the int8 and deterministic cases of that
-test run)."""
+the torch int8 forward, prefetch and threads a hint), not the ones about building other variants, timing and the
+choices it makes (the threads each shape takes, the served picks, remembered choices, re-measures, a forward's parts
+left out for timing) or AMX, nor the shipped float32 target's wide batches (11 s; the int8 and deterministic cases of
+that test run). (`-k native` matches every test of this file by its name: the exclusions keep the rest out.)"""
 
 
 @pytest.mark.parametrize(("march", "needs"), [("haswell", {"avx2", "fma"}),
