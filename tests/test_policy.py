@@ -378,14 +378,14 @@ def test_batched_k_shrinks_with_the_batch_and_turns_off(streams: int) -> None:
                             acceptance={"draft": AcceptanceEstimate(accepted=80, trials=100)})
     table = batch_costs(fixed_s=1.0, per_token_s=0.1)
     others = streams - 1
-    load = BatchLoad(table, tokens=others, committed=float(others), drafting=0)
+    load = BatchLoad(table, tokens=others, committed=float(others))
     ks = [policy.choose(batch=load) for _ in range(3)]
     assert len(set(ks)) == 1
     k = ks[0]
     if streams == 1:
         assert k >= 3
     else:
-        fewer = BatchLoad(table, tokens=others // 2, committed=float(others // 2), drafting=0)
+        fewer = BatchLoad(table, tokens=others // 2, committed=float(others // 2))
         assert k <= policy.choose(batch=fewer)
     if streams == 16:
         assert k == 0
@@ -395,8 +395,27 @@ def test_a_flat_batch_cost_keeps_speculating_in_a_batch() -> None:
     """A device whose forward costs the same for any width (a GPU far from compute-bound): k stays deep."""
     policy = AdaptivePolicy(max_k=8, costs=costs(c=0.05, v_per_token=0.0),
                             acceptance={"draft": AcceptanceEstimate(accepted=90, trials=100)})
-    load = BatchLoad(batch_costs(fixed_s=1.0, per_token_s=0.0, draft_s=0.01), tokens=15, committed=15.0, drafting=3)
+    load = BatchLoad(batch_costs(fixed_s=1.0, per_token_s=0.0, draft_s=0.01), tokens=15, committed=15.0,
+                     draft_rows=(3, 3, 3, 3))
     assert policy.choose(batch=load) >= 4
+
+
+def test_a_stream_joining_the_batchs_draft_forwards_pays_its_rows_not_the_forwards() -> None:
+    """Three streams draft 2 tokens each: the step runs 2 batched draft forwards whatever the fourth does, and a
+    forward costs the same for 3 rows as for 4 (the draft's weights are read once). Drafting 2 tokens too adds only
+    its rows there and 2 tokens to the target's forward, so it pays; charged the two forwards whole (as if they ran
+    for it alone), it would look slower than plain decoding."""
+    policy = AdaptivePolicy(max_k=4, costs=costs(c=0.05, v_per_token=0.02),
+                            acceptance={"draft": AcceptanceEstimate(accepted=80, trials=100)})
+    table = BatchCosts(target_s={n: 1.0 + 0.02 * n for n in (1, 2, 4, 8, 16, 32)},
+                       draft_s=dict.fromkeys((1, 2, 4, 8), 0.3))
+    others = BatchLoad(table, tokens=9, committed=3 * expected_tokens(0.8, 2), draft_rows=(3, 3))
+    assert others.draft_seconds(0) == pytest.approx(0.6) and others.draft_seconds(2) == pytest.approx(0.6)
+    assert others.draft_seconds(3) == pytest.approx(0.9)  # a third forward, for this stream alone
+    assert policy.choose(batch=others) == 2
+    alone = BatchLoad(table, tokens=3, committed=3.0)  # nobody else drafts: its forwards are its own
+    assert alone.draft_seconds(2) == pytest.approx(0.6)
+    assert policy.choose(batch=alone) == 0
 
 
 def test_a_plain_step_now_and_then_measures_plain_decoding_and_can_switch_speculation_off() -> None:

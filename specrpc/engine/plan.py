@@ -152,13 +152,14 @@ def plan_batch(drafting: Drafting, costs: BatchCosts, gens: list[Generation], pr
     tokens in all, the first always, the others in later steps once earlier ones caught up: speculation coming back
     at a wide batch does not stall every stream for whole prompts. A stream whose planning fails gets its
     exception."""
-    tokens, committed, drafting_streams = prefill_tokens + len(gens), float(len(gens)), 0
+    tokens, committed = prefill_tokens + len(gens), float(len(gens))
+    draft_rows: list[int] = []  # rows of each batched draft forward, from the streams planned so far
     catching_up = 0  # tokens the drafts planned so far must catch up on first
     plans: dict[int, Plan | Exception] = {}
     for i, gen in enumerate(gens):
         tokens, committed = tokens - 1, committed - 1
         try:
-            p = plan(drafting, gen, BatchLoad(costs, tokens, committed, drafting_streams, limit))
+            p = plan(drafting, gen, BatchLoad(costs, tokens, committed, tuple(draft_rows), limit))
         except Exception as exc:
             plans[i] = exc
             continue
@@ -171,7 +172,9 @@ def plan_batch(drafting: Drafting, costs: BatchCosts, gens: list[Generation], pr
                     catching_up += lag
         tokens += p.k + 1
         committed += gen.slot.policy.expected(p.source, p.k)
-        drafting_streams += p.draft_k > 0
+        draft_rows.extend([0] * (p.draft_k - len(draft_rows)))
+        for j in range(p.draft_k):  # its draws: the first p.draft_k forwards (forced tokens ride along)
+            draft_rows[j] += 1
         plans[i] = p
     return plans
 
