@@ -53,6 +53,10 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert "| 2 | round-robin |" in markdown and "reached of the bound's ×" in markdown
     assert "a stream's prompts found cached from the rounds before" in markdown
     assert "the bound's forward ÷ target-only's full step" in markdown
+    # each point says how much of its prompts it prefilled (a point that lost its cached prompts shows it)
+    row = next(line for line in markdown.splitlines() if line.startswith("| 2 | batched |"))
+    assert row.rstrip(" |").endswith(f"{sweep['2:batched:adaptive']['prefilled_share']:.0%} / "
+                                     f"{sweep['2:batched:target-only']['prefilled_share']:.0%}")
     pair = pair_hash(str(ASSETS / "target"), str(ASSETS / "draft"))
     assert f"Pair: `{pair}` (target target, draft draft)" in markdown
     assert "batched ÷ round-robin, target-only" in markdown

@@ -455,14 +455,17 @@ def markdown(results: dict[str, Any]) -> str:
                   "(total-time difference ÷ messages).", "",
                   f"Concurrency sweep, each row the median of {rounds} rounds, contenders alternating; "
                   + ("each request a prompt of its own, prefilled whole" if g.get("fresh") else
-                     "a stream's prompts found cached from the rounds before")
-                  + f" ({prefilled:.0%} of the prompt tokens prefilled, median over the points):",
+                     "a stream's prompts found cached from the rounds before where a slot still holds them (with "
+                     "as many slots as streams, a stream out of step with the others finds its next prompt gone)")
+                  + f" ({prefilled:.0%} of the prompt tokens prefilled, median over the points; each point's in its "
+                  "last column):",
                   "",
                   "| streams | mode | adaptive tokens/s | per stream | target-only tokens/s | adaptive ÷ target-only "
                   "| target-only × one stream | bound (batched target-only with each prompt's prefill, measured batch "
                   "costs) | bound × one stream's | reached of the bound's × | adaptive ÷ bound | the bound's forward ÷ "
-                  "target-only's full step | adaptive ITL p50 / p99 ms | target-only ITL p99 ms | mean k |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "target-only's full step | adaptive ITL p50 / p99 ms | target-only ITL p99 ms | mean k | "
+                  "prompt tokens prefilled, adaptive / target-only |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         one = {mode: sweep.get(f"1:{mode}:target-only", {}).get("aggregate_tokens_per_s")
                for mode in ("batched", "round-robin")}
         one_bound = sweep.get("1:batched:target-only", {}).get("bound_tokens_per_s")
@@ -484,7 +487,7 @@ def markdown(results: dict[str, Any]) -> str:
                              f"{of_bound} | "
                              f"{f'{share:.2f}' if (share := t.get('full_step_share')) else ''} | "
                              f"{a['itl_p50_ms']:.1f} / {a['itl_p99_ms']:.1f} | {t['itl_p99_ms']:.1f} | "
-                             f"{a['mean_k']:.2f} |")
+                             f"{a['mean_k']:.2f} | {a['prefilled_share']:.0%} / {t['prefilled_share']:.0%} |")
         lines += ["", "The same ratios paired by round (each the median of its ratios within a round; the table above "
                   "divides medians, which may come from different rounds):", "",
                   "| streams | batched ÷ round-robin, adaptive | batched ÷ round-robin, target-only | target-only × "
