@@ -21,7 +21,8 @@ SHIPPED = pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), r
 @SHIPPED
 def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     assert main(["--cases", "1", "--workloads", "code,infill", "--max-new-tokens", "12", "--ks", "2",
-                 "--concurrency", "1,2", "--sweep-rounds", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
+                 "--concurrency", "1,2", "--sweep-rounds", "2", "--sweep-ks", "1", "--threads", "1",
+                 "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     contenders = results["contenders"]
     expected = {"target-only", "adaptive", "adaptive draft only", "adaptive, draft on the whole context", "k=2",
@@ -57,6 +58,10 @@ def test_bench_runs_every_contender_on_two_prompts(tmp_path: Path) -> None:
     row = next(line for line in markdown.splitlines() if line.startswith("| 2 | batched |"))
     assert row.rstrip(" |").endswith(f"{sweep['2:batched:adaptive']['prefilled_share']:.0%} / "
                                      f"{sweep['2:batched:target-only']['prefilled_share']:.0%}")
+    # a fixed k in the sweep too, each point against the default round by round
+    fixed = sweep["2:batched:k=1"]
+    assert fixed["aggregate_tokens_per_s"] > 0 and 0 < fixed["mean_k"] <= 1 and len(fixed["round_tokens_per_s"]) == 2
+    assert "| 2 | batched | k=1 |" in markdown and "| 1 | round-robin | k=1 |" in markdown
     pair = pair_hash(str(ASSETS / "target"), str(ASSETS / "draft"))
     assert f"Pair: `{pair}` (target target, draft draft)" in markdown
     assert "batched ÷ round-robin, target-only" in markdown

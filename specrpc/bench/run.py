@@ -109,12 +109,13 @@ def rss_bytes() -> int:
 
 async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params: SamplingParams,
                      concurrency: list[int], overhead_rounds: int = 2, sweep_rounds: int = 3,
-                     fresh: bool = False) -> dict[str, Any]:
+                     fresh: bool = False, sweep_ks: tuple[int, ...] = ()) -> dict[str, Any]:
     """End to end through a real server on loopback, its clients in a process of their own (`RemoteClients`):
     per-request figures and the concurrency sweep (each point the median of `sweep_rounds`). `fresh`: every request
     of the sweep opens with a line of its own (`FRESH_LINE`), so that it finds none of its prompt cached and prefills
     it whole beside the other streams' decoding, as new sessions arriving do (else a stream's next request finds its
-    prompt cached from the rounds before)."""
+    prompt cached from the rounds before). `sweep_ks`: fixed k contenders in the sweep too ("k=K"), beside the default
+    and target-only: what the default's choice of k at each width leaves on the table."""
     from specrpc.bench.grpc_client import RemoteClients
     from specrpc.edges.server import start_server
 
@@ -204,7 +205,7 @@ async def grpc_phase(runtime: Runtime, config: Config, cases: list[Case], params
         }
 
         sweep: dict[str, dict[str, Any]] = {}
-        contenders = (("adaptive", None), ("target-only", 0))
+        contenders = (("adaptive", None), ("target-only", 0), *((f"k={k}", k) for k in sweep_ks))
         modes = ("batched", "round-robin")
 
         async def mode(name: str) -> None:
@@ -498,6 +499,19 @@ def markdown(results: dict[str, Any]) -> str:
                 times_one, over_t = t.get("paired_times_one_stream"), a.get("paired_over_target_only")
                 lines.append(f"| {streams} | {a['paired_over_other_mode']:.3f} | {t['paired_over_other_mode']:.3f} | "
                              f"{f'{times_one:.2f}×' if times_one else ''} | {f'{over_t:.2f}×' if over_t else ''} |")
+        fixed = sorted({name for key in sweep if key.count(":") == 2 and (name := key.split(":")[2]).startswith("k=")})
+        if fixed:
+            lines += ["", "Fixed k in the sweep against the default (each ratio the median of the rounds' ratios):", "",
+                      "| streams | mode | contender | tokens/s | ÷ the default, paired by round | mean k |",
+                      "| --- | --- | --- | --- | --- | --- |"]
+            for streams, mode, name in itertools.product(widths, ("batched", "round-robin"), fixed):
+                point, default = sweep.get(f"{streams}:{mode}:{name}"), sweep.get(f"{streams}:{mode}:adaptive")
+                if point is None or default is None:
+                    continue
+                ratios = [x / y for x, y in zip(point["round_tokens_per_s"], default["round_tokens_per_s"], strict=True)
+                          if y]
+                lines.append(f"| {streams} | {mode} | {name} | {point['aggregate_tokens_per_s']:.1f} | "
+                             f"{statistics.median(ratios) if ratios else 0.0:.2f}× | {point['mean_k']:.2f} |")
     if "workloads" in results:
         lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
                   "| --- | --- | --- | --- | --- |"]
@@ -600,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-fresh", action="store_true",
                         help="every request of the concurrency sweep a prompt of its own (a first line naming it), "
                              "prefilled whole beside the other streams' decoding, as new sessions arriving")
+    parser.add_argument("--sweep-ks", default="",
+                        help="fixed k contenders in the concurrency sweep too, beside the default and target-only "
+                             "(e.g. 1,2)")
     parser.add_argument("--concurrency", default="1,2,4,8,16",
                         help="streams at once in the sweep, batched and round-robin (raises --max-sessions to fit)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -806,7 +823,8 @@ def main(argv: list[str] | None = None) -> int:
         concurrency = [int(c) for c in args.concurrency.split(",") if c]
         release_workers()  # from here on torch runs on the server's device thread alone
         grpc_results = asyncio.run(grpc_phase(runtime, config, cases, params, concurrency,
-                                                     sweep_rounds=args.sweep_rounds, fresh=args.sweep_fresh))
+                                              sweep_rounds=args.sweep_rounds, fresh=args.sweep_fresh,
+                                              sweep_ks=tuple(int(k) for k in args.sweep_ks.split(",") if k)))
         results["grpc"] = grpc_results
         results["grpc_overhead"] = grpc_results.pop("overhead")
     adaptive_lengths = [n for r in runs["adaptive"] for n in r.accepted_lengths]
