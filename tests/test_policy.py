@@ -418,6 +418,19 @@ def test_a_stream_joining_the_batchs_draft_forwards_pays_its_rows_not_the_forwar
     assert policy.choose(batch=alone) == 0
 
 
+def test_a_batchs_draft_seconds_are_its_draft_forwards_each_at_its_rows() -> None:
+    """`BatchLoad.draft_seconds(k)` (incremental, read for every k of every stream) is the sum over the step's draft
+    forwards of each one's cost at its rows, this stream's among them in the first k."""
+    rng = random.Random(7)
+    table = BatchCosts(draft_s={w: 1e-4 * (1 + rng.random() * w) for w in (1, 2, 4, 8, 16)})
+    for _ in range(200):
+        rows = tuple(sorted((rng.randint(1, 9) for _ in range(rng.randint(0, 6))), reverse=True))
+        load = BatchLoad(table, tokens=10, committed=10.0, draft_rows=rows)
+        for k in range(10):
+            forwards = [(rows[j] if j < len(rows) else 0) + (j < k) for j in range(max(len(rows), k))]
+            assert load.draft_seconds(k) == pytest.approx(sum(table.draft(n) for n in forwards if n))
+
+
 def test_a_plain_step_now_and_then_measures_plain_decoding_and_can_switch_speculation_off() -> None:
     """While speculating, every `plain_every` + 1-th solo step is plain: its measured rate, not the calibration,
     is what the realized guard compares with; here plain decoding is faster in fact, so speculation goes off."""

@@ -31,6 +31,7 @@ faster; a stream that joins draft forwards others already run adds only its rows
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from specrpc.engine.policy.costs import BatchCosts, CostModel, HostTimes, host_kind
@@ -59,9 +60,19 @@ class BatchLoad:
         joins the first k of them. A batched draft forward costs about as much for one row as for several (the
         draft's weights are read once: 0.21 ms for 1 row, 0.28 for 4, float32 on a 2-core AMD EPYC Zen 4), so a
         stream that joins the others' forwards adds little, and one that drafts alone pays whole forwards."""
-        rows = self.draft_rows
-        return sum(self.costs.draft(n) for j in range(max(len(rows), k))
-                   if (n := (rows[j] if j < len(rows) else 0) + (j < k)))
+        others, joined, alone = self._draft_terms
+        n = len(self.draft_rows)
+        return others + joined[min(k, n)] + max(0, k - n) * alone
+
+    @functools.cached_property
+    def _draft_terms(self) -> tuple[float, list[float], float]:
+        """For `draft_seconds` (read for every k of every stream's choice): the others' draft forwards' seconds, what
+        joining the first j of them adds (j = 0 .. their count), and a draft forward of one row."""
+        draft = self.costs.draft
+        joined = [0.0]
+        for n in self.draft_rows:
+            joined.append(joined[-1] + draft(n + 1) - (draft(n) if n else 0.0))
+        return sum(draft(n) for n in self.draft_rows if n), joined, draft(1)
 
 
 @dataclass
