@@ -457,7 +457,7 @@ def markdown(results: dict[str, Any]) -> str:
                   f"Concurrency sweep, each row the median of {rounds} rounds, contenders alternating; "
                   + ("each request a prompt of its own, prefilled whole" if g.get("fresh") else
                      "a stream's prompts found cached from the rounds before where a slot still holds them (with "
-                     "as many slots as streams, a stream out of step with the others finds its next prompt gone)")
+                     "as many slots as streams, a stream out of step with the others can find its next prompt gone)")
                   + f" ({prefilled:.0%} of the prompt tokens prefilled, median over the points; each point's in its "
                   "last column):",
                   "",
