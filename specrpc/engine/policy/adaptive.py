@@ -69,10 +69,12 @@ class BatchLoad:
         """For `draft_seconds` (read for every k of every stream's choice): the others' draft forwards' seconds, what
         joining the first j of them adds (j = 0 .. their count), and a draft forward of one row."""
         draft = self.costs.draft
-        joined = [0.0]
+        others, joined = 0.0, [0.0]
         for n in self.draft_rows:
-            joined.append(joined[-1] + draft(n + 1) - (draft(n) if n else 0.0))
-        return sum(draft(n) for n in self.draft_rows if n), joined, draft(1)
+            theirs = draft(n) if n else 0.0
+            others += theirs
+            joined.append(joined[-1] + draft(n + 1) - theirs)
+        return others, joined, draft(1)
 
 
 @dataclass
