@@ -268,8 +268,9 @@ def paired_ratios(points: dict[tuple[int, str, str], list[dict[str, float]]], st
     """A point's ratios to the points it is compared with, each the median of the ratios within a round (the
     medians of two points divided come from different rounds, and this machine drifts between rounds): aggregate
     ÷ the same width in the other mode ("paired_over_other_mode"), adaptive's ÷ target-only's at this width and
-    mode ("paired_over_target_only", adaptive only), and target-only's ÷ one stream's in this mode
-    ("paired_times_one_stream", target-only only); and the point's aggregate in each round ("round_tokens_per_s")."""
+    mode ("paired_over_target_only", adaptive only), a fixed k's ÷ the default's ("paired_over_default", "k=K" only),
+    and target-only's ÷ one stream's in this mode ("paired_times_one_stream", target-only only); and the point's
+    aggregate in each round ("round_tokens_per_s")."""
 
     def median_ratio(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
         ratios = [x["aggregate_tokens_per_s"] / y["aggregate_tokens_per_s"] for x, y in zip(a, b, strict=True)
@@ -282,6 +283,8 @@ def paired_ratios(points: dict[tuple[int, str, str], list[dict[str, float]]], st
                            "round_tokens_per_s": [p["aggregate_tokens_per_s"] for p in mine]}
     if name != "target-only" and (streams, mode, "target-only") in points:
         out["paired_over_target_only"] = median_ratio(mine, points[(streams, mode, "target-only")])
+    if name.startswith("k=") and (streams, mode, "adaptive") in points:
+        out["paired_over_default"] = median_ratio(mine, points[(streams, mode, "adaptive")])
     if name == "target-only" and (1, mode, name) in points:
         out["paired_times_one_stream"] = median_ratio(mine, points[(1, mode, name)])
     return out
@@ -505,13 +508,11 @@ def markdown(results: dict[str, Any]) -> str:
                       "| streams | mode | contender | tokens/s | ÷ the default, paired by round | mean k |",
                       "| --- | --- | --- | --- | --- | --- |"]
             for streams, mode, name in itertools.product(widths, ("batched", "round-robin"), fixed):
-                point, default = sweep.get(f"{streams}:{mode}:{name}"), sweep.get(f"{streams}:{mode}:adaptive")
-                if point is None or default is None:
+                point = sweep.get(f"{streams}:{mode}:{name}")
+                if point is None or "paired_over_default" not in point:
                     continue
-                ratios = [x / y for x, y in zip(point["round_tokens_per_s"], default["round_tokens_per_s"], strict=True)
-                          if y]
                 lines.append(f"| {streams} | {mode} | {name} | {point['aggregate_tokens_per_s']:.1f} | "
-                             f"{statistics.median(ratios) if ratios else 0.0:.2f}× | {point['mean_k']:.2f} |")
+                             f"{point['paired_over_default']:.2f}× | {point['mean_k']:.2f} |")
     if "workloads" in results:
         lines += ["", "| workload | contender | tokens/s | × target-only | ITL p99 ms |",
                   "| --- | --- | --- | --- | --- |"]
